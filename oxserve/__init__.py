@@ -1,0 +1,7 @@
+"""oxserve: an inference engine for GLM-5.3-Flash and other hybrid linear-attention MoE models."""
+
+from oxserve.llm import LLM
+from oxserve.outputs import CompletionOutput, RequestOutput
+from oxserve.sampling_params import SamplingParams
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]

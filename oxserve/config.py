@@ -1,0 +1,61 @@
+"""Engine configuration: one frozen dataclass per concern, validated on construction.
+
+The CLI builds its options from these dataclasses (see `oxserve.cli`), so every field's
+`help` metadata is what `--help` prints.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+def opt(default, help: str, **extra):
+    return field(default=default, metadata={"help": help, **extra})
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str | None = opt(None, "checkpoint directory (Hugging Face format); default: the embedded random model")
+    dtype: str = opt("bfloat16", "weight and activation dtype", choices=("bfloat16", "float32", "float16"))
+    device: str = opt("cpu", "torch device: cpu, cuda, cuda:1, ...")
+    max_model_len: int | None = opt(None, "longest prompt + output in tokens (default: the model's limit, capped at 32768)")
+    seed: int = opt(0, "seed for requests that do not set their own")
+
+    def __post_init__(self) -> None:
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    cache_memory_gb: float = opt(2.0, "memory for the MLA/indexer block cache and KDA state slots, GiB")
+    block_size: int | None = opt(None, "tokens per cache block (default: 64, or a multiple of index_kpool)")
+    num_blocks: int | None = opt(None, "override: number of cache blocks (ignores cache_memory_gb for blocks)")
+    num_slots: int | None = opt(None, "override: number of KDA state slots (default: max_num_seqs)")
+
+    def __post_init__(self) -> None:
+        if self.cache_memory_gb <= 0:
+            raise ValueError(f"cache_memory_gb must be > 0, got {self.cache_memory_gb}")
+        for name in ("block_size", "num_blocks", "num_slots"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = opt(64, "most requests running at once")
+    max_num_batched_tokens: int = opt(2048, "token budget of one engine step (prefill chunks + decodes)")
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

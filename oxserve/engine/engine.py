@@ -1,0 +1,242 @@
+"""The engine: `step()` is schedule -> run -> postprocess."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from oxserve.cache.manager import CacheManager
+from oxserve.cache.tensors import allocate_layer_caches, kda_slot_bytes, mla_token_bytes
+from oxserve.config import EngineConfig
+from oxserve.engine.request import Request, RequestStatus
+from oxserve.engine.runner import ModelRunner
+from oxserve.engine.scheduler import Scheduler
+from oxserve.engine.stop import StopChecker
+from oxserve.model.config import TextModelConfig
+from oxserve.model.loader import load_model
+from oxserve.outputs import CompletionOutput, RequestOutput
+from oxserve.sampling_params import SamplingParams
+from oxserve.tokenizer import IncrementalDetokenizer, Tokenizer
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+DEFAULT_MAX_MODEL_LEN = 32768
+
+Prompt = str | list[int] | dict
+
+
+@dataclass
+class CacheLayout:
+    num_blocks: int
+    block_size: int
+    num_slots: int
+
+
+def plan_cache(config: EngineConfig, model_cfg: TextModelConfig, dtype: torch.dtype) -> CacheLayout:
+    """Split the memory budget: one KDA slot per running request, the rest to blocks."""
+    c = config.cache
+    block_size = c.block_size or math.lcm(64, model_cfg.index_kpool)
+    if block_size % model_cfg.index_kpool:
+        raise ValueError(f"block_size {block_size} must be a multiple of index_kpool {model_cfg.index_kpool}")
+    num_slots = c.num_slots or config.scheduler.max_num_seqs
+    budget = c.cache_memory_gb * 2**30
+    if c.num_blocks is not None:
+        num_blocks = c.num_blocks
+    else:
+        left = budget - num_slots * kda_slot_bytes(model_cfg, dtype)
+        num_blocks = int(left // (mla_token_bytes(model_cfg, dtype) * block_size))
+        if num_blocks < 1:
+            raise ValueError(
+                f"cache_memory_gb={c.cache_memory_gb} cannot hold {num_slots} KDA state slots plus one block; "
+                "raise it or lower max_num_seqs"
+            )
+    return CacheLayout(num_blocks=num_blocks, block_size=block_size, num_slots=num_slots)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        path = Path(config.model.model) if config.model.model else _default_model()
+        self.model_path = path
+        self.dtype = DTYPES[config.model.dtype]
+        self.device = torch.device(config.model.device)
+        loaded = load_model(path, dtype=self.dtype, device=self.device)
+        self.model_config = loaded.config
+        self.loaded = loaded
+        self.tokenizer = Tokenizer.from_dir(path)
+        layout = plan_cache(config, loaded.config, self.dtype)
+        self.layout = layout
+        caches = allocate_layer_caches(
+            loaded.config, layout.num_blocks, layout.block_size, layout.num_slots, self.dtype, self.device
+        )
+        self.cache = CacheManager(layout.num_blocks, layout.block_size, layout.num_slots)
+        self.scheduler = Scheduler(config.scheduler, self.cache)
+        self.runner = ModelRunner(loaded.model, caches, layout.block_size, self.device)
+        self.max_model_len = self._max_model_len(layout)
+        self.eos_token_ids = self._eos_ids(path)
+        self.requests: dict[str, Request] = {}
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._stops: dict[str, StopChecker] = {}
+        self._next_id = 0
+        self.stats = {"prompt_tokens": 0, "generation_tokens": 0}
+
+    # ---- requests ---------------------------------------------------------------------------
+    def add_request(self, request_id: str | None, prompt: Prompt, params: SamplingParams | None = None) -> str:
+        """Validate and queue a request. Raises ValueError naming the problem; nothing else changes."""
+        params = params or SamplingParams()
+        if params.n != 1:
+            raise ValueError("the engine takes n=1 requests; LLM.generate and the server fan out n > 1")
+        if request_id is None:
+            request_id = f"req-{self._next_id}"
+            self._next_id += 1
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, token_ids = self._tokenize(prompt)
+        self._validate_prompt(token_ids)
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=token_ids,
+            params=params,
+            max_total_tokens=self.max_model_len,
+            prompt=text,
+        )
+        self.requests[request_id] = request
+        if self.tokenizer is not None:
+            self._detok[request_id] = IncrementalDetokenizer(self.tokenizer)
+        self._stops[request_id] = StopChecker(params, self.eos_token_ids)
+        self.scheduler.add(request)
+        return request_id
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        request = self.requests.get(request_id)
+        if request is None or request.is_finished:
+            return None
+        request.finish("abort")
+        return self._retire(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the loop ---------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        scheduled = self.scheduler.schedule()
+        if not scheduled.scheduled:
+            return []
+        result = self.runner.execute(scheduled)
+        outputs: list[RequestOutput] = []
+        for s in scheduled.scheduled:
+            s.request.num_computed_tokens += s.num_new_tokens
+        now = time.monotonic()
+        for request_id, token, logprobs in zip(result.request_ids, result.sampled.token_ids, result.sampled.logprobs):
+            request = self.requests[request_id]
+            if request.first_token_time is None:
+                request.first_token_time = now
+                self.stats["prompt_tokens"] += len(request.prompt_token_ids)
+            self._append(request, token, logprobs)
+            outputs.append(self._retire(request) if request.is_finished else self._output(request))
+        return outputs
+
+    def _append(self, request: Request, token: int, logprobs: dict[int, float] | None) -> None:
+        request.output_token_ids.append(token)
+        if logprobs is not None:
+            request.output_logprobs.append(logprobs)
+        self.stats["generation_tokens"] += 1
+        detok = self._detok.get(request.request_id)
+        delta = detok.push(token) if detok else ""
+        verdict = self._stops[request.request_id].check(request, token, detok.text if detok else "", delta)
+        if verdict is not None:
+            request.finish(*verdict)
+        elif request.num_tokens >= request.max_total_tokens:
+            request.finish("length")
+
+    def _retire(self, request: Request) -> RequestOutput:
+        self.scheduler.finish(request)
+        self.runner.forget(request.request_id)
+        output = self._output(request)
+        del self.requests[request.request_id]
+        self._detok.pop(request.request_id, None)
+        self._stops.pop(request.request_id, None)
+        return output
+
+    def _output(self, request: Request) -> RequestOutput:
+        detok = self._detok.get(request.request_id)
+        text = self._stops[request.request_id].visible_text(detok.text) if detok else ""
+        completion = CompletionOutput(
+            index=0,
+            text=text,
+            token_ids=list(request.output_token_ids),
+            logprobs=list(request.output_logprobs) if request.params.logprobs is not None else None,
+            finish_reason=request.finish_reason,
+            stop_reason=request.stop_reason,
+        )
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            outputs=[completion],
+            finished=request.is_finished,
+            metrics={"arrival_time": request.arrival_time, "first_token_time": request.first_token_time or 0.0},
+        )
+
+    # ---- validation -------------------------------------------------------------------------
+    def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                prompt = list(prompt["prompt_token_ids"])
+            elif "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("a dict prompt needs 'prompt_token_ids' or 'prompt'")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this checkpoint has no tokenizer; pass {'prompt_token_ids': [...]} instead of text")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, (list, tuple)):
+            if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+                raise ValueError("prompt_token_ids must be a list of integers")
+            return None, list(prompt)
+        raise ValueError(f"a prompt is a string, a list of token ids or a dict, got {type(prompt).__name__}")
+
+    def _validate_prompt(self, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(token_ids)} tokens; max_model_len is {self.max_model_len}, "
+                "which must leave room for at least one generated token"
+            )
+
+    def _max_model_len(self, layout: CacheLayout) -> int:
+        limit = self.config.model.max_model_len or min(self.model_config.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
+        capacity = layout.num_blocks * layout.block_size
+        if limit > capacity:
+            log.warning("max_model_len %d exceeds the cache capacity; using %d tokens", limit, capacity)
+            limit = capacity
+        return limit
+
+    def _eos_ids(self, path: Path) -> set[int]:
+        ids = set(self.model_config.eos_token_id)
+        gen = path / "generation_config.json"
+        if gen.exists():
+            eos = json.loads(gen.read_text()).get("eos_token_id")
+            ids |= set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return ids
+
+
+def _default_model() -> Path:
+    from oxserve.default_model import ensure_default_model
+
+    return ensure_default_model()

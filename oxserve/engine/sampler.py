@@ -1,0 +1,197 @@
+"""Token sampling for one engine step (vLLM semantics).
+
+Order: penalties -> (greedy argmax | temperature -> top-k -> top-p -> min-p -> sample).
+Logprobs are reported from the raw model distribution, before any processing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from oxserve.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingRow:
+    """One request's sampling state for this step."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    generator: torch.Generator | None  # seeded per request; None -> default RNG
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]  # one sampled token per row
+    # Per row: None when params.logprobs is None, else {token: raw logprob} holding the
+    # sampled token plus the top-`params.logprobs` tokens.
+    logprobs: list[dict[int, float] | None]
+
+
+def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator | None:
+    if seed is None:
+        return None
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+    """Sample one token per row of `logits` [R, V]; `logits` is left untouched."""
+    if all(_is_plain_greedy(row.params) for row in rows):
+        return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(rows))
+
+    # A private float32 copy: everything below may work in place.
+    x = logits.to(torch.float32, copy=True)
+    raw_logprobs = _raw_logprobs(x, rows)
+    x = apply_penalties(x, rows)
+
+    tokens = x.argmax(dim=-1)
+    random_rows = [i for i, row in enumerate(rows) if not row.params.greedy]
+    if random_rows:
+        index = torch.tensor(random_rows, device=x.device)
+        probs = filtered_probs(x[index], [rows[i].params for i in random_rows])
+        tokens[index] = _exponential_race(probs, [rows[i].generator for i in random_rows])
+
+    token_ids = tokens.tolist()
+    return SamplerOutput(token_ids, _logprob_dicts(raw_logprobs, tokens, token_ids, rows))
+
+
+def _is_plain_greedy(params: SamplingParams) -> bool:
+    return params.greedy and params.logprobs is None and not _has_penalties(params)
+
+
+def _has_penalties(params: SamplingParams) -> bool:
+    return (
+        params.repetition_penalty != 1.0
+        or params.frequency_penalty != 0.0
+        or params.presence_penalty != 0.0
+    )
+
+
+# --- penalties --------------------------------------------------------------------------
+
+
+def apply_penalties(x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Repetition (prompt + output tokens), then frequency and presence (output tokens)."""
+    if not any(_has_penalties(row.params) for row in rows):
+        return x
+    _, vocab = x.shape
+    output_counts = _token_counts([row.output_token_ids for row in rows], vocab, x.device)
+
+    repetition = _column([row.params.repetition_penalty for row in rows], x.device)
+    if (repetition != 1.0).any():
+        prompt_counts = _token_counts([row.prompt_token_ids for row in rows], vocab, x.device)
+        seen = (prompt_counts + output_counts) > 0
+        penalised = torch.where(x > 0, x / repetition, x * repetition)
+        x = torch.where(seen, penalised, x)
+
+    frequency = _column([row.params.frequency_penalty for row in rows], x.device)
+    presence = _column([row.params.presence_penalty for row in rows], x.device)
+    x -= frequency * output_counts
+    x -= presence * (output_counts > 0)
+    return x
+
+
+def _token_counts(token_lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """[R, vocab] float32 occurrence counts, built with one scatter_add_."""
+    width = max((len(tokens) for tokens in token_lists), default=0)
+    # Pad with an extra column `vocab` that absorbs the padding and is sliced off.
+    padded = [tokens + [vocab] * (width - len(tokens)) for tokens in token_lists]
+    ids = torch.tensor(padded, dtype=torch.long, device=device).reshape(len(token_lists), width)
+    counts = torch.zeros(len(token_lists), vocab + 1, device=device)
+    counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=counts.dtype))
+    return counts[:, :vocab]
+
+
+def _column(values: list[float], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)
+
+
+# --- random sampling --------------------------------------------------------------------
+
+
+def filtered_probs(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Temperature, top-k, top-p, min-p on non-greedy rows; returns unnormalised probs."""
+    x = x / _column([p.temperature for p in params], x.device)
+    top_k = torch.tensor([p.top_k for p in params], device=x.device)
+    top_p = _column([p.top_p for p in params], x.device)
+    if (top_k > 0).any() or (top_p < 1.0).any():
+        x = _apply_top_k_top_p(x, top_k, top_p)
+    probs = x.softmax(dim=-1)
+    min_p = _column([p.min_p for p in params], x.device)
+    if (min_p > 0).any():
+        threshold = min_p * probs.amax(dim=-1, keepdim=True)
+        probs = probs.masked_fill(probs < threshold, 0.0)
+    return probs
+
+
+def _apply_top_k_top_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Mask to -inf everything outside top-k, then outside top-p of what remains.
+
+    Sorting ascending lets top-p drop the low tail whose mass stays <= 1 - p; summing
+    from the small end keeps top_p == 1 exact (only zero-probability tokens qualify).
+    """
+    vocab = x.shape[-1]
+    sorted_x, order = x.sort(dim=-1)
+    rank = torch.arange(vocab, device=x.device)
+    keep_from = torch.where(top_k > 0, vocab - top_k, 0).unsqueeze(1)  # top_k == 0: keep all
+    drop = rank < keep_from
+    sorted_x.masked_fill_(drop, float("-inf"))
+
+    tail_mass = sorted_x.softmax(dim=-1).cumsum(dim=-1)
+    drop = tail_mass <= 1.0 - top_p
+    drop[:, -1] = False  # the most likely token always survives
+    sorted_x.masked_fill_(drop, float("-inf"))
+    return torch.empty_like(x).scatter_(-1, order, sorted_x)
+
+
+def _exponential_race(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """argmax(probs / E) with E ~ Exponential(1) draws a token with probability ∝ probs.
+
+    Seeded rows draw their noise from their own generator, so their tokens do not
+    depend on which other rows share the batch or where the row sits in it.
+    """
+    noise = torch.empty_like(probs).exponential_()  # default RNG for unseeded rows
+    for row, generator in enumerate(generators):
+        if generator is not None:
+            noise[row].exponential_(generator=generator)
+    # A zero draw would turn a masked token's 0/0 into NaN, which argmax would pick.
+    noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+    return (probs / noise).argmax(dim=-1)
+
+
+# --- logprobs ---------------------------------------------------------------------------
+
+
+def _raw_logprobs(x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor | None:
+    if all(row.params.logprobs is None for row in rows):
+        return None
+    return torch.log_softmax(x, dim=-1)
+
+
+def _logprob_dicts(
+    raw_logprobs: torch.Tensor | None,
+    tokens: torch.Tensor,
+    token_ids: list[int],
+    rows: list[SamplingRow],
+) -> list[dict[int, float] | None]:
+    if raw_logprobs is None:
+        return [None] * len(rows)
+    top_n = max(row.params.logprobs or 0 for row in rows)
+    top_values, top_ids = raw_logprobs.topk(top_n, dim=-1)
+    sampled = raw_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
+    top_values, top_ids = top_values.tolist(), top_ids.tolist()
+
+    result: list[dict[int, float] | None] = []
+    for i, row in enumerate(rows):
+        n = row.params.logprobs
+        if n is None:
+            result.append(None)
+            continue
+        # Sampled token first (as vLLM), then the top-n by raw logprob.
+        entry = {token_ids[i]: sampled[i]}
+        entry.update(zip(top_ids[i][:n], top_values[i][:n]))
+        result.append(entry)
+    return result

@@ -1,0 +1,105 @@
+"""The offline Python API, in vLLM's shape: `LLM(model=...).generate(prompts, SamplingParams(...))`."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any, Sequence
+
+from oxserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from oxserve.engine.engine import LLMEngine, Prompt
+from oxserve.outputs import CompletionOutput, RequestOutput
+from oxserve.sampling_params import SamplingParams
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str | None = None,
+        dtype: str = "bfloat16",
+        device: str = "cpu",
+        max_model_len: int | None = None,
+        seed: int = 0,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
+        cache_memory_gb: float = 2.0,
+        block_size: int | None = None,
+        num_blocks: int | None = None,
+        num_slots: int | None = None,
+    ):
+        config = EngineConfig(
+            model=ModelConfig(model=model, dtype=dtype, device=device, max_model_len=max_model_len, seed=seed),
+            cache=CacheConfig(cache_memory_gb=cache_memory_gb, block_size=block_size, num_blocks=num_blocks, num_slots=num_slots),
+            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
+        )
+        self.engine = LLMEngine(config)
+        self._counter = 0
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; results come back in prompt order.
+
+        All prompts are validated before any is queued, so a bad one raises ValueError and
+        leaves the engine as it was.
+        """
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        for prompt in prompts:
+            self.engine._validate_prompt(self.engine._tokenize(prompt)[1])
+        children: dict[str, tuple[int, int]] = {}
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            for j in range(p.n):
+                child = replace(p, n=1, seed=None if p.seed is None else p.seed + j)
+                rid = f"llm-{self._counter}"
+                self._counter += 1
+                self.engine.add_request(rid, prompt, child)
+                children[rid] = (i, j)
+        finished: dict[str, RequestOutput] = {}
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.finished and out.request_id in children:
+                    finished[out.request_id] = out
+        return self._merge(prompts, params, children, finished)
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        if self.tokenizer is None:
+            raise ValueError("this checkpoint has no tokenizer, so it has no chat template")
+        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt) for c in conversations]
+        return self.generate(prompts, sampling_params)
+
+    @staticmethod
+    def _merge(prompts, params, children, finished) -> list[RequestOutput]:
+        merged: list[RequestOutput | None] = [None] * len(prompts)
+        for rid, (i, j) in sorted(children.items(), key=lambda kv: kv[1]):
+            out = finished[rid]
+            completion: CompletionOutput = replace(out.outputs[0], index=j)
+            if merged[i] is None:
+                merged[i] = RequestOutput(
+                    request_id=str(i),
+                    prompt=out.prompt,
+                    prompt_token_ids=out.prompt_token_ids,
+                    outputs=[completion],
+                    finished=True,
+                )
+            else:
+                merged[i].outputs.append(completion)
+        return merged  # type: ignore[return-value]

@@ -1,0 +1,66 @@
+"""The glm5_next text decoder on a flat packed batch (see `ForwardBatch`)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from oxserve.cache.tensors import LayerCache
+from oxserve.model.batch import ForwardBatch
+from oxserve.model.common import DenseMLP, RMSNorm, empty_param
+from oxserve.model.config import TextModelConfig
+from oxserve.model.hyper import HyperConnection
+from oxserve.model.kda import KDAttention
+from oxserve.model.mla import MLAttention
+from oxserve.model.moe import MoE
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: TextModelConfig, index: int):
+        super().__init__()
+        self.is_mla = cfg.is_mla_layer(index)
+        self.self_attn = MLAttention(cfg, cfg.is_full_indexer_layer(index)) if self.is_mla else KDAttention(cfg)
+        sparse = cfg.mlp_layer_types[index] == "sparse"
+        self.mlp = MoE(cfg) if sparse else DenseMLP(cfg.hidden_size, cfg.intermediate_size, cfg.swiglu_limit)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        hc = (cfg.hidden_size, cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps)
+        self.attn_hc = HyperConnection(*hc)
+        self.ffn_hc = HyperConnection(*hc)
+
+    def forward(
+        self, streams: torch.Tensor, batch: ForwardBatch, cache: LayerCache, selection: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        post, comb, x = self.attn_hc.collapse(streams)
+        x = self.input_layernorm(x)
+        if self.is_mla:
+            x, selection = self.self_attn(x, batch, cache, selection)
+        else:
+            x, selection = self.self_attn(x, batch, cache), None
+        streams = HyperConnection.expand(post, comb, x, streams)
+        post, comb, x = self.ffn_hc.collapse(streams)
+        x = self.mlp(self.post_attention_layernorm(x))
+        return HyperConnection.expand(post, comb, x, streams), selection
+
+
+class Glm5NextForCausalLM(nn.Module):
+    def __init__(self, cfg: TextModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = empty_param(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = empty_param(cfg.vocab_size, cfg.hidden_size)
+
+    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, caches: list[LayerCache]) -> torch.Tensor:
+        """input_ids [T] -> final hidden states of the rows in batch.logits_indices [S, D]."""
+        x = F.embedding(input_ids, self.embed_tokens)
+        streams = x.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
+        selection = None
+        for layer, cache in zip(self.layers, caches):
+            streams, selection = layer(streams, batch, cache, selection)
+        return self.norm(streams[batch.logits_indices].mean(1))
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head).float()

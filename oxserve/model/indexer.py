@@ -1,0 +1,104 @@
+"""DSA indexer with k-pool compression: which cached tokens each query attends to.
+
+Pools group a request's tokens from its first token on: pool j = positions [jP, jP+P).
+A complete pool gets one compressed key (softmax-weighted mean of its tokens' keys,
+weights from a learned gate + per-offset bias), computed once when its last token arrives
+and kept in the pool cache. A query at position t scores the pools that end at or before
+t, keeps the best min(index_topk / P, #pools), expands them to their P positions and adds
+the tokens of its own incomplete pool (the tail):
+
+    positions:  0 1 2 3 | 4 5 6 7 | 8 9 10 11 | 12 13      query t = 13, P = 4
+    pools:        p0    |   p1    |    p2     |  tail = {12, 13}
+
+The selection is returned as positions [T, K] with -1 for "nothing here".
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from oxserve.cache.tensors import MLALayerCache
+from oxserve.model.batch import ForwardBatch
+from oxserve.model.common import Linear, empty_param
+from oxserve.model.config import TextModelConfig
+
+
+class Indexer(nn.Module):
+    def __init__(self, cfg: TextModelConfig):
+        super().__init__()
+        self.n_heads = cfg.index_n_heads
+        self.head_dim = cfg.index_head_dim
+        self.kpool = cfg.index_kpool
+        self.max_pools = cfg.index_topk // cfg.index_kpool
+        self.with_tail = cfg.index_kpool_always_select_tail
+        self.wq_b = Linear(cfg.q_lora_rank, cfg.index_n_heads * cfg.index_head_dim)
+        self.wk = Linear(cfg.hidden_size, cfg.index_head_dim)
+        self.k_norm_weight = empty_param(cfg.index_head_dim)
+        self.k_norm_bias = empty_param(cfg.index_head_dim)
+        self.weights_proj = Linear(cfg.hidden_size, cfg.index_n_heads)
+        self.compress_ape = empty_param(cfg.index_kpool, cfg.index_head_dim)
+        self.compress_gate = empty_param(cfg.index_head_dim, cfg.hidden_size)
+
+    def forward(self, x: torch.Tensor, q_resid: torch.Tensor, batch: ForwardBatch, cache: MLALayerCache) -> torch.Tensor:
+        self._write_keys(x, batch, cache)
+        q = self.wq_b(q_resid).view(x.shape[0], self.n_heads, self.head_dim).float()
+        head_weights = self.weights_proj(x).float() * self.n_heads**-0.5
+        pos = batch.positions
+        parts = []
+        nd = batch.num_decodes
+        if nd:
+            parts.append(self._select(q[:nd], head_weights[:nd], pos[:nd], batch, torch.arange(nd), cache))
+        starts = batch.query_start
+        for r in range(nd, batch.num_requests):
+            s, e = starts[r], starts[r + 1]
+            parts.append(self._select(q[s:e], head_weights[s:e], pos[s:e], batch, r, cache))
+        width = max(p.shape[1] for p in parts)
+        return torch.cat([F.pad(p, (0, width - p.shape[1]), value=-1) for p in parts])
+
+    def _write_keys(self, x: torch.Tensor, batch: ForwardBatch, cache: MLALayerCache) -> None:
+        """Store this step's token keys, then compress every pool this step completed."""
+        keys = F.layer_norm(self.wk(x), (self.head_dim,), self.k_norm_weight, self.k_norm_bias, eps=1e-6)
+        gates = F.linear(x, self.compress_gate)
+        cache.index_keys[batch.slot_mapping] = torch.cat([keys, gates], dim=-1)
+        done = ((batch.positions + 1) % self.kpool == 0).nonzero().squeeze(1)
+        if done.numel() == 0:
+            return
+        request = batch.request_index[done]
+        last = batch.positions[done]
+        members = last.unsqueeze(1) - self.kpool + 1 + torch.arange(self.kpool)  # [N, P]
+        rows = batch.rows_for_positions(request.unsqueeze(1).expand_as(members), members)
+        pool_keys, pool_gates = cache.index_keys[rows].split(self.head_dim, dim=-1)
+        probs = (pool_gates.float() + self.compress_ape.float()).softmax(dim=1).to(pool_keys.dtype)
+        compressed = (probs * pool_keys).sum(1)
+        cache.pool_keys[batch.pool_rows(request, last // self.kpool, self.kpool)] = compressed
+
+    def _select(self, q, head_weights, query_pos, batch: ForwardBatch, request, cache: MLALayerCache) -> torch.Tensor:
+        """Pick positions for a group of queries.
+
+        Decodes: one query per request, `request` is a tensor of request indices.
+        Prefill: all queries from one request, `request` is an int; they share its pool keys.
+        """
+        visible_pools = (query_pos + 1) // self.kpool
+        num_pools = int(visible_pools.max())
+        pool_ids = torch.arange(num_pools)
+        if isinstance(request, int):
+            keys = cache.pool_keys[batch.pool_rows(request, pool_ids, self.kpool)].float().unsqueeze(0)
+        else:
+            grid = pool_ids.expand(len(request), num_pools)
+            keys = cache.pool_keys[batch.pool_rows(request.unsqueeze(1).expand_as(grid), grid, self.kpool)].float()
+        # [N, H, Dk] x [N|1, P, Dk] -> [N, H, P]; relu per head, then the weighted head sum.
+        scores = F.relu(torch.matmul(q, keys.transpose(1, 2)) * self.head_dim**-0.5)
+        index_scores = (head_weights.unsqueeze(1) @ scores).squeeze(1)
+        visible = pool_ids.unsqueeze(0) < visible_pools.unsqueeze(1)
+        index_scores = index_scores.masked_fill(~visible, float("-inf"))
+        chosen = index_scores.topk(min(self.max_pools, num_pools), dim=-1).indices
+        chosen = chosen.masked_fill(~visible.gather(1, chosen), -1)
+        offsets = torch.arange(self.kpool)
+        positions = (chosen.unsqueeze(-1) * self.kpool + offsets).masked_fill(chosen.unsqueeze(-1) < 0, -1).flatten(1)
+        if self.with_tail and self.kpool > 1:
+            tail = visible_pools.unsqueeze(1) * self.kpool + offsets[:-1]
+            tail = tail.masked_fill(tail > query_pos.unsqueeze(1), -1)
+            positions = torch.cat([positions, tail], dim=1)
+        return positions

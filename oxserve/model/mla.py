@@ -1,0 +1,75 @@
+"""MLA (multi-head latent attention, no positional encoding) over DSA-selected tokens.
+
+Attention runs in latent space: the cache holds one normalised latent c (kv_lora_rank) per
+token, and kv_b_proj is folded into the query and the output instead of expanding the cache:
+
+    score_h(t, j) = (q_h W_uk_h) . c_j * scale        W_kv_b = [W_uk; W_uv] per head
+    out_h(t)      = W_uv_h (sum_j p_h(t, j) c_j)
+
+Each query reads only the latents of its selected positions, so its cost is bounded by
+index_topk + kpool - 1, not by the context length.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from oxserve.cache.tensors import MLALayerCache
+from oxserve.model.batch import ForwardBatch
+from oxserve.model.common import Linear, RMSNorm
+from oxserve.model.config import TextModelConfig
+from oxserve.model.indexer import Indexer
+
+# Queries per gather block: bounds the [block, K, kv_lora_rank] gathered latents.
+QUERY_BLOCK = 256
+
+
+class MLAttention(nn.Module):
+    def __init__(self, cfg: TextModelConfig, has_indexer: bool):
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.nope_dim = cfg.qk_nope_head_dim
+        self.v_dim = cfg.v_head_dim
+        self.kv_lora_rank = cfg.kv_lora_rank
+        self.scale = cfg.qk_head_dim**-0.5
+        self.q_a_proj = Linear(cfg.hidden_size, cfg.q_lora_rank)
+        self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+        self.q_b_proj = Linear(cfg.q_lora_rank, cfg.num_attention_heads * cfg.qk_head_dim)
+        self.kv_a_proj_with_mqa = Linear(cfg.hidden_size, cfg.kv_lora_rank)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps)
+        self.kv_b_proj = Linear(cfg.kv_lora_rank, cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim))
+        self.o_proj = Linear(cfg.num_attention_heads * cfg.v_head_dim, cfg.hidden_size)
+        self.indexer = Indexer(cfg) if has_indexer else None
+
+    def forward(
+        self, x: torch.Tensor, batch: ForwardBatch, cache: MLALayerCache, shared_selection: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (output [T, D], the selected positions [T, K] for a following `shared` layer)."""
+        tokens = x.shape[0]
+        q_resid = self.q_a_layernorm(self.q_a_proj(x))
+        q = self.q_b_proj(q_resid).view(tokens, self.num_heads, self.nope_dim)
+        cache.latent[batch.slot_mapping] = self.kv_a_layernorm(self.kv_a_proj_with_mqa(x))
+        if self.indexer is not None:
+            selection = self.indexer(x, q_resid, batch, cache)
+        elif shared_selection is not None:
+            selection = shared_selection
+        else:
+            raise ValueError("a shared DSA layer needs the selection of the full layer before it")
+        w_kv = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
+        w_uk, w_uv = w_kv.split([self.nope_dim, self.v_dim], dim=1)
+        q_latent = torch.einsum("thd,hdc->thc", q, w_uk)
+        out_latent = torch.empty_like(q_latent)
+        for s in range(0, tokens, QUERY_BLOCK):
+            e = min(s + QUERY_BLOCK, tokens)
+            out_latent[s:e] = self._attend(q_latent[s:e], selection[s:e], batch.request_index[s:e], batch, cache)
+        out = torch.einsum("thc,hvc->thv", out_latent, w_uv)
+        return self.o_proj(out.reshape(tokens, self.num_heads * self.v_dim)), selection
+
+    def _attend(self, q_latent, positions, request, batch: ForwardBatch, cache: MLALayerCache) -> torch.Tensor:
+        rows = batch.rows_for_positions(request.unsqueeze(1).expand_as(positions), positions)
+        latents = cache.latent[rows]  # [t, K, C]
+        scores = torch.einsum("thc,tkc->thk", q_latent, latents).float() * self.scale
+        scores = scores.masked_fill((positions < 0).unsqueeze(1), float("-inf"))
+        probs = scores.softmax(-1).to(latents.dtype)
+        return torch.einsum("thk,tkc->thc", probs, latents)

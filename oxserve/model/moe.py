@@ -1,0 +1,80 @@
+"""Mixture of experts: sigmoid router with correction bias and group top-k, grouped expert GEMMs."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from oxserve.model.common import DenseMLP, clamped_swiglu, empty_param
+from oxserve.model.config import TextModelConfig
+
+
+class Router(nn.Module):
+    def __init__(self, cfg: TextModelConfig):
+        super().__init__()
+        self.weight = empty_param(cfg.n_routed_experts, cfg.hidden_size)
+        self.e_score_correction_bias = empty_param(cfg.n_routed_experts, dtype=torch.float32)
+        self.top_k = cfg.num_experts_per_tok
+        self.n_group = cfg.n_group
+        self.topk_group = cfg.topk_group
+        self.norm_topk_prob = cfg.norm_topk_prob
+        self.scaling = cfg.routed_scaling_factor
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [T, D] -> (weights [T, k] fp32, expert ids [T, k])."""
+        scores = F.linear(x.float(), self.weight.float()).sigmoid()
+        choice = scores + self.e_score_correction_bias
+        if self.n_group > 1:
+            grouped = choice.view(x.shape[0], self.n_group, -1)
+            group_scores = grouped.topk(2, dim=-1).values.sum(-1)
+            keep = group_scores.topk(self.topk_group, dim=-1, sorted=False).indices
+            group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
+            choice = choice.masked_fill(~group_mask.repeat_interleave(grouped.shape[-1], dim=1), float("-inf"))
+        experts = choice.topk(self.top_k, dim=-1, sorted=False).indices
+        weights = scores.gather(1, experts)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return weights * self.scaling, experts
+
+
+class Experts(nn.Module):
+    def __init__(self, cfg: TextModelConfig):
+        super().__init__()
+        self.num_experts = cfg.n_routed_experts
+        self.intermediate = cfg.moe_intermediate_size
+        self.gate_up_proj = empty_param(cfg.n_routed_experts, 2 * cfg.moe_intermediate_size, cfg.hidden_size)
+        self.down_proj = empty_param(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+        self.swiglu_limit = cfg.swiglu_limit
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """Sort (token, expert) pairs by expert and run one GEMM pair per expert that has tokens."""
+        top_k = experts.shape[1]
+        flat = experts.flatten()
+        order = flat.argsort(stable=True)
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        token_of = order // top_k
+        routed = x[token_of]
+        out = torch.empty_like(routed)
+        start = 0
+        for expert, count in enumerate(counts):
+            if count == 0:
+                continue
+            seg = slice(start, start + count)
+            gate, up = F.linear(routed[seg], self.gate_up_proj[expert]).split(self.intermediate, dim=-1)
+            out[seg] = F.linear(clamped_swiglu(gate, up, self.swiglu_limit), self.down_proj[expert])
+            start += count
+        scaled = (out * weights.flatten()[order, None]).to(x.dtype)
+        return torch.zeros_like(x).index_add_(0, token_of, scaled)
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: TextModelConfig):
+        super().__init__()
+        self.gate = Router(cfg)
+        self.experts = Experts(cfg)
+        self.shared_experts = DenseMLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, cfg.swiglu_limit)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, experts = self.gate(x)
+        return self.experts(x, weights, experts) + self.shared_experts(x)

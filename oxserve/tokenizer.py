@@ -1,0 +1,90 @@
+"""Tokenizer from a checkpoint's `tokenizer.json` (the `tokenizers` library, no transformers),
+its chat template (jinja2) and incremental detokenization for streaming and stop strings."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.sandbox
+from tokenizers import Tokenizer as HFTokenizer
+
+
+class Tokenizer:
+    def __init__(self, path: Path):
+        self._tok = HFTokenizer.from_file(str(path / "tokenizer.json"))
+        config_path = path / "tokenizer_config.json"
+        self.config: dict[str, Any] = json.loads(config_path.read_text()) if config_path.exists() else {}
+        self.chat_template: str | None = self.config.get("chat_template")
+        if self.chat_template is None and (path / "chat_template.jinja").exists():
+            self.chat_template = (path / "chat_template.jinja").read_text()
+        self.eos_token_id = self._special_id("eos_token")
+        self.bos_token_id = self._special_id("bos_token")
+
+    @staticmethod
+    def from_dir(path: str | Path) -> "Tokenizer | None":
+        path = Path(path)
+        return Tokenizer(path) if (path / "tokenizer.json").exists() else None
+
+    def _special_id(self, key: str) -> int | None:
+        token = self.config.get(key)
+        if isinstance(token, dict):
+            token = token.get("content")
+        return self._tok.token_to_id(token) if token else None
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._tok.id_to_token(token_id)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs) -> str:
+        if not self.chat_template:
+            raise ValueError("this checkpoint has no chat template; send a plain prompt instead")
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = _raise
+        template = env.from_string(self.chat_template)
+        specials = {k: self.config.get(k) for k in ("bos_token", "eos_token", "pad_token")}
+        return template.render(messages=messages, add_generation_prompt=add_generation_prompt, **specials, **kwargs)
+
+
+def _raise(message: str):
+    raise ValueError(message)
+
+
+@dataclass
+class IncrementalDetokenizer:
+    """Decodes a growing list of token ids into text deltas without re-decoding everything.
+
+    Keeps a short window [prefix_offset, read_offset) of already-emitted tokens so that
+    multi-token characters and merged spaces come out right; a delta ending in U+FFFD
+    (an incomplete UTF-8 sequence) is held back until the next token completes it.
+    """
+
+    tokenizer: Tokenizer
+    text: str = ""
+    prefix_offset: int = 0
+    read_offset: int = 0
+    _ids: list[int] = field(default_factory=list)
+
+    def push(self, token_id: int) -> str:
+        self._ids.append(token_id)
+        prefix = self.tokenizer.decode(self._ids[self.prefix_offset : self.read_offset])
+        full = self.tokenizer.decode(self._ids[self.prefix_offset :])
+        if full.endswith("\ufffd") or len(full) <= len(prefix):
+            return ""
+        delta = full[len(prefix) :]
+        self.prefix_offset = self.read_offset
+        self.read_offset = len(self._ids)
+        self.text += delta
+        return delta
