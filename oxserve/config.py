@@ -46,6 +46,11 @@ class CacheConfig:
 class SchedulerConfig:
     max_num_seqs: int = opt(64, "most requests running at once")
     max_num_batched_tokens: int = opt(2048, "token budget of one engine step (prefill chunks + decodes)")
+    deterministic: bool = opt(
+        False,
+        "batch-invariant mode: every token runs alone (one token per request per step, one request per "
+        "forward pass), so a request's logits never depend on its neighbours, chunking or preemption; slow",
+    )
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

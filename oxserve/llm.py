@@ -25,11 +25,12 @@ class LLM:
         block_size: int | None = None,
         num_blocks: int | None = None,
         num_slots: int | None = None,
+        deterministic: bool = False,
     ):
         config = EngineConfig(
             model=ModelConfig(model=model, dtype=dtype, device=device, max_model_len=max_model_len, seed=seed),
             cache=CacheConfig(cache_memory_gb=cache_memory_gb, block_size=block_size, num_blocks=num_blocks, num_slots=num_slots),
-            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
+            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, deterministic=deterministic),
         )
         self.engine = LLMEngine(config)
         self._counter = 0

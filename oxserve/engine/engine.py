@@ -15,13 +15,14 @@ from oxserve.cache.manager import CacheManager
 from oxserve.cache.tensors import allocate_layer_caches, kda_slot_bytes, mla_token_bytes
 from oxserve.config import EngineConfig
 from oxserve.engine.request import Request, RequestStatus
-from oxserve.engine.runner import ModelRunner
-from oxserve.engine.scheduler import Scheduler
+from oxserve.engine.runner import ModelRunner, StepResult
+from oxserve.engine.scheduler import Scheduler, SchedulerOutput
 from oxserve.engine.stop import StopChecker
 from oxserve.model.config import TextModelConfig
 from oxserve.model.loader import load_model
 from oxserve.outputs import CompletionOutput, RequestOutput
 from oxserve.sampling_params import SamplingParams
+from oxserve.telemetry import span
 from oxserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger(__name__)
@@ -78,9 +79,12 @@ class LLMEngine:
         )
         self.cache = CacheManager(layout.num_blocks, layout.block_size, layout.num_slots)
         self.scheduler = Scheduler(config.scheduler, self.cache)
-        self.runner = ModelRunner(loaded.model, caches, layout.block_size, self.device)
+        self.runner = ModelRunner(
+            loaded.model, caches, layout.block_size, self.device, deterministic=config.scheduler.deterministic
+        )
         self.max_model_len = self._max_model_len(layout)
         self.eos_token_ids = self._eos_ids(path)
+        torch.manual_seed(config.model.seed)  # requests without their own seed draw from this
         self.requests: dict[str, Request] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._stops: dict[str, StopChecker] = {}
@@ -126,14 +130,20 @@ class LLMEngine:
 
     # ---- the loop ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        scheduled = self.scheduler.schedule()
+        tracer = self.runner.tracer
+        with span(tracer, "schedule", track="engine"):
+            scheduled = self.scheduler.schedule()
         if not scheduled.scheduled:
             return []
         result = self.runner.execute(scheduled)
-        outputs: list[RequestOutput] = []
+        with span(tracer, "postprocess", track="engine"):
+            return self._postprocess(scheduled, result)
+
+    def _postprocess(self, scheduled: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
         for s in scheduled.scheduled:
             s.request.num_computed_tokens += s.num_new_tokens
         now = time.monotonic()
+        outputs: list[RequestOutput] = []
         for request_id, token, logprobs in zip(result.request_ids, result.sampled.token_ids, result.sampled.logprobs):
             request = self.requests[request_id]
             if request.first_token_time is None:

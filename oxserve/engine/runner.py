@@ -16,6 +16,7 @@ from oxserve.engine.sampler import SamplerOutput, SamplingRow, make_generator, s
 from oxserve.engine.scheduler import SchedulerOutput
 from oxserve.model.batch import ForwardBatch
 from oxserve.model.glm5_next import Glm5NextForCausalLM
+from oxserve.telemetry import Tracer, span
 
 
 @dataclass
@@ -25,8 +26,17 @@ class StepResult:
 
 
 class ModelRunner:
-    def __init__(self, model: Glm5NextForCausalLM, caches: list[LayerCache], block_size: int, device: torch.device):
+    def __init__(
+        self,
+        model: Glm5NextForCausalLM,
+        caches: list[LayerCache],
+        block_size: int,
+        device: torch.device,
+        deterministic: bool = False,
+    ):
         self.model = model
+        self.deterministic = deterministic
+        self.tracer: Tracer | None = None  # set by the profiler
         self.caches = caches
         self.block_size = block_size
         self.device = device
@@ -37,12 +47,24 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult:
-        input_ids, batch = self.prepare(out)
-        hidden = self.model(input_ids, batch, self.caches)
-        logits = self.model.compute_logits(hidden)
+        if self.deterministic:
+            # One request per forward pass: kernels see the same shapes whoever else is running.
+            parts = [self._forward(SchedulerOutput([s], [])) for s in out.scheduled]
+            logits = torch.cat([p for p in parts if p.shape[0]])
+        else:
+            logits = self._forward(out)
         sampling = [s for s in out.scheduled if s.completes_sequence]
-        rows = [self._sampling_row(s.request) for s in sampling]
-        return StepResult([s.request.request_id for s in sampling], sample(logits, rows))
+        with span(self.tracer, "sample", track="engine"):
+            rows = [self._sampling_row(s.request) for s in sampling]
+            return StepResult([s.request.request_id for s in sampling], sample(logits, rows))
+
+    def _forward(self, out: SchedulerOutput) -> torch.Tensor:
+        with span(self.tracer, "prepare_inputs", track="engine"):
+            input_ids, batch = self.prepare(out)
+        batch.tracer = self.tracer
+        with span(self.tracer, "forward", track="engine", **step_conditions(batch)):
+            hidden = self.model(input_ids, batch, self.caches)
+            return self.model.compute_logits(hidden, self.tracer)
 
     def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, ForwardBatch]:
         tokens: list[int] = []
@@ -86,3 +108,16 @@ class ModelRunner:
             output_token_ids=request.output_token_ids,
             generator=self._generators[request.request_id],
         )
+
+
+def step_conditions(batch: ForwardBatch) -> dict:
+    """The conditions a step ran under, attached to its spans for bucketing."""
+    contexts = batch.seq_lens
+    return {
+        "num_requests": batch.num_requests,
+        "num_decodes": batch.num_decodes,
+        "num_prefills": batch.num_requests - batch.num_decodes,
+        "num_tokens": batch.num_tokens,
+        "max_context": max(contexts) if contexts else 0,
+        "mean_context": sum(contexts) / len(contexts) if contexts else 0.0,
+    }

@@ -62,12 +62,15 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
+        # Deterministic mode feeds every request token by token: the same computation for a
+        # token whatever the chunking or preemption history.
+        step_cap = 1 if self.config.deterministic else budget
         chosen: list[tuple[Request, int]] = []
         preempted: list[Request] = []
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            n = min(request.num_uncomputed, budget)
+            n = min(request.num_uncomputed, budget, step_cap)
             while not self.cache.can_grow(request.request_id, request.num_computed_tokens + n):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -81,7 +84,7 @@ class Scheduler:
                 i += 1
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not preempted:
             request = self.waiting[0]
-            n = min(request.num_uncomputed, budget)
+            n = min(request.num_uncomputed, budget, step_cap)
             if not self.cache.can_grow(request.request_id, request.num_computed_tokens + n):
                 break
             self.waiting.popleft()

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from oxserve.telemetry import Tracer
+
 
 @dataclass
 class ForwardBatch:
@@ -31,6 +33,7 @@ class ForwardBatch:
     state_slots: torch.Tensor  # [R] long, KDA state slot of each request
     block_size: int
     logits_indices: torch.Tensor  # [S] long, token rows whose logits are wanted
+    tracer: Tracer | None = None  # telemetry: per-op spans when profiling
 
     @property
     def num_requests(self) -> int:

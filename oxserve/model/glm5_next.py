@@ -14,15 +14,23 @@ from oxserve.model.hyper import HyperConnection
 from oxserve.model.kda import KDAttention
 from oxserve.model.mla import MLAttention
 from oxserve.model.moe import MoE
+from oxserve.telemetry import Tracer, span
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: TextModelConfig, index: int):
         super().__init__()
+        self.name = f"L{index}"
         self.is_mla = cfg.is_mla_layer(index)
-        self.self_attn = MLAttention(cfg, cfg.is_full_indexer_layer(index)) if self.is_mla else KDAttention(cfg)
-        sparse = cfg.mlp_layer_types[index] == "sparse"
-        self.mlp = MoE(cfg) if sparse else DenseMLP(cfg.hidden_size, cfg.intermediate_size, cfg.swiglu_limit)
+        if self.is_mla:
+            self.self_attn = MLAttention(cfg, cfg.is_full_indexer_layer(index), f"L{index}.mla")
+        else:
+            self.self_attn = KDAttention(cfg, f"L{index}.kda")
+        self.sparse = cfg.mlp_layer_types[index] == "sparse"
+        if self.sparse:
+            self.mlp = MoE(cfg, f"L{index}.moe")
+        else:
+            self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size, cfg.swiglu_limit)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         hc = (cfg.hidden_size, cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps)
@@ -32,16 +40,26 @@ class DecoderLayer(nn.Module):
     def forward(
         self, streams: torch.Tensor, batch: ForwardBatch, cache: LayerCache, selection: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        post, comb, x = self.attn_hc.collapse(streams)
-        x = self.input_layernorm(x)
+        tracer = batch.tracer
+        with span(tracer, f"{self.name}.hc.collapse"):
+            post, comb, x = self.attn_hc.collapse(streams)
+            x = self.input_layernorm(x)
         if self.is_mla:
             x, selection = self.self_attn(x, batch, cache, selection)
         else:
             x, selection = self.self_attn(x, batch, cache), None
-        streams = HyperConnection.expand(post, comb, x, streams)
-        post, comb, x = self.ffn_hc.collapse(streams)
-        x = self.mlp(self.post_attention_layernorm(x))
-        return HyperConnection.expand(post, comb, x, streams), selection
+        with span(tracer, f"{self.name}.hc.expand"):
+            streams = HyperConnection.expand(post, comb, x, streams)
+        with span(tracer, f"{self.name}.hc.collapse"):
+            post, comb, x = self.ffn_hc.collapse(streams)
+            x = self.post_attention_layernorm(x)
+        if self.sparse:
+            x = self.mlp(x, tracer)
+        else:
+            with span(tracer, f"{self.name}.mlp.dense"):
+                x = self.mlp(x)
+        with span(tracer, f"{self.name}.hc.expand"):
+            return HyperConnection.expand(post, comb, x, streams), selection
 
 
 class Glm5NextForCausalLM(nn.Module):
@@ -55,12 +73,15 @@ class Glm5NextForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, caches: list[LayerCache]) -> torch.Tensor:
         """input_ids [T] -> final hidden states of the rows in batch.logits_indices [S, D]."""
-        x = F.embedding(input_ids, self.embed_tokens)
-        streams = x.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
+        with span(batch.tracer, "embed"):
+            x = F.embedding(input_ids, self.embed_tokens)
+            streams = x.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
         selection = None
         for layer, cache in zip(self.layers, caches):
             streams, selection = layer(streams, batch, cache, selection)
-        return self.norm(streams[batch.logits_indices].mean(1))
+        with span(batch.tracer, "final_norm"):
+            return self.norm(streams[batch.logits_indices].mean(1))
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head).float()
+    def compute_logits(self, hidden: torch.Tensor, tracer: Tracer | None = None) -> torch.Tensor:
+        with span(tracer, "lm_head"):
+            return F.linear(hidden, self.lm_head).float()

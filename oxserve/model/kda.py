@@ -11,6 +11,7 @@ from oxserve.kernels.kda import causal_conv_chunk, causal_conv_step, kda_chunked
 from oxserve.model.batch import ForwardBatch
 from oxserve.model.common import Linear, empty_param
 from oxserve.model.config import TextModelConfig
+from oxserve.telemetry import span
 
 
 class ForgetGate(nn.Module):
@@ -33,8 +34,9 @@ class ForgetGate(nn.Module):
 
 
 class KDAttention(nn.Module):
-    def __init__(self, cfg: TextModelConfig):
+    def __init__(self, cfg: TextModelConfig, name: str):
         super().__init__()
+        self.name = name
         self.num_heads = cfg.linear_num_heads
         self.head_dim = cfg.linear_head_dim
         self.dim = cfg.kda_dim
@@ -49,17 +51,22 @@ class KDAttention(nn.Module):
         self.norm_eps = cfg.rms_norm_eps
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: KDALayerCache) -> torch.Tensor:
-        tokens = x.shape[0]
-        mixed = self.qkv_proj(x)
-        mixed = self._conv(mixed, batch, cache)
-        q, k, v = (t.float().view(tokens, self.num_heads, self.head_dim) for t in mixed.split(self.dim, dim=-1))
-        q = l2norm(q) * self.head_dim**-0.5
-        k = l2norm(k)
-        g = self.forget_gate(x)
-        beta = torch.sigmoid(self.b_proj(x)).float()
-        core = self._delta_rule(q, k, v, g, beta, batch, cache)
-        gate = self.g_b_proj(self.g_a_proj(x)).view(tokens, self.num_heads, self.head_dim)
-        return self.o_proj(self._gated_norm(core, gate).to(x.dtype).view(tokens, self.dim))
+        tokens, tracer = x.shape[0], batch.tracer
+        with span(tracer, f"{self.name}.qkv_proj"):
+            mixed = self.qkv_proj(x)
+        with span(tracer, f"{self.name}.conv"):
+            mixed = self._conv(mixed, batch, cache)
+        with span(tracer, f"{self.name}.gates"):
+            q, k, v = (t.float().view(tokens, self.num_heads, self.head_dim) for t in mixed.split(self.dim, dim=-1))
+            q = l2norm(q) * self.head_dim**-0.5
+            k = l2norm(k)
+            g = self.forget_gate(x)
+            beta = torch.sigmoid(self.b_proj(x)).float()
+        with span(tracer, f"{self.name}.recurrent"):
+            core = self._delta_rule(q, k, v, g, beta, batch, cache)
+        with span(tracer, f"{self.name}.out"):
+            gate = self.g_b_proj(self.g_a_proj(x)).view(tokens, self.num_heads, self.head_dim)
+            return self.o_proj(self._gated_norm(core, gate).to(x.dtype).view(tokens, self.dim))
 
     def _conv(self, mixed: torch.Tensor, batch: ForwardBatch, cache: KDALayerCache) -> torch.Tensor:
         out = torch.empty_like(mixed)

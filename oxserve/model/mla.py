@@ -20,14 +20,16 @@ from oxserve.model.batch import ForwardBatch
 from oxserve.model.common import Linear, RMSNorm
 from oxserve.model.config import TextModelConfig
 from oxserve.model.indexer import Indexer
+from oxserve.telemetry import span
 
 # Queries per gather block: bounds the [block, K, kv_lora_rank] gathered latents.
 QUERY_BLOCK = 256
 
 
 class MLAttention(nn.Module):
-    def __init__(self, cfg: TextModelConfig, has_indexer: bool):
+    def __init__(self, cfg: TextModelConfig, has_indexer: bool, name: str):
         super().__init__()
+        self.name = name
         self.num_heads = cfg.num_attention_heads
         self.nope_dim = cfg.qk_nope_head_dim
         self.v_dim = cfg.v_head_dim
@@ -46,25 +48,30 @@ class MLAttention(nn.Module):
         self, x: torch.Tensor, batch: ForwardBatch, cache: MLALayerCache, shared_selection: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (output [T, D], the selected positions [T, K] for a following `shared` layer)."""
-        tokens = x.shape[0]
-        q_resid = self.q_a_layernorm(self.q_a_proj(x))
-        q = self.q_b_proj(q_resid).view(tokens, self.num_heads, self.nope_dim)
-        cache.latent[batch.slot_mapping] = self.kv_a_layernorm(self.kv_a_proj_with_mqa(x))
+        tokens, tracer = x.shape[0], batch.tracer
+        w_kv = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
+        w_uk, w_uv = w_kv.split([self.nope_dim, self.v_dim], dim=1)
+        with span(tracer, f"{self.name}.q_proj"):
+            q_resid = self.q_a_layernorm(self.q_a_proj(x))
+            q = self.q_b_proj(q_resid).view(tokens, self.num_heads, self.nope_dim)
+            q_latent = torch.einsum("thd,hdc->thc", q, w_uk)
+        with span(tracer, f"{self.name}.kv_proj"):
+            cache.latent[batch.slot_mapping] = self.kv_a_layernorm(self.kv_a_proj_with_mqa(x))
         if self.indexer is not None:
-            selection = self.indexer(x, q_resid, batch, cache)
+            with span(tracer, f"{self.name}.indexer"):
+                selection = self.indexer(x, q_resid, batch, cache)
         elif shared_selection is not None:
             selection = shared_selection
         else:
             raise ValueError("a shared DSA layer needs the selection of the full layer before it")
-        w_kv = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
-        w_uk, w_uv = w_kv.split([self.nope_dim, self.v_dim], dim=1)
-        q_latent = torch.einsum("thd,hdc->thc", q, w_uk)
-        out_latent = torch.empty_like(q_latent)
-        for s in range(0, tokens, QUERY_BLOCK):
-            e = min(s + QUERY_BLOCK, tokens)
-            out_latent[s:e] = self._attend(q_latent[s:e], selection[s:e], batch.request_index[s:e], batch, cache)
-        out = torch.einsum("thc,hvc->thv", out_latent, w_uv)
-        return self.o_proj(out.reshape(tokens, self.num_heads * self.v_dim)), selection
+        with span(tracer, f"{self.name}.attention"):
+            out_latent = torch.empty_like(q_latent)
+            for s in range(0, tokens, QUERY_BLOCK):
+                e = min(s + QUERY_BLOCK, tokens)
+                out_latent[s:e] = self._attend(q_latent[s:e], selection[s:e], batch.request_index[s:e], batch, cache)
+        with span(tracer, f"{self.name}.o_proj"):
+            out = torch.einsum("thc,hvc->thv", out_latent, w_uv)
+            return self.o_proj(out.reshape(tokens, self.num_heads * self.v_dim)), selection
 
     def _attend(self, q_latent, positions, request, batch: ForwardBatch, cache: MLALayerCache) -> torch.Tensor:
         rows = batch.rows_for_positions(request.unsqueeze(1).expand_as(positions), positions)

@@ -8,6 +8,7 @@ from torch import nn
 
 from oxserve.model.common import DenseMLP, clamped_swiglu, empty_param
 from oxserve.model.config import TextModelConfig
+from oxserve.telemetry import Tracer, span
 
 
 class Router(nn.Module):
@@ -69,12 +70,17 @@ class Experts(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, cfg: TextModelConfig):
+    def __init__(self, cfg: TextModelConfig, name: str):
         super().__init__()
+        self.name = name
         self.gate = Router(cfg)
         self.experts = Experts(cfg)
         self.shared_experts = DenseMLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, cfg.swiglu_limit)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, experts = self.gate(x)
-        return self.experts(x, weights, experts) + self.shared_experts(x)
+    def forward(self, x: torch.Tensor, tracer: Tracer | None = None) -> torch.Tensor:
+        with span(tracer, f"{self.name}.router"):
+            weights, experts = self.gate(x)
+        with span(tracer, f"{self.name}.experts"):
+            routed = self.experts(x, weights, experts)
+        with span(tracer, f"{self.name}.shared"):
+            return routed + self.shared_experts(x)

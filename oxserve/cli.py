@@ -1,0 +1,93 @@
+"""The `oxserve` command. Each subcommand lives in its own module exposing
+`add_arguments(parser, command)` and `run(args) -> int` (`command` is the last word of the
+subcommand; `args.command_path` holds all of it). Engine options come from the config
+dataclasses, so `--help` and the code cannot drift apart."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import sys
+import typing
+
+from oxserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+
+ENGINE_SECTIONS = (("model", ModelConfig), ("cache", CacheConfig), ("scheduler", SchedulerConfig))
+
+# command path -> (module, one-line help)
+COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
+    ("generate",): ("oxserve.commands.generate", "generate text offline for one or more prompts"),
+    ("serve",): ("oxserve.server.cli", "run the OpenAI-compatible HTTP server"),
+    ("bench", "throughput"): ("oxserve.bench.throughput", "offline throughput: oxserve vs HF transformers generate"),
+    ("bench", "serve"): ("oxserve.bench.serve", "load-test any OpenAI-compatible endpoint"),
+    ("bench", "ceilings"): ("oxserve.commands.ceilings", "measure this machine's memory bandwidth and matmul rates"),
+    ("bench", "kernels"): ("oxserve.bench.kernels", "check and time every model op at model shapes"),
+    ("profile",): ("oxserve.profiling.cli", "run a workload with telemetry; write trace.json and a report"),
+    ("experiment", "run"): ("oxserve.experiment.cli", "controlled A/B experiment between two engine configurations"),
+    ("experiment", "list"): ("oxserve.experiment.cli", "list experiments in the ledger"),
+    ("experiment", "show"): ("oxserve.experiment.cli", "show one experiment"),
+    ("experiment", "plot"): ("oxserve.experiment.cli", "plot a metric across experiments as PNG"),
+    ("build-default-model",): ("oxserve.commands.build_default_model", "write the embedded random default model"),
+}
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    for section, cls in ENGINE_SECTIONS:
+        group = parser.add_argument_group(f"{section} options")
+        for f in dataclasses.fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            meta = dict(f.metadata)
+            kind = _base_type(typing.get_type_hints(cls)[f.name])
+            if kind is bool:
+                group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=meta.get("help"))
+            else:
+                group.add_argument(
+                    flag, type=kind, default=f.default, choices=meta.get("choices"), help=f"{meta.get('help')} (default: %(default)s)"
+                )
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    parts = {section: cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)}) for section, cls in ENGINE_SECTIONS}
+    return EngineConfig(**parts)
+
+
+def _base_type(hint) -> type:
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    return args[0] if args else hint
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="oxserve", description=__doc__.split("\n")[0])
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    groups: dict[str, argparse._SubParsersAction] = {}
+    for path, (module, help_text) in COMMANDS.items():
+        if len(path) == 1:
+            sub = subparsers.add_parser(path[0], help=help_text, description=help_text)
+        else:
+            if path[0] not in groups:
+                group = subparsers.add_parser(path[0], help=f"{path[0]} commands")
+                groups[path[0]] = group.add_subparsers(dest="subcommand", required=True)
+            sub = groups[path[0]].add_parser(path[1], help=help_text, description=help_text)
+        sub.set_defaults(_module=module, command_path=path)
+        _lazy_arguments(sub, module, path)
+    return parser
+
+
+def _lazy_arguments(sub: argparse.ArgumentParser, module: str, path: tuple[str, ...]) -> None:
+    # Import a command's module only when that command is asked for (keeps `--help` fast).
+    wanted = sys.argv[1 : 1 + len(path)]
+    if tuple(wanted) == path:
+        importlib.import_module(module).add_arguments(sub, path[-1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    if argv is not None:
+        sys.argv = ["oxserve", *argv]
+    args = build_parser().parse_args(sys.argv[1:])
+    module = importlib.import_module(args._module)
+    return int(module.run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
