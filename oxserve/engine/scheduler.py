@@ -71,6 +71,9 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             n = min(request.num_uncomputed, budget, step_cap)
+            if n == 0:  # nothing new to compute (cannot happen while the engine samples each step)
+                i += 1
+                continue
             while not self.cache.can_grow(request.request_id, request.num_computed_tokens + n):
                 victim = self.running.pop()
                 self._preempt(victim)

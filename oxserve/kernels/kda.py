@@ -46,6 +46,13 @@ def kda_reference(q, k, v, g, beta, state):
     return torch.stack(outs), state
 
 
+# Within a chunk, exp(G_i - G_j) is computed as exp(G_i) * exp(-G_j): two small matmuls
+# instead of a [C, C, Dk] tensor. That needs exp(-G) finite with room to spare, so the chunk
+# shrinks when the decay inside it is too strong, and the exact form takes over below that.
+MAX_CHUNK_DECAY = 60.0
+CHUNK_SIZES = (16, 8, 4)
+
+
 def kda_chunked(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -53,7 +60,6 @@ def kda_chunked(
     g: torch.Tensor,
     beta: torch.Tensor,
     state: torch.Tensor,
-    chunk_size: int = 64,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One sequence, chunk-parallel. Shapes as `kda_reference`; returns (o [L,H,Dv], final state).
 
@@ -64,34 +70,83 @@ def kda_chunked(
         V_new   = U - W S_prev
         o_i     = (q_i * exp(G_i)) S_prev + sum_{j<=i} (q_i . k_j exp(G_i - G_j)) V_new_j
         S_next  = exp(G_last) * S_prev + sum_j (k_j exp(G_last - G_j)) V_new_j^T
-    The per-channel decay stays inside exp(G_i - G_j) (never exp(-G_j) alone), so long chunks
-    with strong decay do not overflow.
+    Everything that does not depend on S is computed for all chunks at once; only the
+    state hand-off runs chunk by chunk.
     """
-    length, heads, dk = k.shape
+    for size in CHUNK_SIZES:
+        chunks = _to_chunks(size, q, k, v, g, beta)
+        cum = chunks[3].cumsum(2)
+        if -float(cum[:, :, -1].min()) <= MAX_CHUNK_DECAY if cum.numel() else True:
+            out, state = _chunked_factored(*chunks[:3], cum, chunks[4], state)
+            return _from_chunks(out, q.shape[0]), state
+    return _chunked_exact(q, k, v, g, beta, state)
+
+
+def _to_chunks(size: int, *xs: torch.Tensor) -> list[torch.Tensor]:
+    """[L, H, ...] -> [H, N, size, ...], zero-padded at the end (zeros leave the state unchanged)."""
+    length = xs[0].shape[0]
+    pad = (-length) % size
+    out = []
+    for x in xs:
+        x = torch.nn.functional.pad(x, (0, 0) * (x.dim() - 1) + (0, pad))
+        x = x.view(-1, size, *x.shape[1:])  # [N, C, H, ...]
+        out.append(x.movedim(2, 0).contiguous())  # [H, N, C, ...]
+    return out
+
+
+def _from_chunks(out: torch.Tensor, length: int) -> torch.Tensor:
+    heads, n, c, dv = out.shape
+    return out.permute(1, 2, 0, 3).reshape(n * c, heads, dv)[:length]
+
+
+def _chunked_factored(q, k, v, cum, beta, state):
+    """q,k,v,cum: [H, N, C, D]; beta: [H, N, C]; state [H, Dk, Dv]."""
+    c = q.shape[2]
+    eye = torch.eye(c, dtype=q.dtype, device=q.device)
+    causal = torch.ones(c, c, dtype=torch.bool, device=q.device).tril(0)
+    decay, inv_decay = cum.exp(), (-cum).exp()
+    k_in = k * inv_decay
+    kb = k * beta.unsqueeze(-1)
+    a = ((kb * decay) @ k_in.transpose(-1, -2)).tril(-1)
+    t_inv = torch.linalg.solve_triangular(eye + a, eye.expand_as(a), upper=False, unitriangular=True)
+    u = t_inv @ (v * beta.unsqueeze(-1))
+    w = t_inv @ (kb * decay)
+    q_dec = q * decay
+    qk = (q_dec @ k_in.transpose(-1, -2)).masked_fill(~causal, 0.0)
+    last = cum[:, :, -1:, :]  # [H, N, 1, Dk]
+    k_to_end = (k * (last - cum).exp()).transpose(-1, -2)  # [H, N, Dk, C]
+    last_decay = last.transpose(-1, -2).exp()  # [H, N, Dk, 1]
+    out = torch.empty_like(u)
+    for n in range(q.shape[1]):
+        v_new = u[:, n] - w[:, n] @ state
+        out[:, n] = q_dec[:, n] @ state + qk[:, n] @ v_new
+        state = state * last_decay[:, n] + k_to_end[:, n] @ v_new
+    return out, state
+
+
+def _chunked_exact(q, k, v, g, beta, state, chunk_size: int = 16):
+    """The same recurrence with exp(G_i - G_j) formed directly: slower, safe for any decay."""
+    length, heads, _ = k.shape
     outs = []
-    eye = torch.eye(chunk_size, dtype=q.dtype, device=q.device)
-    strict = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).tril(-1)
-    causal = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).tril(0)
     for start in range(0, length, chunk_size):
         end = min(start + chunk_size, length)
         c = end - start
+        eye = torch.eye(c, dtype=q.dtype, device=q.device)
+        causal = torch.ones(c, c, dtype=torch.bool, device=q.device).tril(0)
         qc, kc, vc = (x[start:end].transpose(0, 1) for x in (q, k, v))  # [H, c, D]
         gc = g[start:end].transpose(0, 1).cumsum(1)  # [H, c, Dk]
         bc = beta[start:end].transpose(0, 1).unsqueeze(-1)  # [H, c, 1]
-        # diff[h,i,j,d] = G_i - G_j, masked to -inf above the diagonal before exp.
-        diff = gc.unsqueeze(2) - gc.unsqueeze(1)
-        decay = diff.masked_fill(~causal[:c, :c, None], float("-inf")).exp()
-        kk = torch.einsum("hid,hjd,hijd->hij", kc, kc, decay)
-        a = (bc * kk).masked_fill(~strict[:c, :c], 0.0)
-        t_inv = torch.linalg.solve_triangular(eye[:c, :c] + a, eye[:c, :c].expand(heads, c, c), upper=False, unitriangular=True)
+        decay = (gc.unsqueeze(2) - gc.unsqueeze(1)).masked_fill(~causal[:, :, None], float("-inf")).exp()
+        kk = (kc.unsqueeze(2) * kc.unsqueeze(1) * decay).sum(-1)
+        a = (bc * kk).tril(-1)
+        t_inv = torch.linalg.solve_triangular(eye + a, eye.expand(heads, c, c), upper=False, unitriangular=True)
         u = t_inv @ (bc * vc)
         w = t_inv @ (bc * kc * gc.exp())
         v_new = u - w @ state
-        qk = torch.einsum("hid,hjd,hijd->hij", qc, kc, decay)
-        out = (qc * gc.exp()) @ state + qk @ v_new
-        last = gc[:, -1:, :]  # [H,1,Dk]
+        qk = (qc.unsqueeze(2) * kc.unsqueeze(1) * decay).sum(-1)
+        outs.append(((qc * gc.exp()) @ state + qk @ v_new).transpose(0, 1))
+        last = gc[:, -1:, :]
         state = state * last.transpose(1, 2).exp() + (kc * (last - gc).exp()).transpose(1, 2) @ v_new
-        outs.append(out.transpose(0, 1))
     return torch.cat(outs, 0), state
 
 

@@ -49,7 +49,7 @@ class Indexer(nn.Module):
         parts = []
         nd = batch.num_decodes
         if nd:
-            parts.append(self._select(q[:nd], head_weights[:nd], pos[:nd], batch, torch.arange(nd), cache))
+            parts.append(self._select(q[:nd], head_weights[:nd], pos[:nd], batch, torch.arange(nd, device=x.device), cache))
         starts = batch.query_start
         for r in range(nd, batch.num_requests):
             s, e = starts[r], starts[r + 1]
@@ -67,7 +67,7 @@ class Indexer(nn.Module):
             return
         request = batch.request_index[done]
         last = batch.positions[done]
-        members = last.unsqueeze(1) - self.kpool + 1 + torch.arange(self.kpool)  # [N, P]
+        members = last.unsqueeze(1) - self.kpool + 1 + torch.arange(self.kpool, device=last.device)  # [N, P]
         rows = batch.rows_for_positions(request.unsqueeze(1).expand_as(members), members)
         pool_keys, pool_gates = cache.index_keys[rows].split(self.head_dim, dim=-1)
         probs = (pool_gates.float() + self.compress_ape.float()).softmax(dim=1).to(pool_keys.dtype)
@@ -82,7 +82,7 @@ class Indexer(nn.Module):
         """
         visible_pools = (query_pos + 1) // self.kpool
         num_pools = int(visible_pools.max())
-        pool_ids = torch.arange(num_pools)
+        pool_ids = torch.arange(num_pools, device=q.device)
         if isinstance(request, int):
             keys = cache.pool_keys[batch.pool_rows(request, pool_ids, self.kpool)].float().unsqueeze(0)
         else:
@@ -95,7 +95,7 @@ class Indexer(nn.Module):
         index_scores = index_scores.masked_fill(~visible, float("-inf"))
         chosen = index_scores.topk(min(self.max_pools, num_pools), dim=-1).indices
         chosen = chosen.masked_fill(~visible.gather(1, chosen), -1)
-        offsets = torch.arange(self.kpool)
+        offsets = torch.arange(self.kpool, device=q.device)
         positions = (chosen.unsqueeze(-1) * self.kpool + offsets).masked_fill(chosen.unsqueeze(-1) < 0, -1).flatten(1)
         if self.with_tail and self.kpool > 1:
             tail = visible_pools.unsqueeze(1) * self.kpool + offsets[:-1]

@@ -55,18 +55,20 @@ class Experts(nn.Module):
         order = flat.argsort(stable=True)
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
         token_of = order // top_k
+        pair_weight = weights.flatten()[order, None]
         routed = x[token_of]
-        out = torch.empty_like(routed)
+        out = torch.zeros_like(x)
         start = 0
         for expert, count in enumerate(counts):
             if count == 0:
                 continue
             seg = slice(start, start + count)
-            gate, up = F.linear(routed[seg], self.gate_up_proj[expert]).split(self.intermediate, dim=-1)
-            out[seg] = F.linear(clamped_swiglu(gate, up, self.swiglu_limit), self.down_proj[expert])
             start += count
-        scaled = (out * weights.flatten()[order, None]).to(x.dtype)
-        return torch.zeros_like(x).index_add_(0, token_of, scaled)
+            gate, up = F.linear(routed[seg], self.gate_up_proj[expert]).split(self.intermediate, dim=-1)
+            # The routing weight scales the (narrower) activation rather than the output.
+            act = (clamped_swiglu(gate, up, self.swiglu_limit) * pair_weight[seg]).to(x.dtype)
+            out.index_add_(0, token_of[seg], F.linear(act, self.down_proj[expert]))
+        return out
 
 
 class MoE(nn.Module):

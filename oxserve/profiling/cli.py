@@ -1,0 +1,76 @@
+"""`oxserve profile`: run a workload in-process with telemetry on; write trace.json and a report."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+from pathlib import Path
+
+import torch
+
+from oxserve.cli import add_engine_arguments, engine_config_from_args
+from oxserve.engine.engine import LLMEngine
+from oxserve.feedback.ceilings import load_or_measure_ceilings
+from oxserve.feedback.drive import PROMPT_MIN_TOKEN_ID, run_workload
+from oxserve.feedback.engine_options import changed_options
+from oxserve.feedback.workload import Arrival, load_workload
+from oxserve.profiling.analysis import analyse
+from oxserve.profiling.overhead import end_to_end_overhead, measure_span_cost, span_overhead
+from oxserve.profiling.report import build_report, write_report
+from oxserve.profiling.spans import group_spans
+from oxserve.profiling.trace import write_trace
+from oxserve.telemetry import Tracer
+
+
+def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
+    parser.add_argument("--workload", required=True, help="workload file, or the name of a shipped one (e.g. smoke)")
+    parser.add_argument("--out", type=Path, required=True, help="directory for trace.json, report.md, report.json")
+    parser.add_argument("--max-requests", type=int, default=None, help="profile only the first N requests of the workload")
+    parser.add_argument("--overhead-repeats", type=int, default=3,
+                        help="end-to-end overhead check: runs of a short segment with and without telemetry, each (0: skip)")
+    parser.add_argument("--ceilings", choices=("full", "quick", "none"), default="full",
+                        help="this machine's ceilings for the roofline: cached full measurement, quick one, or none")
+    add_engine_arguments(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    config = engine_config_from_args(args)
+    workload = load_workload(args.workload)
+    args.out.mkdir(parents=True, exist_ok=True)
+    engine = LLMEngine(config)
+    requests = workload.requests(engine.model_config.vocab_size, min_token_id=PROMPT_MIN_TOKEN_ID)
+    requests = requests[: args.max_requests]
+    # One short untraced request first: lazy initialisation is not what we want to see.
+    warm = dataclasses.replace(requests[0], sampling={**dict(requests[0].sampling), "max_tokens": 2})
+    run_workload(engine, [warm], Arrival(concurrency=1))
+
+    tracer = Tracer(engine.device)
+    engine.runner.tracer = tracer
+    result = run_workload(engine, requests, workload.arrival, tracer)
+    engine.runner.tracer = None
+    steps = group_spans(tracer.spans)
+    write_trace(steps, args.out / "trace.json", {"workload": workload.name, "model": str(engine.model_path)})
+
+    ceilings = None if args.ceilings == "none" else load_or_measure_ceilings(str(engine.device), quick=args.ceilings == "quick")
+    elem_bytes = torch.empty((), dtype=engine.dtype).element_size()
+    analysis = analyse(steps, engine.model_config, elem_bytes, ceilings)
+    step_durations = [s.dur_us for s in steps]
+    overhead = {"spans": span_overhead(measure_span_cost(), len(tracer.spans) / len(steps), statistics.median(step_durations))}
+    if args.overhead_repeats > 0:
+        overhead["end_to_end"] = end_to_end_overhead(engine, requests, workload.arrival, args.overhead_repeats)
+
+    metrics = result.metrics()
+    run_info = {
+        "model": str(engine.model_path), "dtype": config.model.dtype, "device": str(engine.device),
+        "workload": workload.name, "workload_spec": workload.to_dict(),
+        "engine_options": changed_options(config), "num_requests": len(requests),
+        "output_tokens": int(metrics["num_output_tokens"]), "wall_s": result.wall_s,
+        "output_tokens_per_s": metrics["output_tokens_per_s"], "metrics": metrics,
+    }
+    report = build_report(run_info, analysis, overhead, ceilings.to_dict() if ceilings else None)
+    md_path, json_path = write_report(report, args.out)
+    for line in report["headline"]:
+        print(line)
+    print(f"wrote {args.out / 'trace.json'}, {md_path}, {json_path}")
+    return 0

@@ -1,0 +1,146 @@
+"""The FastAPI application: routes, OpenAI-shaped errors, in-flight tracking and draining."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from oxserve.server.async_engine import AsyncEngine
+from oxserve.server.metrics import ServerMetrics
+from oxserve.server.protocol import APIError
+from oxserve.server.serving import RETRY_AFTER_S, OpenAIServing
+
+log = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 32 * 2**20
+
+
+class ServerState:
+    """Requests in flight and whether the server is draining (SIGTERM: finish, accept no more)."""
+
+    def __init__(self, engine: AsyncEngine):
+        self.engine = engine
+        self.draining = False
+        self.in_flight = 0
+        self.idle = asyncio.Event()
+        self.idle.set()
+
+    def enter(self) -> None:
+        self.in_flight += 1
+        self.idle.clear()
+
+    def leave(self) -> None:
+        self.in_flight -= 1
+        if self.in_flight == 0:
+            self.idle.set()
+
+    async def drain(self, timeout: float) -> None:
+        """Stop taking requests, let in-flight ones finish; past `timeout`, abort them."""
+        self.draining = True
+        log.info("draining: %d request(s) in flight, waiting up to %.0fs", self.in_flight, timeout)
+        try:
+            await asyncio.wait_for(self.idle.wait(), timeout)
+        except TimeoutError:
+            log.warning("drain timeout: aborting %d request(s)", self.in_flight)
+            self.engine.abort_all()
+            await asyncio.wait_for(self.idle.wait(), 10)
+        log.info("drained")
+
+
+class TrackRequests:
+    """ASGI middleware: counts API requests in flight (streams until their last byte) and
+    answers 503 once draining. A pure ASGI wrapper, so streaming and cancellation pass through."""
+
+    def __init__(self, app: ASGIApp, state: ServerState):
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+            return await self.app(scope, receive, send)
+        if self.state.draining:
+            error = APIError(503, "the server is shutting down; retry on another replica", "service_unavailable", None, "server_shutting_down")
+            return await _error_response(error)(scope, receive, send)
+        self.state.enter()
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.state.leave()
+
+
+def build_app(engine: AsyncEngine, model_name: str) -> FastAPI:
+    metrics = ServerMetrics(lambda: engine.snapshot)
+    engine.metrics = metrics
+    serving = OpenAIServing(engine, model_name)
+    state = ServerState(engine)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine.start()
+        yield
+        await engine.stop()
+
+    app = FastAPI(title="oxserve", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.server = state
+    app.add_middleware(TrackRequests, state=state)
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, e: APIError) -> Response:
+        return _error_response(e)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException) -> Response:
+        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        return _error_response(APIError(e.status_code, str(e.detail), kind))
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, e: Exception) -> Response:
+        log.exception("unhandled error on %s", request.url.path)
+        return _error_response(APIError(500, f"internal server error: {e!r}", "server_error"))
+
+    @app.get("/health")
+    async def health() -> Response:
+        ok = engine.is_alive and not state.draining
+        return Response(status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        card = {"id": model_name, "object": "model", "created": int(time.time()), "owned_by": "oxserve",
+                "root": str(engine.model_path), "max_model_len": engine.max_model_len}  # fmt: skip
+        return {"object": "list", "data": [card]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await serving.completions(await read_body(request), request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await serving.chat(await read_body(request), request)
+
+    return app
+
+
+async def read_body(request: Request) -> bytes:
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > MAX_BODY_BYTES:
+            raise APIError(413, f"the request body exceeds {MAX_BODY_BYTES} bytes", "invalid_request_error", None, "request_too_large")
+    return bytes(body)
+
+
+def _error_response(e: APIError) -> JSONResponse:
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if e.status in (429, 503) else None
+    return JSONResponse(e.body(), status_code=e.status, headers=headers)

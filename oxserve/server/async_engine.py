@@ -1,0 +1,284 @@
+"""The engine behind asyncio: one engine thread owns `LLMEngine`; queues carry the rest.
+
+    event loop thread                              engine thread (the only one calling LLMEngine)
+    -----------------                              ----------------------------------------------
+    submit(requests) --- _Submit ---> commands ---> add_request for each (all or none)
+    RequestGroup.abort() - _Abort --> (queue.Queue)  abort_request
+                                                    step() -> [RequestOutput]
+    RequestGroup.queue <-- _deliver(batch) <------- loop.call_soon_threadsafe, once per step
+
+Commands are applied between steps, so an abort (a client that went away) takes effect
+within one engine step and frees the request's cache. One API request becomes a
+`RequestGroup`: its engine requests (n choices x prompts) are admitted together or not at
+all, and their outputs arrive on one asyncio queue tagged with the choice index.
+
+An exception in `step()` fails the requests that were running in that step (their cache
+state may be half-written) and the loop goes on serving the others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator, Protocol
+
+from oxserve.engine.engine import LLMEngine, Prompt
+from oxserve.outputs import RequestOutput
+from oxserve.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+EngineRequest = tuple[str, Prompt, SamplingParams]  # (request id, prompt, params with n == 1)
+
+
+class QueueFullError(Exception):
+    """The waiting queue is at `max_waiting`; the client should retry later (HTTP 429)."""
+
+
+class EngineError(Exception):
+    """A request failed inside the engine (HTTP 500); the engine keeps serving."""
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """Engine counters, published by the engine thread after every loop turn."""
+
+    running: int = 0
+    waiting: int = 0
+    cache_usage: float = 0.0
+    preemptions: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+
+
+@dataclass
+class RequestTiming:
+    arrival: float
+    first_token: float | None = None
+
+
+class MetricsSink(Protocol):
+    def observe_finished(self, timing: RequestTiming, output: RequestOutput, now: float) -> None: ...
+
+
+class RequestGroup:
+    """The engine requests behind one API request, read as one stream of (index, output)."""
+
+    def __init__(self, requests: list[EngineRequest], engine: "AsyncEngine"):
+        self.request_ids = [rid for rid, _, _ in requests]
+        self.requests = requests
+        now = time.monotonic()
+        self.timings = [RequestTiming(now) for _ in requests]
+        self.queue: asyncio.Queue[tuple[int, RequestOutput | BaseException]] = asyncio.Queue()
+        self.admitted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._engine = engine
+        self._unfinished = set(range(len(requests)))
+
+    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        while self._unfinished:
+            index, item = await self.queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            if item.finished:
+                self._unfinished.discard(index)
+            yield index, item
+
+    def resolve_admission(self, error: BaseException | None) -> None:
+        if self.admitted.done():  # the submitter was cancelled meanwhile; its abort is queued
+            return
+        if error is None:
+            self.admitted.set_result(None)
+        else:
+            self._unfinished = set()  # nothing of it reached the engine
+            self.admitted.set_exception(error)
+
+    def abort(self) -> None:
+        """Abort what is still running; a no-op once every request has finished."""
+        if self._unfinished:
+            self._engine._commands.put(_Abort([self.request_ids[i] for i in self._unfinished]))
+            self._unfinished = set()
+
+
+@dataclass
+class _Submit:
+    group: RequestGroup
+
+
+@dataclass
+class _Abort:
+    request_ids: list[str] | None  # None: every request
+
+
+_STOP = object()
+
+
+@dataclass
+class _Owner:
+    group: RequestGroup
+    index: int
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, max_waiting: int, metrics: MetricsSink | None = None):
+        if max_waiting < 1:
+            raise ValueError(f"max_waiting must be >= 1, got {max_waiting}")
+        self._engine = engine  # touched by the engine thread only, after start()
+        self.max_waiting = max_waiting
+        self.metrics = metrics
+        # Fixed at construction, safe to read from any thread:
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.max_model_len
+        self.model_path = engine.model_path
+        self.snapshot = EngineSnapshot()
+        self._commands: queue.Queue = queue.Queue()
+        self._owners: dict[str, _Owner] = {}  # engine thread only
+        self._thread = threading.Thread(target=self._run, name="oxserve-engine", daemon=True)
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    # ---- event loop side ----------------------------------------------------------------
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread.start()
+
+    async def stop(self) -> None:
+        """Abort whatever is left and end the engine thread."""
+        self._commands.put(_STOP)
+        await asyncio.to_thread(self._thread.join)
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    async def submit(self, requests: list[EngineRequest]) -> RequestGroup:
+        """Queue the requests; returns once the engine admitted them all.
+
+        Raises ValueError (bad input), QueueFullError or EngineError; then nothing is queued.
+        """
+        group = RequestGroup(requests, self)
+        self._commands.put(_Submit(group))
+        try:
+            await group.admitted
+        except asyncio.CancelledError:
+            group.abort()  # queued behind the submit, so it runs after the requests were added
+            raise
+        return group
+
+    def abort_all(self) -> None:
+        self._commands.put(_Abort(None))
+
+    def _deliver(self, batch: list[tuple[RequestGroup, int, RequestOutput | BaseException]]) -> None:
+        now = time.monotonic()
+        for group, index, item in batch:
+            timing = group.timings[index]
+            if isinstance(item, RequestOutput):
+                if timing.first_token is None and item.outputs[0].token_ids:
+                    timing.first_token = now
+                if item.finished and self.metrics is not None:
+                    self.metrics.observe_finished(timing, item, now)
+            group.queue.put_nowait((index, item))
+
+    # ---- engine thread ------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            for command in self._take_commands(block=not self._engine.has_unfinished_requests()):
+                if command is _STOP:
+                    self._abort(None)
+                    return
+                try:
+                    self._apply(command)
+                except Exception:
+                    log.exception("engine command %r failed", command)
+            if self._engine.has_unfinished_requests():
+                self._step()
+            self.snapshot = self._snapshot()
+
+    def _take_commands(self, block: bool) -> list:
+        commands = [self._commands.get()] if block else []
+        while True:
+            try:
+                commands.append(self._commands.get_nowait())
+            except queue.Empty:
+                return commands
+
+    def _apply(self, command: _Submit | _Abort) -> None:
+        if isinstance(command, _Abort):
+            self._abort(command.request_ids)
+        else:
+            self._post(command.group.resolve_admission, self._add(command.group))
+
+    def _add(self, group: RequestGroup) -> BaseException | None:
+        """Add every request of the group, or none of them; returns the error if any."""
+        need, waiting = len(group.requests), len(self._engine.scheduler.waiting)
+        if need > self.max_waiting:
+            return ValueError(f"this request needs {need} queue places; the server allows {self.max_waiting}")
+        if waiting + need > self.max_waiting:
+            return QueueFullError(f"the waiting queue is full ({waiting} of {self.max_waiting} places taken); retry later")
+        added: list[str] = []
+        try:
+            for rid, prompt, params in group.requests:
+                self._engine.add_request(rid, prompt, params)
+                added.append(rid)
+        except Exception as e:
+            for rid in added:
+                self._engine.abort_request(rid)
+            if isinstance(e, ValueError):
+                return e
+            log.exception("%s: adding the request failed", group.request_ids[0])
+            return EngineError(f"the engine could not add the request: {e}")
+        for index, rid in enumerate(added):
+            self._owners[rid] = _Owner(group, index)
+        return None
+
+    def _abort(self, request_ids: list[str] | None) -> None:
+        batch = []
+        for rid in list(self._owners) if request_ids is None else request_ids:
+            owner = self._owners.pop(rid, None)
+            output = self._engine.abort_request(rid)
+            if owner is not None and output is not None:
+                batch.append((owner.group, owner.index, output))
+        if batch:
+            self._post(self._deliver, batch)
+
+    def _step(self) -> None:
+        try:
+            outputs = self._engine.step()
+        except Exception as e:
+            failed = [r.request_id for r in self._engine.scheduler.running]
+            log.exception("engine step failed; failing the requests in it: %s", ", ".join(failed))
+            self._fail(failed, e)
+            return
+        batch = []
+        for out in outputs:
+            owner = self._owners.pop(out.request_id) if out.finished else self._owners[out.request_id]
+            batch.append((owner.group, owner.index, out))
+        self._post(self._deliver, batch)
+
+    def _fail(self, request_ids: list[str], error: Exception) -> None:
+        batch = []
+        for rid in request_ids:
+            try:
+                self._engine.abort_request(rid)
+            except Exception:
+                log.exception("%s: aborting after a failed step failed too", rid)
+            if (owner := self._owners.pop(rid, None)) is not None:
+                batch.append((owner.group, owner.index, EngineError(f"the engine failed while running this request: {error!r}")))
+        self._post(self._deliver, batch)
+
+    def _post(self, fn, *args) -> None:
+        assert self._loop is not None
+        self._loop.call_soon_threadsafe(fn, *args)
+
+    def _snapshot(self) -> EngineSnapshot:
+        engine = self._engine
+        return EngineSnapshot(
+            running=len(engine.scheduler.running),
+            waiting=len(engine.scheduler.waiting),
+            cache_usage=engine.cache.usage,
+            preemptions=engine.scheduler.num_preemptions,
+            prompt_tokens=engine.stats["prompt_tokens"],
+            generation_tokens=engine.stats["generation_tokens"],
+        )

@@ -1,0 +1,79 @@
+"""`oxserve serve`: the OpenAI-compatible HTTP server.
+
+SIGTERM (or Ctrl-C) drains: new requests get 503, requests in flight finish (up to
+`--shutdown-timeout`, then they are aborted), and the process exits 0. A second signal
+stops at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+from types import FrameType
+
+import uvicorn
+
+from oxserve.cli import add_engine_arguments, engine_config_from_args
+from oxserve.engine.engine import LLMEngine
+from oxserve.server.app import ServerState, build_app
+from oxserve.server.async_engine import AsyncEngine
+
+log = logging.getLogger("oxserve.server")
+
+
+def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
+    group = parser.add_argument_group("server options")
+    group.add_argument("--host", default="127.0.0.1", help="address to listen on; 0.0.0.0 for all (default: %(default)s)")
+    group.add_argument("--port", type=int, default=8000, help="(default: %(default)s)")
+    group.add_argument("--served-model-name", default=None, help="model name in the API (default: --model, or 'oxserve-default')")
+    group.add_argument("--max-waiting", type=int, default=256,
+                       help="requests that may wait for a batch slot; beyond it, 429 with Retry-After (default: %(default)s)")  # fmt: skip
+    group.add_argument("--shutdown-timeout", type=float, default=30.0,
+                       help="on SIGTERM, seconds to let in-flight requests finish before aborting them (default: %(default)s)")  # fmt: skip
+    group.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"), help="(default: %(default)s)")
+    group.add_argument("--no-access-log", dest="access_log", action="store_false", help="do not log one line per HTTP request")
+    add_engine_arguments(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.max_waiting < 1:
+        raise SystemExit(f"--max-waiting must be >= 1, got {args.max_waiting}")
+    engine = LLMEngine(engine_config_from_args(args))
+    model_name = args.served_model_name or args.model or "oxserve-default"
+    log.info("serving %s (%s) as %r, max_model_len %d", engine.model_path, args.dtype, model_name, engine.max_model_len)
+    app = build_app(AsyncEngine(engine, args.max_waiting), model_name)
+    config = uvicorn.Config(
+        app, host=args.host, port=args.port, log_level=args.log_level, access_log=args.access_log,
+        timeout_graceful_shutdown=5, log_config=None,  # keep the logging set up above
+    )  # fmt: skip
+    server = DrainingServer(config, app.state.server, args.shutdown_timeout)
+    server.run()
+    return 0 if server.started else 1
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn, except that the first SIGTERM/SIGINT drains instead of closing the socket."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState, timeout: float):
+        super().__init__(config)
+        self.state = state
+        self.timeout = timeout
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def serve(self, sockets=None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.state.draining or self._loop is None:
+            return super().handle_exit(sig, frame)  # a second signal: stop now
+        log.info("received %s", signal.Signals(sig).name)
+        self.state.draining = True  # from here on new requests get 503
+        self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain()))
+
+    async def _drain(self) -> None:
+        await self.state.drain(self.timeout)
+        self.should_exit = True

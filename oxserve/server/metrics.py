@@ -1,0 +1,67 @@
+"""Prometheus metrics (vLLM's names under the `oxserve:` prefix).
+
+Engine gauges and counters are read from the engine thread's latest `EngineSnapshot` at
+scrape time, so nothing is counted twice; latency histograms are observed on the event
+loop when a request's last output arrives. Each server has its own registry.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from oxserve.outputs import RequestOutput
+from oxserve.server.async_engine import EngineSnapshot, RequestTiming
+
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
+TOKEN_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
+
+
+class ServerMetrics:
+    def __init__(self, snapshot: Callable[[], EngineSnapshot]):
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineCollector(snapshot))
+        self.ttft = Histogram(
+            "oxserve:time_to_first_token_seconds", "Time from arrival to the first generated token.",
+            buckets=LATENCY_BUCKETS, registry=self.registry,
+        )
+        self.tpot = Histogram(
+            "oxserve:time_per_output_token_seconds", "Mean time per output token after the first, per request.",
+            buckets=TOKEN_LATENCY_BUCKETS, registry=self.registry,
+        )
+        self.e2e = Histogram(
+            "oxserve:e2e_request_latency_seconds", "Time from arrival to the last token.",
+            buckets=LATENCY_BUCKETS, registry=self.registry,
+        )
+        self.finished = Counter(
+            "oxserve:request_success", "Finished requests by finish reason.", ["finished_reason"], registry=self.registry
+        )
+
+    def observe_finished(self, timing: RequestTiming, output: RequestOutput, now: float) -> None:
+        completion = output.outputs[0]
+        self.finished.labels(completion.finish_reason).inc()
+        if completion.finish_reason == "abort" or timing.first_token is None:
+            return  # a cut-off request says nothing about latency
+        self.ttft.observe(timing.first_token - timing.arrival)
+        self.e2e.observe(now - timing.arrival)
+        if len(completion.token_ids) > 1:
+            self.tpot.observe((now - timing.first_token) / (len(completion.token_ids) - 1))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _EngineCollector:
+    def __init__(self, snapshot: Callable[[], EngineSnapshot]):
+        self.snapshot = snapshot
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.snapshot()
+        yield GaugeMetricFamily("oxserve:num_requests_running", "Requests in the running batch.", value=s.running)
+        yield GaugeMetricFamily("oxserve:num_requests_waiting", "Requests waiting to be scheduled.", value=s.waiting)
+        yield GaugeMetricFamily("oxserve:kv_cache_usage_perc", "Fraction of cache blocks in use (0-1).", value=s.cache_usage)
+        yield CounterMetricFamily("oxserve:num_preemptions", "Preemptions (recompute) so far.", value=s.preemptions)
+        yield CounterMetricFamily("oxserve:prompt_tokens", "Prompt tokens prefilled.", value=s.prompt_tokens)
+        yield CounterMetricFamily("oxserve:generation_tokens", "Tokens generated.", value=s.generation_tokens)

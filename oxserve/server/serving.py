@@ -1,0 +1,343 @@
+"""The two generation endpoints: API request -> engine requests -> JSON response or SSE stream.
+
+One API request becomes `len(prompts) * n` engine requests; choice i is prompt i // n,
+sample i % n, with seed + (i % n) when a seed is given (as `LLM.generate` does), so each
+choice is reproducible on its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass, replace
+from typing import Any, AsyncIterator
+
+import jinja2
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from oxserve.outputs import CompletionOutput, RequestOutput
+from oxserve.sampling_params import SamplingParams
+from oxserve.server.async_engine import AsyncEngine, EngineError, EngineRequest, QueueFullError, RequestGroup
+from oxserve.server.logprobs import LogprobFormatter
+from oxserve.server.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    bad_request,
+    parse_body,
+)
+
+log = logging.getLogger(__name__)
+
+RETRY_AFTER_S = 1
+
+
+@dataclass
+class Job:
+    """One API request, tokenized and validated, as the engine requests it becomes."""
+
+    response_id: str
+    model: str
+    params: SamplingParams
+    prompts: list[list[int]]
+    created: int
+
+    @property
+    def num_choices(self) -> int:
+        return len(self.prompts) * self.params.n
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+    def engine_requests(self) -> list[EngineRequest]:
+        n, seed = self.params.n, self.params.seed
+        requests = []
+        for i in range(self.num_choices):
+            rid = self.response_id if self.num_choices == 1 else f"{self.response_id}-{i}"
+            params = replace(self.params, n=1, seed=None if seed is None else seed + i % n)
+            requests.append((rid, self.prompts[i // n], params))
+        return requests
+
+    def usage(self, completion_tokens: int) -> dict[str, int]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": self.prompt_tokens + completion_tokens,
+        }
+
+
+class TextDeltas:
+    """What one choice has sent so far, and the next delta of the engine's growing text.
+
+    A stop string is cut from the text once it is complete; until then its possible start
+    at the end of the text is held back, so no text is ever sent and then retracted.
+    """
+
+    def __init__(self, params: SamplingParams):
+        longest = max((len(s) for s in params.stop), default=0)
+        self.holdback = 0 if params.include_stop_str_in_output else max(longest - 1, 0)
+        self.text_sent = 0
+        self.tokens_sent = 0
+
+    def next(self, out: CompletionOutput) -> tuple[str, list[int], list[dict[int, float]] | None]:
+        end = len(out.text) if out.finished else len(out.text) - self.holdback
+        end = max(end, self.text_sent)
+        text = out.text[self.text_sent : end]
+        start = self.tokens_sent
+        self.text_sent, self.tokens_sent = end, len(out.token_ids)
+        logprobs = out.logprobs[start:] if out.logprobs is not None else None
+        return text, out.token_ids[start:], logprobs
+
+
+class EngineStreamResponse(StreamingResponse):
+    """An SSE response that aborts its engine requests however it ends (client gone included)."""
+
+    def __init__(self, content: AsyncIterator[str], group: RequestGroup):
+        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.group = group
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.group.abort()
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncEngine, model_name: str):
+        self.engine = engine
+        self.model_name = model_name
+
+    # ---- /v1/completions ----------------------------------------------------------------
+    async def completions(self, body: bytes, raw: Request) -> Response:
+        req: CompletionRequest = parse_body(CompletionRequest, body)
+        self._check_model(req.model)
+        params = req.to_sampling_params()
+        prompts = [await self._prompt_ids(p, params.max_tokens, "prompt") for p in req.prompts()]
+        job = Job(f"cmpl-{uuid.uuid4().hex}", self.model_name, params, prompts, int(time.time()))
+        fmt = LogprobFormatter(self.engine.tokenizer, req.return_tokens_as_token_ids)
+        group = await self._submit(job, req.stream)
+
+        if req.stream:
+            deltas = [TextDeltas(params) for _ in range(job.num_choices)]
+
+            def render(i: int, c: CompletionOutput) -> dict | None:
+                offset = deltas[i].text_sent
+                text, token_ids, logprobs = deltas[i].next(c)
+                if not (text or c.finished or (logprobs and token_ids)):
+                    return None
+                lp = fmt.completion(token_ids, logprobs, offset) if logprobs is not None else None
+                return _choice(i, c, text=text, logprobs=lp)
+
+            stream = self._sse(job, group, "text_completion", req.include_usage, None, render)
+            return EngineStreamResponse(stream, group)
+
+        finals = await self._collect(job, group, raw)
+        if finals is None:
+            return Response(status_code=499)  # the client is gone; nobody reads this
+        choices = []
+        for i, out in enumerate(finals):
+            c = out.outputs[0]
+            logprobs = fmt.completion(c.token_ids, c.logprobs, 0) if c.logprobs is not None else None
+            choices.append(_choice(i, c, text=c.text, logprobs=logprobs))
+        return _json(job, "text_completion", choices, finals)
+
+    # ---- /v1/chat/completions -----------------------------------------------------------
+    async def chat(self, body: bytes, raw: Request) -> Response:
+        req: ChatCompletionRequest = parse_body(ChatCompletionRequest, body)
+        self._check_model(req.model)
+        params = req.to_sampling_params()
+        prompt = await self._prompt_ids(self._render_chat(req), params.max_tokens, "messages")
+        job = Job(f"chatcmpl-{uuid.uuid4().hex}", self.model_name, params, [prompt], int(time.time()))
+        fmt = LogprobFormatter(self.engine.tokenizer, req.return_tokens_as_token_ids)
+        top_k = req.top_logprobs or 0
+        group = await self._submit(job, req.stream)
+
+        if req.stream:
+            deltas = [TextDeltas(params) for _ in range(job.num_choices)]
+
+            def render(i: int, c: CompletionOutput) -> dict | None:
+                text, token_ids, logprobs = deltas[i].next(c)
+                if not (text or c.finished or (logprobs and token_ids)):
+                    return None
+                lp = fmt.chat(token_ids, logprobs, top_k) if logprobs is not None else None
+                return _choice(i, c, delta={"content": text} if text else {}, logprobs=lp)
+
+            # OpenAI opens every choice with the role, before any token exists.
+            opening = [_choice(i, None, delta={"role": "assistant", "content": ""}, logprobs=None) for i in range(job.num_choices)]
+            stream = self._sse(job, group, "chat.completion.chunk", req.include_usage, opening, render)
+            return EngineStreamResponse(stream, group)
+
+        finals = await self._collect(job, group, raw)
+        if finals is None:
+            return Response(status_code=499)
+        choices = []
+        for i, out in enumerate(finals):
+            c = out.outputs[0]
+            logprobs = fmt.chat(c.token_ids, c.logprobs, top_k) if c.logprobs is not None else None
+            choices.append(_choice(i, c, message={"role": "assistant", "content": c.text}, logprobs=logprobs))
+        return _json(job, "chat.completion", choices, finals)
+
+    def _render_chat(self, req: ChatCompletionRequest) -> str:
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None:
+            raise bad_request("this model has no tokenizer, so no chat template; use /v1/completions with token ids")
+        messages = [m.template_dict() for m in req.messages]
+        try:
+            return tokenizer.apply_chat_template(messages, req.add_generation_prompt, **(req.chat_template_kwargs or {}))
+        except (ValueError, TypeError, jinja2.TemplateError) as e:
+            raise bad_request(f"the chat template failed on these messages: {e}", "messages") from None
+
+    # ---- shared -------------------------------------------------------------------------
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"The model `{model}` does not exist; this server serves `{self.model_name}`.",
+                           "invalid_request_error", "model", "model_not_found")  # fmt: skip
+
+    async def _prompt_ids(self, prompt: str | list[int], max_tokens: int | None, param: str) -> list[int]:
+        if isinstance(prompt, str):
+            if self.engine.tokenizer is None:
+                raise bad_request("this model has no tokenizer; send the prompt as a list of token ids", param)
+            ids = await asyncio.to_thread(self.engine.tokenizer.encode, prompt)  # long texts would stall the loop
+        else:
+            ids = prompt
+        limit = self.engine.max_model_len
+        if not ids:
+            raise bad_request("the prompt is empty", param)
+        if len(ids) >= limit:
+            raise bad_request(
+                f"This model's maximum context length is {limit} tokens; the prompt has {len(ids)} tokens, "
+                "which leaves no room for a completion. Shorten the prompt.", param,
+            )  # fmt: skip
+        if max_tokens is not None and len(ids) + max_tokens > limit:
+            raise bad_request(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{len(ids) + max_tokens} tokens ({len(ids)} in the prompt, {max_tokens} for the completion). "
+                "Reduce the prompt or max_tokens.", "max_tokens",
+            )  # fmt: skip
+        return ids
+
+    async def _submit(self, job: Job, stream: bool) -> RequestGroup:
+        p = job.params
+        log.info("%s: %d prompt(s), %d prompt tokens, n=%d, max_tokens=%s, temperature=%s, stream=%s",
+                 job.response_id, len(job.prompts), job.prompt_tokens, p.n, p.max_tokens, p.temperature, stream)  # fmt: skip
+        try:
+            return await self.engine.submit(job.engine_requests())
+        except (ValueError, QueueFullError, EngineError) as e:
+            error = engine_error(e)
+            log.info("%s: rejected (%d): %s", job.response_id, error.status, error.message)
+            raise error from None
+
+    async def _collect(self, job: Job, group: RequestGroup, raw: Request) -> list[RequestOutput] | None:
+        """Every choice's final output, or None if the client disconnected first (then aborted)."""
+
+        async def collect() -> list[RequestOutput]:
+            finals: list[RequestOutput] = [None] * job.num_choices  # type: ignore[list-item]
+            async for i, out in group.outputs():
+                if out.finished:
+                    finals[i] = out
+            return finals
+
+        start = time.monotonic()
+        try:
+            finals = await until_disconnected(raw, collect())
+        except EngineError as e:
+            raise engine_error(e) from None
+        finally:
+            group.abort()
+        if finals is None:
+            log.info("%s: client disconnected; aborted", job.response_id)
+        else:
+            _log_finished(job, finals, time.monotonic() - start)
+        return finals
+
+    async def _sse(
+        self, job: Job, group: RequestGroup, kind: str, usage: bool, opening: list[dict] | None, render
+    ) -> AsyncIterator[str]:
+        """SSE events: the opening chunk, one chunk per rendered delta, the usage chunk, [DONE].
+
+        An engine failure mid-stream ends it with an error event (as vLLM does); the status
+        line is long gone by then.
+        """
+        start = time.monotonic()
+        finals: list[RequestOutput] = []
+        if opening:
+            yield _sse(_chunk(job, kind, opening, usage))
+        try:
+            async for i, out in group.outputs():
+                if out.finished:
+                    finals.append(out)
+                if (choice := render(i, out.outputs[0])) is not None:
+                    yield _sse(_chunk(job, kind, [choice], usage))
+        except EngineError as e:
+            error = engine_error(e)
+            log.info("%s: failed mid-stream: %s", job.response_id, error.message)
+            yield _sse(error.body())
+        else:
+            _log_finished(job, finals, time.monotonic() - start)
+            if usage:
+                tokens = sum(len(f.outputs[0].token_ids) for f in finals)
+                yield _sse({**_chunk(job, kind, [], False), "usage": job.usage(tokens)})
+        yield "data: [DONE]\n\n"
+
+
+def engine_error(e: Exception) -> APIError:
+    if isinstance(e, QueueFullError):
+        return APIError(429, str(e), "requests", None, "rate_limit_exceeded")
+    if isinstance(e, EngineError):
+        return APIError(500, str(e), "server_error")
+    return bad_request(str(e))
+
+
+async def until_disconnected(raw: Request, work) -> Any:
+    """Runs `work` to its result, or cancels it and returns None when the client disconnects."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(raw))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    return task.result() if task.done() and not task.cancelled() else None
+
+
+async def _disconnected(raw: Request) -> None:
+    # The body is read already, so the next ASGI message can only be the disconnect.
+    while (await raw.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _choice(index: int, c: CompletionOutput | None, **fields: Any) -> dict[str, Any]:
+    finish = c.finish_reason if c is not None else None
+    stop_reason = c.stop_reason if c is not None else None
+    return {"index": index, **fields, "finish_reason": finish, "stop_reason": stop_reason}
+
+
+def _chunk(job: Job, kind: str, choices: list[dict], usage_field: bool) -> dict[str, Any]:
+    chunk = {"id": job.response_id, "object": kind, "created": job.created, "model": job.model, "choices": choices}
+    if usage_field:
+        chunk["usage"] = None  # OpenAI: null on every chunk but the last when include_usage is set
+    return chunk
+
+
+def _json(job: Job, kind: str, choices: list[dict], finals: list[RequestOutput]) -> JSONResponse:
+    tokens = sum(len(f.outputs[0].token_ids) for f in finals)
+    body = {"id": job.response_id, "object": kind, "created": job.created, "model": job.model,
+            "choices": choices, "usage": job.usage(tokens)}  # fmt: skip
+    return JSONResponse(body)
+
+
+def _sse(data: dict[str, Any]) -> str:
+    return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
+
+
+def _log_finished(job: Job, finals: list[RequestOutput], seconds: float) -> None:
+    tokens = sum(len(f.outputs[0].token_ids) for f in finals)
+    reasons = ",".join(sorted({str(f.outputs[0].finish_reason) for f in finals}))
+    log.info("%s: finished in %.2fs, %d completion tokens (%s)", job.response_id, seconds, tokens, reasons)

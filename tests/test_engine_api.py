@@ -1,0 +1,150 @@
+"""The Python API and engine behaviour: validation, stopping, sampling controls, abort."""
+
+from __future__ import annotations
+
+import pytest
+
+from oxserve import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dir) -> LLM:
+    return LLM(model=str(tiny_model_dir), dtype="float32", max_model_len=256)
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: SamplingParams(max_tokens=0),
+        lambda: SamplingParams(max_tokens=-3),
+        lambda: SamplingParams(temperature=-0.5),
+        lambda: SamplingParams(top_p=0.0),
+        lambda: SamplingParams(top_p=1.5),
+        lambda: SamplingParams(top_k=-2),
+        lambda: SamplingParams(min_p=1.2),
+        lambda: SamplingParams(presence_penalty=3.0),
+        lambda: SamplingParams(frequency_penalty=-2.5),
+        lambda: SamplingParams(repetition_penalty=0.0),
+        lambda: SamplingParams(logprobs=-1),
+        lambda: SamplingParams(n=0),
+        lambda: SamplingParams(stop=[""]),
+    ],
+)
+def test_out_of_range_sampling_values_are_rejected(make):
+    with pytest.raises(ValueError) as err:
+        make()
+    assert "must" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "prompt,needle",
+    [
+        ("", "empty"),
+        ({"prompt_token_ids": []}, "empty"),
+        ({"prompt_token_ids": [5, 8192, 7]}, "outside the vocabulary"),
+        ({"prompt_token_ids": [5, -1]}, "outside the vocabulary"),
+        ({"prompt_token_ids": list(range(10, 300))}, "max_model_len"),
+        ({"prompt_token_ids": [1.5, 2]}, "integers"),
+        ({"nothing": 1}, "prompt_token_ids"),
+        (3.14, "prompt is"),
+    ],
+)
+def test_bad_prompts_raise_and_in_flight_requests_finish(llm, prompt, needle):
+    engine = llm.engine
+    good = [{"prompt_token_ids": [11, 12, 13, 14]}, "a second prompt"]
+    alone = llm.generate(good, GREEDY)
+    ids = [engine.add_request(None, p, GREEDY) for p in good]
+    engine.step()
+    with pytest.raises(ValueError) as err:
+        engine.add_request(None, prompt, GREEDY)
+    assert needle in str(err.value)
+    with pytest.raises(ValueError):
+        llm.generate([good[0], prompt], GREEDY)  # validated up front: nothing queued
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    assert [done[i].outputs[0].token_ids for i in ids] == [a.outputs[0].token_ids for a in alone]
+    assert engine.cache.num_holders == 0 and engine.cache.blocks.num_free == engine.cache.blocks.num_blocks
+
+
+def test_generation_stops_at_max_model_len(llm):
+    out = llm.generate({"prompt_token_ids": list(range(10, 250))}, SamplingParams(max_tokens=100, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 16 and out[0].outputs[0].finish_reason == "length"
+
+
+def test_stop_string_cuts_the_text(llm):
+    prompt = "the quick brown fox"
+    base = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))[0].outputs[0]
+    text = base.text
+    assert len(text) > 6
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    out = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, stop=[stop]))[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == text[: text.index(stop)]
+    kept = llm.generate(
+        prompt, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, stop=[stop], include_stop_str_in_output=True)
+    )[0].outputs[0]
+    assert kept.text == text[: text.index(stop) + len(stop)]
+
+
+def test_stop_token_ids_and_eos(llm):
+    base = llm.generate("hello", GREEDY)[0].outputs[0].token_ids
+    stop_id = base[5]
+    out = llm.generate("hello", SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop_token_ids=[stop_id]))
+    completion = out[0].outputs[0]
+    assert completion.finish_reason == "stop" and completion.stop_reason == stop_id
+    assert completion.token_ids == base[: base.index(stop_id) + 1]
+
+
+def test_logprobs_hold_the_sampled_token_and_top_n(llm):
+    out = llm.generate("logprobs", SamplingParams(temperature=0.8, max_tokens=8, logprobs=3, seed=1))[0].outputs[0]
+    assert len(out.logprobs) == len(out.token_ids)
+    for token, lp in zip(out.token_ids, out.logprobs):
+        assert token in lp and 3 <= len(lp) <= 4
+        assert all(v <= 0.0 for v in lp.values())
+
+
+def test_seeded_sampling_repeats_and_n_children_differ(llm):
+    params = SamplingParams(temperature=1.0, max_tokens=12, seed=42, n=3, ignore_eos=True)
+    first = llm.generate("seeded", params)[0]
+    second = llm.generate("seeded", params)[0]
+    assert [c.token_ids for c in first.outputs] == [c.token_ids for c in second.outputs]
+    assert len({tuple(c.token_ids) for c in first.outputs}) > 1
+    assert [c.index for c in first.outputs] == [0, 1, 2]
+
+
+def test_chat_applies_the_template(llm):
+    out = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=4, temperature=0.0))
+    expected = llm.tokenizer.encode(llm.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}]))
+    assert out[0].prompt_token_ids == expected
+    assert llm.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}]).endswith("<|assistant|>\n")
+
+
+def test_abort_frees_the_request(llm):
+    engine = llm.engine
+    a = engine.add_request(None, "keep going", GREEDY)
+    b = engine.add_request(None, "stop me", SamplingParams(max_tokens=200, ignore_eos=True))
+    engine.step()
+    aborted = engine.abort_request(b)
+    assert aborted.finished and aborted.outputs[0].finish_reason == "abort"
+    assert engine.abort_request(b) is None
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.cache.num_holders == 0
+    assert a not in engine.requests
+
+
+def test_deterministic_mode_is_batch_invariant(tiny_model_dir):
+    llm = LLM(model=str(tiny_model_dir), dtype="float32", deterministic=True, max_num_batched_tokens=64)
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=2)
+    target = {"prompt_token_ids": list(range(100, 140))}
+    alone = llm.generate(target, params)[0].outputs[0]
+    crowd = llm.generate([{"prompt_token_ids": list(range(200, 200 + n))} for n in (3, 90, 17)] + [target], params)
+    together = crowd[-1].outputs[0]
+    assert together.token_ids == alone.token_ids
+    assert together.logprobs == alone.logprobs  # bitwise

@@ -1,0 +1,101 @@
+"""Checkpoint loading: both config forms, shards, extra tensors, and clear errors."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from conftest import TINY_TEXT_CONFIG
+from oxserve.default_model import build_checkpoint
+from oxserve.model.config import TextModelConfig
+from oxserve.model.loader import CheckpointError, load_model
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return build_checkpoint(tmp_path_factory.mktemp("ckpt"), TINY_TEXT_CONFIG, seed=3, dtype=torch.float32, tokenizer=False)
+
+
+def _copy(src, tmp_path):
+    dst = tmp_path / "model"
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _edit_weights(path, edit):
+    tensors = load_file(path / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, path / "model.safetensors")
+
+
+def test_loads_and_keeps_mtp_and_vision_tensors(checkpoint, tmp_path):
+    path = _copy(checkpoint, tmp_path)
+    n = TINY_TEXT_CONFIG["num_hidden_layers"]
+    _edit_weights(path, lambda t: t.update({f"model.language_model.layers.{n}.eh_proj.weight": torch.ones(4, 4)}))
+    loaded = load_model(path, dtype=torch.float32)
+    assert f"layers.{n}.eh_proj.weight" in loaded.mtp_tensors
+    assert any(k.startswith("model.visual.") for k in loaded.vision_tensors)
+    ref = load_file(checkpoint / "model.safetensors")
+    q = ref["model.language_model.layers.0.self_attn.q_proj.weight"]
+    torch.testing.assert_close(loaded.model.layers[0].self_attn.qkv_proj.weight[: q.shape[0]], q)
+
+
+def test_flat_config_and_sharded_weights(checkpoint, tmp_path):
+    path = tmp_path / "flat"
+    build_checkpoint(path, TINY_TEXT_CONFIG, seed=3, dtype=torch.float32, tokenizer=False, max_shard_bytes=200_000)
+    assert (path / "model.safetensors.index.json").exists()
+    raw = json.loads((path / "config.json").read_text())
+    flat = {**raw.pop("text_config"), "architectures": raw["architectures"]}
+    (path / "config.json").write_text(json.dumps(flat))
+    a = load_model(path, dtype=torch.float32).model.state_dict()
+    b = load_model(checkpoint, dtype=torch.float32).model.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_missing_tensor_is_named(checkpoint, tmp_path):
+    path = _copy(checkpoint, tmp_path)
+    _edit_weights(path, lambda t: t.pop("model.language_model.layers.1.self_attn.k_proj.weight"))
+    with pytest.raises(CheckpointError, match=r"layers\.1\.self_attn\.qkv_proj"):
+        load_model(path, dtype=torch.float32)
+
+
+def test_misshaped_tensor_is_named(checkpoint, tmp_path):
+    path = _copy(checkpoint, tmp_path)
+    name = "model.language_model.layers.3.self_attn.kv_b_proj.weight"
+    _edit_weights(path, lambda t: t.update({name: torch.zeros(3, 3)}))
+    with pytest.raises(CheckpointError, match=rf"{name}.*shape \(3, 3\)"):
+        load_model(path, dtype=torch.float32)
+
+
+def test_unknown_architecture(checkpoint, tmp_path):
+    path = _copy(checkpoint, tmp_path)
+    (path / "config.json").write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}))
+    with pytest.raises(ValueError, match="unsupported architecture"):
+        load_model(path)
+
+
+def test_shared_indexer_must_follow_a_full_one():
+    cfg = dict(TINY_TEXT_CONFIG, indexer_types=["full", "full", "full", "shared"])
+    with pytest.raises(ValueError, match="layer 3 reuses"):
+        TextModelConfig.from_hf_dict(cfg)
+
+
+def test_config_defaults_follow_the_reference():
+    cfg = TextModelConfig.from_hf_dict({"num_hidden_layers": 8})
+    assert cfg.layer_types == tuple("indexed_attention" if i % 4 == 3 else "linear_attention" for i in range(8))
+    assert cfg.mlp_layer_types == ("dense",) * 3 + ("sparse",) * 5
+    assert cfg.indexer_types == ("full",) * 8
+
+
+def test_engine_without_tokenizer_takes_token_ids(checkpoint):
+    from oxserve import LLM, SamplingParams
+
+    llm = LLM(model=str(checkpoint), dtype="float32")
+    out = llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=3, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 3
+    with pytest.raises(ValueError, match="no tokenizer"):
+        llm.generate("text", SamplingParams(max_tokens=3))
