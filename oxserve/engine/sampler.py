@@ -52,7 +52,7 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
     if random_rows:
         index = torch.tensor(random_rows, device=x.device)
         probs = filtered_probs(x[index], [rows[i].params for i in random_rows])
-        tokens[index] = _exponential_race(probs, [rows[i].generator for i in random_rows])
+        tokens[index] = _inverse_cdf(probs, [rows[i].generator for i in random_rows])
 
     token_ids = tokens.tolist()
     return SamplerOutput(token_ids, _logprob_dicts(raw_logprobs, tokens, token_ids, rows))
@@ -147,19 +147,22 @@ def _apply_top_k_top_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
     return torch.empty_like(x).scatter_(-1, order, sorted_x)
 
 
-def _exponential_race(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
-    """argmax(probs / E) with E ~ Exponential(1) draws a token with probability ∝ probs.
+def _inverse_cdf(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """Draw u ~ U(0, total mass) per row and take the first token whose cumulative mass exceeds it.
 
-    Seeded rows draw their noise from their own generator, so their tokens do not
-    depend on which other rows share the batch or where the row sits in it.
+    One uniform number per row (not one per vocabulary entry) keeps sampling cheap. Seeded
+    rows draw theirs from their own generator, so their tokens do not depend on which other
+    rows share the batch or where the row sits in it.
     """
-    noise = torch.empty_like(probs).exponential_()  # default RNG for unseeded rows
+    cdf = probs.double().cumsum(dim=-1)
+    u = torch.rand(probs.shape[0], 1, dtype=torch.float64, device=probs.device)
     for row, generator in enumerate(generators):
         if generator is not None:
-            noise[row].exponential_(generator=generator)
-    # A zero draw would turn a masked token's 0/0 into NaN, which argmax would pick.
-    noise.clamp_min_(torch.finfo(noise.dtype).tiny)
-    return (probs / noise).argmax(dim=-1)
+            u[row] = torch.rand(1, dtype=torch.float64, device=probs.device, generator=generator)
+    u = u * cdf[:, -1:]
+    picked = torch.searchsorted(cdf, u, right=True).clamp_(max=probs.shape[-1] - 1)
+    # u can round up to the total mass and land past the last live token: take the top one then.
+    return torch.where(probs.gather(1, picked) > 0, picked, probs.argmax(-1, keepdim=True)).squeeze(1)
 
 
 # --- logprobs ---------------------------------------------------------------------------
