@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from oxserve.model.common import DenseMLP, clamped_swiglu, empty_param
+from oxserve.kernels.moe import grouped_experts, grouped_gemm_supported, looped_experts
+from oxserve.model.common import DenseMLP, empty_param
 from oxserve.model.config import TextModelConfig
 from oxserve.telemetry import Tracer, span
 
@@ -43,32 +44,20 @@ class Experts(nn.Module):
     def __init__(self, cfg: TextModelConfig):
         super().__init__()
         self.num_experts = cfg.n_routed_experts
-        self.intermediate = cfg.moe_intermediate_size
         self.gate_up_proj = empty_param(cfg.n_routed_experts, 2 * cfg.moe_intermediate_size, cfg.hidden_size)
         self.down_proj = empty_param(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size)
         self.swiglu_limit = cfg.swiglu_limit
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        """Sort (token, expert) pairs by expert and run one GEMM pair per expert that has tokens."""
+        """Sort (token, expert) pairs by expert, run the experts, add each pair back to its token."""
         top_k = experts.shape[1]
         flat = experts.flatten()
         order = flat.argsort(stable=True)
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        offsets = torch.bincount(flat, minlength=self.num_experts).cumsum(0).to(torch.int32)
         token_of = order // top_k
-        pair_weight = weights.flatten()[order, None]
-        routed = x[token_of]
-        out = torch.zeros_like(x)
-        start = 0
-        for expert, count in enumerate(counts):
-            if count == 0:
-                continue
-            seg = slice(start, start + count)
-            start += count
-            gate, up = F.linear(routed[seg], self.gate_up_proj[expert]).split(self.intermediate, dim=-1)
-            # The routing weight scales the (narrower) activation rather than the output.
-            act = (clamped_swiglu(gate, up, self.swiglu_limit) * pair_weight[seg]).to(x.dtype)
-            out.index_add_(0, token_of[seg], F.linear(act, self.down_proj[expert]))
-        return out
+        run = grouped_experts if grouped_gemm_supported(x.device, x.dtype) else looped_experts
+        out = run(x[token_of], weights.flatten()[order, None], offsets, self.gate_up_proj, self.down_proj, self.swiglu_limit)
+        return torch.zeros_like(x).index_add_(0, token_of, out)
 
 
 class MoE(nn.Module):

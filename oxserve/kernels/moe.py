@@ -1,0 +1,47 @@
+"""Routed-expert SwiGLU over tokens already sorted by expert.
+
+    rows:    | e0 e0 e0 | e2 | e3 e3 |        (expert 1 got no tokens)
+    offsets: [3, 3, 4, 6]                     (end of each expert's rows)
+
+`grouped_experts` runs all experts in two grouped GEMMs; `looped_experts` is the plain
+reference (one GEMM pair per expert) it is tested against, and the fallback where the
+grouped GEMM is unavailable (CUDA with fp32).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+
+
+def grouped_experts(
+    rows: torch.Tensor, row_weight: torch.Tensor, offsets: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, limit: float
+) -> torch.Tensor:
+    """rows [P, H] sorted by expert; row_weight [P, 1] fp32; offsets [E] int32;
+    gate_up [E, 2I, H]; down [E, H, I] -> [P, H]. The routing weight scales the (narrower)
+    activation rather than the output."""
+    gate, up = torch._grouped_mm(rows, gate_up.transpose(1, 2), offs=offsets).chunk(2, dim=-1)
+    act = (clamped_swiglu(gate, up, limit) * row_weight).to(rows.dtype)
+    return torch._grouped_mm(act, down.transpose(1, 2), offs=offsets)
+
+
+def looped_experts(
+    rows: torch.Tensor, row_weight: torch.Tensor, offsets: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, limit: float
+) -> torch.Tensor:
+    out = torch.empty_like(rows)
+    start = 0
+    for expert, end in enumerate(offsets.tolist()):
+        if end > start:
+            gate, up = F.linear(rows[start:end], gate_up[expert]).chunk(2, dim=-1)
+            act = (clamped_swiglu(gate, up, limit) * row_weight[start:end]).to(rows.dtype)
+            out[start:end] = F.linear(act, down[expert])
+        start = end
+    return out
+
+
+def grouped_gemm_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    return hasattr(torch, "_grouped_mm") and (device.type == "cpu" or dtype == torch.bfloat16)
