@@ -70,10 +70,8 @@ class LLMEngine:
         self.device = torch.device(config.model.device)
         loaded = load_model(path, dtype=self.dtype, device=self.device)
         self.model_config = loaded.config
-        self.loaded = loaded
         self.tokenizer = Tokenizer.from_dir(path)
         layout = plan_cache(config, loaded.config, self.dtype)
-        self.layout = layout
         caches = allocate_layer_caches(
             loaded.config, layout.num_blocks, layout.block_size, layout.num_slots, self.dtype, self.device
         )
@@ -86,8 +84,7 @@ class LLMEngine:
         self.eos_token_ids = self._eos_ids(path)
         torch.manual_seed(config.model.seed)  # requests without their own seed draw from this
         self.requests: dict[str, Request] = {}
-        self._detok: dict[str, IncrementalDetokenizer] = {}
-        self._stops: dict[str, StopChecker] = {}
+        self._texts: dict[str, OutputText] = {}
         self._next_id = 0
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0}
 
@@ -112,9 +109,7 @@ class LLMEngine:
             prompt=text,
         )
         self.requests[request_id] = request
-        if self.tokenizer is not None:
-            self._detok[request_id] = IncrementalDetokenizer(self.tokenizer)
-        self._stops[request_id] = StopChecker(params, self.eos_token_ids)
+        self._texts[request_id] = OutputText(self.tokenizer, StopChecker(params, self.eos_token_ids))
         self.scheduler.add(request)
         return request_id
 
@@ -158,9 +153,7 @@ class LLMEngine:
         if logprobs is not None:
             request.output_logprobs.append(logprobs)
         self.stats["generation_tokens"] += 1
-        detok = self._detok.get(request.request_id)
-        delta = detok.push(token) if detok else ""
-        verdict = self._stops[request.request_id].check(request, token, detok.text if detok else "", delta)
+        verdict = self._texts[request.request_id].push(request, token)
         if verdict is not None:
             request.finish(*verdict)
         elif request.num_tokens >= request.max_total_tokens:
@@ -171,16 +164,13 @@ class LLMEngine:
         self.runner.forget(request.request_id)
         output = self._output(request)
         del self.requests[request.request_id]
-        self._detok.pop(request.request_id, None)
-        self._stops.pop(request.request_id, None)
+        del self._texts[request.request_id]
         return output
 
     def _output(self, request: Request) -> RequestOutput:
-        detok = self._detok.get(request.request_id)
-        text = self._stops[request.request_id].visible_text(detok.text) if detok else ""
         completion = CompletionOutput(
             index=0,
-            text=text,
+            text=self._texts[request.request_id].visible,
             token_ids=list(request.output_token_ids),
             logprobs=list(request.output_logprobs) if request.params.logprobs is not None else None,
             finish_reason=request.finish_reason,
@@ -244,6 +234,23 @@ class LLMEngine:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             ids.add(self.tokenizer.eos_token_id)
         return ids
+
+
+class OutputText:
+    """A request's decoded text so far and its stop conditions."""
+
+    def __init__(self, tokenizer: Tokenizer | None, stop: StopChecker):
+        self.detok = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
+        self.stop = stop
+
+    def push(self, request: Request, token: int) -> tuple[str, int | str | None] | None:
+        """Take the token just appended; (finish_reason, stop_reason) if the request must stop."""
+        delta = self.detok.push(token) if self.detok else ""
+        return self.stop.check(request, token, self.detok.text if self.detok else "", delta)
+
+    @property
+    def visible(self) -> str:
+        return self.stop.visible_text(self.detok.text) if self.detok else ""
 
 
 def _default_model() -> Path:
