@@ -20,8 +20,13 @@ class ModelConfig:
     device: str = opt("cpu", "torch device: cpu, cuda, cuda:1, ...")
     max_model_len: int | None = opt(None, "longest prompt + output in tokens (default: the model's limit, capped at 32768)")
     seed: int = opt(0, "seed for requests that do not set their own")
+    threads: int | None = opt(
+        None, "torch intra-op threads (default: torch's choice; 1 is steadier on a machine shared with other work)"
+    )
 
     def __post_init__(self) -> None:
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads must be >= 1, got {self.threads}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
 

@@ -64,6 +64,8 @@ def plan_cache(config: EngineConfig, model_cfg: TextModelConfig, dtype: torch.dt
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
+        if config.model.threads:
+            torch.set_num_threads(config.model.threads)
         path = Path(config.model.model) if config.model.model else _default_model()
         self.model_path = path
         self.dtype = DTYPES[config.model.dtype]

@@ -120,4 +120,6 @@ def step_conditions(batch: ForwardBatch) -> dict:
         "num_tokens": batch.num_tokens,
         "max_context": max(contexts) if contexts else 0,
         "mean_context": sum(contexts) / len(contexts) if contexts else 0.0,
+        "decode_context_sum": sum(contexts[: batch.num_decodes]),
+        "prefill_context_sum": sum(contexts[batch.num_decodes :]),
     }

@@ -33,7 +33,7 @@ def batch_bucket(n: int) -> str:
 
 def context_bucket(tokens: float) -> str:
     names = ("<256", "256-1k", "1k-4k", "4k-16k", "16k-64k")
-    for edge, name in zip(_CONTEXT_EDGES, names):
+    for edge, name in zip(_CONTEXT_EDGES, names, strict=True):
         if tokens < edge:
             return name
     return ">=64k"
@@ -54,6 +54,7 @@ class _Acc:
     flops: float = 0.0
     mem_s: float = 0.0  # roofline time if only memory traffic counted
     compute_s: float = 0.0  # roofline time if only FLOPs counted
+    roof_s: float = 0.0  # sum over calls of each call's roofline time (the tighter bound)
     tokens: int = 0
     modelled: bool = True
 
@@ -67,8 +68,10 @@ class _Acc:
         self.bytes += cost.bytes
         self.flops += cost.flops
         if ceilings is not None:
-            self.mem_s += cost.bytes / ceilings.memory_bandwidth
-            self.compute_s += cost.flops / ceilings.matmul_rate(cost.precision)
+            mem, compute = cost.bytes / ceilings.memory_bandwidth, cost.flops / ceilings.matmul_rate(cost.precision)
+            self.mem_s += mem
+            self.compute_s += compute
+            self.roof_s += max(mem, compute)
 
     def roofline(self, ceilings: Ceilings | None) -> dict:
         seconds = self.us / 1e6
@@ -80,12 +83,11 @@ class _Acc:
         }
         if ceilings is None or not self.modelled or not seconds:
             return out
-        bound_s = max(self.mem_s, self.compute_s)
         out.update({
             "bound": "memory-bandwidth" if self.mem_s >= self.compute_s else "compute",
-            "roofline_us": bound_s * 1e6,
-            "roofline_fraction": bound_s / seconds,
-            "gap_us": self.us - bound_s * 1e6,
+            "roofline_us": self.roof_s * 1e6,
+            "roofline_fraction": self.roof_s / seconds,
+            "gap_us": self.us - self.roof_s * 1e6,
         })
         return out
 

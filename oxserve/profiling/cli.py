@@ -63,6 +63,7 @@ def run(args: argparse.Namespace) -> int:
     metrics = result.metrics()
     run_info = {
         "model": str(engine.model_path), "dtype": config.model.dtype, "device": str(engine.device),
+        "threads": torch.get_num_threads(),
         "workload": workload.name, "workload_spec": workload.to_dict(),
         "engine_options": changed_options(config), "num_requests": len(requests),
         "output_tokens": int(metrics["num_output_tokens"]), "wall_s": result.wall_s,

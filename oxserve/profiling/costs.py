@@ -89,7 +89,7 @@ def _embed(cfg, s, e):
 def _hc_collapse(cfg, s, e):
     # Includes the block's input RMSNorm. Projection of the flattened streams runs in fp32.
     t, n, h = s.num_tokens, cfg.hc_mult, cfg.hidden_size
-    weights = (2 + n) * n * n * h * e
+    weights = (2 + n) * n * n * h * e + ((2 + n) * n + 3) * FP32 + h * e  # fn, base, scale, norm
     data = t * n * h * e + t * h * e
     flops = 2 * t * n * h * (2 + n) * n + 2 * t * n * h + t * cfg.hc_sinkhorn_iters * 4 * n * n + 4 * t * h
     return Cost(weights + data, flops, "fp32")
@@ -118,7 +118,7 @@ def _kda_conv(cfg, s, e):
 
 def _kda_gates(cfg, s, e):
     t, h, dk, kd, heads = s.num_tokens, cfg.hidden_size, cfg.linear_head_dim, cfg.kda_dim, cfg.linear_num_heads
-    weights = (h * dk + dk * kd + h * heads) * e + kd * FP32
+    weights = (h * dk + dk * kd + h * heads) * e + (kd + heads) * FP32  # + dt_bias, A_log
     data = t * (3 * kd + h) * e + t * (4 * kd + heads) * FP32  # in: conv out, x; out: q, k, v, g, beta
     flops = 2.0 * t * (h * dk + dk * kd + h * heads) + 12.0 * t * kd  # + l2norms, softplus/sigmoid
     return Cost(weights + data, flops, _dtype_precision(e))
@@ -128,13 +128,9 @@ def _kda_recurrent(cfg, s, e):
     heads, dk, dv = cfg.linear_num_heads, cfg.linear_head_dim, cfg.linear_head_dim
     state = heads * dk * dv * FP32
     data = s.num_tokens * heads * (3 * dk + 2 * dv + 1) * FP32  # q, k, g, v in; o out; beta
-    # Decode: decay (1), k.S (2), rank-1 update (2), q.S (2) per state element.
-    flops = 7.0 * s.num_decodes * heads * dk * dv
-    if s.num_prefills:
-        # WY chunk form, chunk c = min(64, tokens per prompt): per token and head, 3 state
-        # products (2*dk*dv each) plus causal in-chunk terms over c/2 partners.
-        c = min(64, s.prefill_tokens / s.num_prefills)
-        flops += s.prefill_tokens * heads * (6 * dk * dv + (c / 2) * (8 * dk + 4 * dv) + c * c / 6)
+    # The delta rule's own work per token and state element: decay (1), k.S (2), rank-1
+    # update (2), q.S (2). Chunked prefill does more to run in parallel; that is overhead.
+    flops = 7.0 * s.num_tokens * heads * dk * dv
     return Cost(2 * s.num_requests * state + data, flops, "fp32")
 
 

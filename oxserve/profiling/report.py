@@ -58,7 +58,7 @@ def render_markdown(r: dict) -> str:
     out = ["# oxserve profile", ""]
     out += [f"- {line}" for line in r["headline"]]
     out += ["", "## Run", "",
-            f"model `{run['model']}` ({run['dtype']}, {run['device']}), workload `{run['workload']}`: "
+            f"model `{run['model']}` ({run['dtype']}, {run['device']}, {run['threads']} threads), workload `{run['workload']}`: "
             f"{run['num_requests']} requests, {run['output_tokens']} output tokens in {run['wall_s']:.2f} s "
             f"({run['output_tokens_per_s']:.1f} tok/s), {r['totals']['steps']} steps. Engine options: "
             f"`{run['engine_options']}`.", ""]
@@ -84,7 +84,8 @@ def render_markdown(r: dict) -> str:
           c.get("bound", "-"), _pct(c["roofline_fraction"]) if "roofline_fraction" in c else "-"]
          for c in sorted(rows, key=lambda c: heavy.index(c["op"]))],
     )
-    out += _table("Biggest gaps to the roofline", ["phase", "batch", "op", "share of those steps", "of roofline", "ms above roofline"], [
+    gap_header = ["phase", "batch", "op", "share of those steps", "of roofline", "ms above roofline"]
+    out += _table("Biggest gaps to the roofline", gap_header, [
         [g["phase"], g["batch"], _op_label(g["op"]), _pct(g["share_of_steps"]), _pct(g["roofline_fraction"]),
          f"{g['gap_us'] / 1e3:.1f}"]
         for g in r["gaps"][:10]

@@ -1,8 +1,9 @@
-"""Output checks and random-input helpers shared by the op definitions."""
+"""Helpers shared by the op definitions: output checks, random inputs, module binding."""
 
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from oxserve.profiling.opbench.registry import Check, Inputs, Outputs
 
@@ -18,12 +19,19 @@ def poison(out: Outputs) -> None:
 
 
 def close(tolerance: float) -> Check:
-    def check(out: Outputs, ref: Outputs, inputs: Inputs) -> str | None:
+    def check(cfg, out: Outputs, ref: Outputs, inputs: Inputs) -> str | None:
         for i, (got, want) in enumerate(zip(out, ref, strict=True)):
             problem = compare(got, want, tolerance)
             if problem:
                 return f"output {i}: {problem}"
         return None
+    return check
+
+
+def close_for(input_name: str) -> Check:
+    """close() at the tolerance of the dtype of input `input_name` (the activations)."""
+    def check(cfg, out: Outputs, ref: Outputs, inputs: Inputs) -> str | None:
+        return close(TOLERANCE[inputs[input_name].dtype])(cfg, out, ref, inputs)
     return check
 
 
@@ -54,3 +62,20 @@ def randint(gen: torch.Generator, low: int, high: int, *shape: int, device) -> t
 
 def randperm(gen: torch.Generator, n: int, device) -> torch.Tensor:
     return torch.randperm(n, generator=gen, device=device)
+
+
+def bind_params(module: nn.Module, **tensors: torch.Tensor) -> nn.Module:
+    """Point a module's parameters at input tensors (shared storage, no copy)."""
+    for name, tensor in tensors.items():
+        setattr(module, name, nn.Parameter(tensor, requires_grad=False))
+    return module
+
+
+def token_counts(shapes) -> list[int]:
+    """Token-parallel ops see a decode batch or a prompt chunk as just T tokens."""
+    return sorted(set(shapes.batches) | set(shapes.contexts))
+
+
+def precision_of(dtype: torch.dtype) -> str:
+    """The matmul peak that bounds an op computing in `dtype`."""
+    return "fp32" if dtype == torch.float32 else "bf16"

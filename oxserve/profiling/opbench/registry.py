@@ -4,7 +4,7 @@ A *reference* is written for the check: plain, obviously right, fp64, slow is fi
 the inputs and returns its outputs. A *candidate* is what the engine runs (today the torch
 code of `oxserve.model` / `oxserve.kernels`; later Triton or fused variants register here):
 
-    candidate(inputs) -> run          bind once to the input tensors (build modules, plans)
+    candidate(cfg, inputs) -> run     bind once to the input tensors (build modules, plans)
     run(out)                          compute from the inputs' *current* values into `out`
 
 so the harness can change the inputs' values in place and poison `out` between calls. A
@@ -24,10 +24,11 @@ from oxserve.model.config import TextModelConfig
 
 Inputs = dict[str, torch.Tensor]
 Outputs = tuple[torch.Tensor, ...]
-Candidate = Callable[[Inputs], Callable[[Outputs], None]]
-Reference = Callable[[Inputs], Outputs]
-# check(out, reference outputs, inputs) -> None when right, else why not
-Check = Callable[[Outputs, Outputs, Inputs], "str | None"]
+# All three take the model config first: shapes and constants (kpool, scale, ...) come from it.
+Candidate = Callable[[TextModelConfig, Inputs], Callable[[Outputs], None]]
+Reference = Callable[[TextModelConfig, Inputs], Outputs]
+# check(cfg, out, reference outputs, inputs) -> None when right, else why not
+Check = Callable[[TextModelConfig, Outputs, Outputs, Inputs], "str | None"]
 
 
 @dataclass(frozen=True)
@@ -83,7 +84,7 @@ def register_candidate(op: str, name: str, candidate: Candidate) -> None:
 
 def returning(fn: Callable[..., torch.Tensor | tuple[torch.Tensor, ...]]) -> Candidate:
     """A candidate from a plain function of the inputs (by name) that returns its outputs."""
-    def bind(inputs: Inputs) -> Callable[[Outputs], None]:
+    def bind(cfg: TextModelConfig, inputs: Inputs) -> Callable[[Outputs], None]:
         def run(out: Outputs) -> None:
             result = fn(**inputs)
             for buffer, value in zip(out, result if isinstance(result, tuple) else (result,), strict=True):

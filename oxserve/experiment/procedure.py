@@ -1,0 +1,193 @@
+"""A controlled A/B experiment, from the arms to a verdict in the ledger.
+
+    prepare    check both arms' options, resolve git revisions, measure (or load) the
+               machine's ceilings, start the ledger record -- all before any run
+    warm-up    one run per arm, discarded; it carries the quality gate: A generates on the
+               fixed prompt set and scores its tokens, B scores A's tokens
+    pairs      runs in ABBA/BAAB blocks (`interleaved_order`), each in a fresh process,
+               each committed to the ledger as it finishes; more blocks while the CI of
+               the median ratio is wider than twice the noise threshold
+    verdict    `compare`: median B/A ratio, bootstrap CI, Mann-Whitney p, noise threshold;
+               a rate above the decode roofline in either arm is "suspect"
+
+A failure at any point marks the experiment failed with the reason; the samples already
+recorded stay.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from oxserve.config import ModelConfig, SchedulerConfig
+from oxserve.experiment.arms import REPO_ROOT, Arm, export_revision, resolve_revision, resolved_options
+from oxserve.experiment.launch import WorkerResult, run_worker
+from oxserve.experiment.quality import compare_scores, quality_prompts
+from oxserve.feedback.ceilings import Ceilings, load_or_measure_ceilings
+from oxserve.feedback.ledger import ExperimentRecord, Ledger, environment_info
+from oxserve.feedback.machine import cache_bytes
+from oxserve.feedback.stats import ALPHA, NOISE_THRESHOLD, compare, interleaved_order, more_pairs_needed, split_by_arm
+from oxserve.feedback.workload import Workload
+from oxserve.model.config import TextModelConfig
+from oxserve.profiling.costs import decode_step_shape, forward_cost
+
+ELEM_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+@dataclass(frozen=True)
+class Settings:
+    a: Arm
+    b: Arm
+    workload: Workload
+    base_options: Mapping[str, Any] = field(default_factory=dict)  # engine options shared by both arms
+    pairs: int = 5
+    max_pairs: int = 16
+    noise_threshold: float = NOISE_THRESHOLD
+    alpha: float = ALPHA
+    metric: str = "output_tokens_per_s"
+    quality_bound: float = 0.05  # nats, largest per-token logprob divergence allowed
+    quality_prompts: int = 4
+    quality_tokens: int = 16
+    seed: int = 0
+    run_timeout_s: float = 1800.0
+    threads: int | None = None  # torch threads in each worker; None: torch's default
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        if self.pairs < 1 or self.max_pairs < self.pairs:
+            raise ValueError(f"need 1 <= pairs <= max_pairs, got pairs={self.pairs}, max_pairs={self.max_pairs}")
+        if not self.metric.endswith("_per_s"):
+            raise ValueError(f"the metric must be a rate (higher is better, *_per_s), got {self.metric!r}")
+        if self.quality_bound < 0 or self.quality_prompts < 1 or self.quality_tokens < 1:
+            raise ValueError("quality_bound must be >= 0, quality_prompts and quality_tokens >= 1")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything decided before the first run."""
+
+    settings: Settings
+    options: Mapping[str, Mapping[str, Any]]  # arm -> engine options its worker gets
+    sources: Mapping[str, Path]  # arm -> source tree its worker imports oxserve from
+    records: Mapping[str, dict]  # arm -> what the ledger stores as its config
+    rooflines: Mapping[str, float]  # arm -> most output tokens/s this machine allows
+    prompts: tuple[tuple[int, ...], ...]  # the quality gate's prompt set
+
+
+def prepare(settings: Settings, workdir: Path) -> Plan:
+    """Check the arms and set up their sources (git exports go under `workdir`). Raises
+    ValueError on anything wrong, before any run."""
+    arms = {"A": settings.a, "B": settings.b}
+    options = {label: resolved_options(arm, settings.base_options) for label, arm in arms.items()}
+    commits = {label: resolve_revision(arm.revision) for label, arm in arms.items() if arm.revision}
+    model_cfg = TextModelConfig.from_file(_model_path(options["A"]))
+    ceilings = load_or_measure_ceilings(options["A"].get("device", ModelConfig().device))
+    return Plan(
+        settings=settings,
+        options=options,
+        sources={label: export_revision(commits[label], workdir / label) if label in commits else REPO_ROOT
+                 for label in arms},
+        records={label: {"source": _source_name(arms[label], commits.get(label)), "options": options[label]}
+                 for label in arms},
+        rooflines={label: tokens_per_s_roofline(model_cfg, options[label], settings.workload, ceilings)
+                   for label in arms},
+        prompts=tuple(map(tuple, quality_prompts(model_cfg.vocab_size, settings.quality_prompts, seed=1234 + settings.seed))),
+    )
+
+
+def run_arm(plan: Plan, label: str, quality: dict | None = None) -> WorkerResult:
+    s = plan.settings
+    job = {"options": dict(plan.options[label]), "workload": s.workload.to_dict(), "threads": s.threads, "quality": quality}
+    return run_worker(plan.sources[label], job, s.run_timeout_s, f"arm {label}")
+
+
+def warm_up_with_quality_gate(plan: Plan) -> dict:
+    """The discarded warm-up run of each arm, carrying the quality gate; returns its result."""
+    prompts = [list(p) for p in plan.prompts]
+    reference = run_arm(plan, "A", {"prompts": prompts, "max_tokens": plan.settings.quality_tokens}).result["quality"]
+    candidate = run_arm(plan, "B", {"prompts": prompts, "tokens": reference["tokens"]}).result["quality"]
+    return compare_scores(reference["scores"], candidate["scores"], plan.settings.quality_bound)
+
+
+def run_experiment(settings: Settings, ledger: Ledger, log: Callable[[str], None] | None = None) -> ExperimentRecord:
+    log = log or (lambda line: print(line, file=sys.stderr, flush=True))
+    with tempfile.TemporaryDirectory(prefix="oxserve-experiment-") as tmp:
+        plan = prepare(settings, Path(tmp))
+        eid = ledger.start_experiment(plan.records["A"], plan.records["B"], settings.workload,
+                                      description=settings.description, environment=environment_info())
+        log(f"experiment {eid}: A = {settings.a.spec or 'defaults'}, B = {settings.b.spec or 'defaults'}, "
+            f"workload {settings.workload.name}")
+        try:
+            quality = warm_up_with_quality_gate(plan)
+            log(f"warm-up done; quality gate {'passed' if quality['passed'] else 'FAILED'}: max divergence "
+                f"{quality['max_divergence']:.4g} nats (bound {settings.quality_bound}), mean {quality['mean_divergence']:.4g}")
+            a, b = _measure_pairs(plan, ledger, eid, log)
+            comparison = compare(a, b, noise_threshold=settings.noise_threshold, alpha=settings.alpha,
+                                 roofline=max(plan.rooflines.values()))
+            stats = {**comparison.to_dict(), "metric": settings.metric, "rooflines": dict(plan.rooflines),
+                     "medians": _medians(ledger.get(eid))}
+            ledger.finish_experiment(eid, comparison.verdict, stats, quality)
+        except BaseException as e:  # incl. Ctrl-C: the record says why it stopped
+            ledger.fail_experiment(eid, f"{type(e).__name__}: {e}")
+            raise
+    return ledger.get(eid)
+
+
+def _measure_pairs(plan: Plan, ledger: Ledger, eid: int, log) -> tuple:
+    """Interleaved runs, each committed as it ends, until enough pairs; (a, b) paired samples."""
+    s = plan.settings
+    order: list[str] = []
+    values: list[float] = []
+    wanted, block = s.pairs, 0
+    while wanted:
+        for label in interleaved_order(wanted, seed=s.seed + block):
+            done = run_arm(plan, label)
+            metrics = done.result["metrics"]
+            ledger.add_sample(eid, len(order), label, metrics, done.wall_time_s)
+            order.append(label)
+            values.append(metrics[s.metric])
+            log(f"run {len(order)} ({label}): {s.metric} = {values[-1]:.4g}")
+        block += 1
+        a, b = split_by_arm(order, values)
+        wanted = more_pairs_needed(a, b, max_pairs=s.max_pairs, ci_width_threshold=2 * s.noise_threshold)
+    return a, b
+
+
+def tokens_per_s_roofline(cfg: TextModelConfig, options: Mapping[str, Any], workload: Workload, ceilings: Ceilings) -> float:
+    """Most output tokens/s the machine allows: the largest decode batch the run can form,
+    over the least time a decode step of that batch can take (its analytic bytes and FLOPs).
+    A step whose bytes fit in cache is bounded by its FLOPs alone."""
+    if options.get("deterministic"):
+        batch = 1  # one request per forward pass
+    else:
+        batch = min(options.get("max_num_seqs", SchedulerConfig().max_num_seqs), workload.num_requests,
+                    workload.arrival.concurrency or workload.num_requests)
+    cost = forward_cost(cfg, decode_step_shape(batch), ELEM_BYTES[options.get("dtype", ModelConfig().dtype)])
+    memory = cost.bytes if cost.bytes > cache_bytes(ceilings.device) else 0.0
+    return batch / ceilings.min_time_s(memory, cost.flops, cost.precision)
+
+
+def _model_path(options: Mapping[str, Any]) -> Path:
+    if options.get("model"):
+        return Path(options["model"])
+    from oxserve.default_model import ensure_default_model
+
+    return ensure_default_model()
+
+
+def _source_name(arm: Arm, commit: str | None) -> str:
+    return "working tree" if commit is None else f"git:{arm.revision} ({commit[:12]})"
+
+
+def _medians(record: ExperimentRecord) -> dict[str, dict[str, float]]:
+    """Median of every recorded metric, per arm."""
+    out = {}
+    for arm in ("A", "B"):
+        names = sorted({k for s in record.samples if s.arm == arm for k in s.metrics})
+        out[arm] = {k: statistics.median(record.metric_values(k, arm)) for k in names}
+    return out

@@ -1,0 +1,95 @@
+"""The quality gate: does B compute the same model as A?
+
+A generates greedily on a fixed prompt set. Both arms then score A's tokens teacher-forced:
+for each prompt p and position i, a request `p + A's tokens[:i]` with max_tokens=1 and
+logprobs returns the logprob of A's token i. Scoring A's tokens in A as well means both
+sides come from the same code path (prefill), so an A/A gate sees exactly the noise of the
+engine, not the difference between its prefill and decode kernels.
+
+    divergence(p, i) = |logprob_A(token_i) - logprob_B(token_i)|      (nats)
+
+The gate passes when the largest divergence is within the bound. Also reported: how often
+B's own greedy choice at a position equals A's (both scored the same way). A token outside B's
+top-`TOP_LOGPROBS` has no reported logprob; its divergence is then at least
+logprob_A - (B's lowest reported logprob), which is what is counted.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from oxserve.sampling_params import SamplingParams
+
+TOP_LOGPROBS = 20
+
+
+def quality_prompts(vocab_size: int, count: int, seed: int = 1234, min_token_id: int = 16) -> list[list[int]]:
+    """A fixed, seeded set of token-id prompts of 8-24 tokens (model-agnostic: no tokenizer)."""
+    rng = np.random.default_rng(seed)
+    low = min(min_token_id, vocab_size - 1)
+    return [rng.integers(low, vocab_size, size=int(rng.integers(8, 25))).tolist() for _ in range(count)]
+
+
+def generate_greedy(engine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    ids = [engine.add_request(f"q-gen-{k}", p, params) for k, p in enumerate(prompts)]
+    finished = _run_to_completion(engine)
+    return [finished[rid].outputs[0].token_ids for rid in ids]
+
+
+def score_tokens(engine, prompts: list[list[int]], tokens: list[list[int]]) -> list[list[dict]]:
+    """Per prompt and position: {"logprob": of the given token or None, "floor": the lowest
+    reported logprob, "argmax": the engine's own greedy choice}."""
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, logprobs=TOP_LOGPROBS)
+    ids = {}
+    for k, (prompt, toks) in enumerate(zip(prompts, tokens, strict=True)):
+        for i in range(len(toks)):
+            ids[(k, i)] = engine.add_request(f"q-score-{k}-{i}", prompt + toks[:i], params)
+    finished = _run_to_completion(engine)
+    scores = [[None] * len(toks) for toks in tokens]
+    for (k, i), rid in ids.items():
+        out = finished[rid].outputs[0]
+        reported = {int(t): float(lp) for t, lp in out.logprobs[0].items()}
+        scores[k][i] = {"logprob": reported.get(tokens[k][i]), "floor": min(reported.values()), "argmax": out.token_ids[0]}
+    return scores
+
+
+def compare_scores(reference: list[list[dict]], candidate: list[list[dict]], bound: float) -> dict:
+    """The gate's verdict and the numbers behind it (what the ledger stores). Both are
+    `score_tokens` results for the same prompts and tokens: A's and B's."""
+    divergences, outside, unscored, agree, total = [], 0, 0, 0, 0
+    for ref_row, cand_row in zip(reference, candidate, strict=True):
+        for ref, cand in zip(ref_row, cand_row, strict=True):
+            total += 1
+            agree += cand["argmax"] == ref["argmax"]  # both from the scoring (prefill) path
+            if ref["logprob"] is None:  # not even in A's own top list: nothing to compare against
+                unscored += 1
+                continue
+            if cand["logprob"] is None:
+                outside += 1
+                divergences.append(max(ref["logprob"] - cand["floor"], 0.0))
+            else:
+                divergences.append(abs(ref["logprob"] - cand["logprob"]))
+    worst = max(divergences, default=0.0)
+    return {
+        "passed": bool(divergences) and worst <= bound,
+        "bound": bound,
+        "max_divergence": worst,
+        "mean_divergence": float(np.mean(divergences)) if divergences else 0.0,
+        "positions": total,
+        "compared": len(divergences),
+        "outside_top": outside,
+        "unscored": unscored,
+        "argmax_agreement": agree / total if total else 0.0,
+        "prompts": len(reference),
+    }
+
+
+def _run_to_completion(engine) -> dict:
+    """Step until every request has finished; request id -> its final output."""
+    finished = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+    return finished

@@ -1,0 +1,185 @@
+"""mHC hyper-connection collapse/expand, RMSNorm and the LM head."""
+
+from __future__ import annotations
+
+import torch
+
+from oxserve.model.common import RMSNorm
+from oxserve.model.glm5_next import Glm5NextForCausalLM
+from oxserve.model.hyper import HyperConnection
+from oxserve.profiling.opbench.checks import bind_params, close_for, precision_of, randn, token_counts
+from oxserve.profiling.opbench.registry import Case, Op, register_op, returning
+
+FP32 = torch.float32
+
+
+def _nbytes(i) -> int:
+    return sum(v.numel() * v.element_size() for v in i.values())
+
+
+# ---- hyper-connections -------------------------------------------------------------------
+
+
+def _collapse_inputs(cfg, tokens, dtype, device, gen):
+    n, h = cfg.hc_mult, cfg.hidden_size
+    return {
+        "streams": randn(gen, tokens, n, h, dtype=dtype, device=device),
+        "fn": randn(gen, (2 + n) * n, n * h, dtype=dtype, device=device, scale=(n * h) ** -0.5),
+        "base": randn(gen, (2 + n) * n, dtype=FP32, device=device),
+        "scale": torch.rand(3, generator=gen, device=device) + 0.5,
+    }
+
+
+def reference_collapse(cfg, i):
+    """Per token: normalise the flattened streams, project to (pre, post, comb), make comb
+    doubly stochastic by alternating column and row normalisation, mix the streams by pre."""
+    n, eps = cfg.hc_mult, cfg.hc_eps
+    streams = i["streams"].double()
+    flat = streams.flatten(1)
+    flat = flat / torch.sqrt((flat * flat).mean(-1, keepdim=True) + cfg.rms_norm_eps)
+    mixed = flat @ i["fn"].double().T
+    base, scale = i["base"].double(), i["scale"].double()
+    pre = torch.sigmoid(mixed[:, :n] * scale[0] + base[:n]) + eps
+    post = 2 * torch.sigmoid(mixed[:, n : 2 * n] * scale[1] + base[n : 2 * n])
+    comb = torch.softmax(mixed[:, 2 * n :].view(-1, n, n) * scale[2] + base[2 * n :].view(n, n), dim=-1) + eps
+    comb = comb / (comb.sum(1, keepdim=True) + eps)  # columns
+    for _ in range(cfg.hc_sinkhorn_iters - 1):
+        comb = comb / (comb.sum(2, keepdim=True) + eps)  # rows
+        comb = comb / (comb.sum(1, keepdim=True) + eps)  # columns
+    collapsed = sum(pre[:, j : j + 1] * streams[:, j] for j in range(n))
+    return post, comb, collapsed
+
+
+def collapse_candidate(cfg, i):
+    with torch.device("meta"):
+        hc = HyperConnection(cfg.hidden_size, cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps)
+    bind_params(hc, fn=i["fn"], base=i["base"], scale=i["scale"])
+
+    def run(out):
+        for buffer, value in zip(out, hc.collapse(i["streams"]), strict=True):
+            buffer.copy_(value)
+    return run
+
+
+def _collapse_cases(cfg, shapes, dtype, device):
+    n, h = cfg.hc_mult, cfg.hidden_size
+
+    def cost(i):
+        t = i["streams"].shape[0]
+        return _nbytes(i) + t * (n + n * n) * 4 + t * h * i["streams"].element_size(), 2.0 * t * n * h * ((2 + n) * n + 1)
+
+    return [
+        Case(f"T={t}", lambda gen, t=t: _collapse_inputs(cfg, t, dtype, device, gen),
+             lambda i, t=t: (torch.empty(t, n, device=device), torch.empty(t, n, n, device=device),
+                             torch.empty(t, h, dtype=dtype, device=device)),
+             cost, "fp32")
+        for t in token_counts(shapes)
+    ]
+
+
+def _expand_inputs(cfg, tokens, dtype, device, gen):
+    n, h = cfg.hc_mult, cfg.hidden_size
+    comb = torch.rand(tokens, n, n, generator=gen, device=device)
+    return {
+        "post": 2 * torch.rand(tokens, n, generator=gen, device=device),
+        "comb": comb / comb.sum(1, keepdim=True),
+        "block_out": randn(gen, tokens, h, dtype=dtype, device=device),
+        "streams": randn(gen, tokens, n, h, dtype=dtype, device=device),
+    }
+
+
+def reference_expand(cfg, i):
+    """new stream s = post_s * block output + sum_j comb[j, s] * stream j."""
+    post, comb = i["post"].double(), i["comb"].double()
+    out, streams = i["block_out"].double(), i["streams"].double()
+    n = post.shape[1]
+    new = [post[:, s : s + 1] * out + sum(comb[:, j, s : s + 1] * streams[:, j] for j in range(n)) for s in range(n)]
+    return (torch.stack(new, dim=1),)
+
+
+def _expand_cases(cfg, shapes, dtype, device):
+    n = cfg.hc_mult
+
+    def cost(i):
+        t, h = i["block_out"].shape
+        return _nbytes(i) + i["streams"].numel() * i["streams"].element_size(), float(t * n * h * (2 * n + 2))
+
+    return [
+        Case(f"T={t}", lambda gen, t=t: _expand_inputs(cfg, t, dtype, device, gen),
+             lambda i: (torch.empty_like(i["streams"]),), cost, precision_of(dtype))
+        for t in token_counts(shapes)
+    ]
+
+
+register_op(Op("hc.collapse", _collapse_cases, reference_collapse, close_for("streams"), {"torch": collapse_candidate}))
+register_op(Op("hc.expand", _expand_cases, reference_expand, close_for("streams"),
+               {"torch": returning(HyperConnection.expand)}))
+
+
+# ---- RMSNorm ----------------------------------------------------------------------------
+
+
+def reference_rmsnorm(cfg, i):
+    x = i["x"].double()
+    return (i["weight"].double() * x / torch.sqrt((x * x).mean(-1, keepdim=True) + cfg.rms_norm_eps),)
+
+
+def rmsnorm_candidate(cfg, i):
+    with torch.device("meta"):
+        norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+    bind_params(norm, weight=i["weight"])
+
+    def run(out):
+        out[0].copy_(norm(i["x"]))
+    return run
+
+
+def _rmsnorm_cases(cfg, shapes, dtype, device):
+    h = cfg.hidden_size
+
+    def make(gen, t):
+        return {"x": randn(gen, t, h, dtype=dtype, device=device, scale=3.0),
+                "weight": randn(gen, h, dtype=dtype, device=device, scale=0.5) + 1}
+
+    return [
+        Case(f"T={t}", lambda gen, t=t: make(gen, t), lambda i: (torch.empty_like(i["x"]),),
+             lambda i: (2 * _nbytes(i), 4.0 * i["x"].numel()), precision_of(dtype))
+        for t in token_counts(shapes)
+    ]
+
+
+register_op(Op("rmsnorm", _rmsnorm_cases, reference_rmsnorm, close_for("x"), {"torch": rmsnorm_candidate}))
+
+
+# ---- LM head ----------------------------------------------------------------------------
+
+
+def reference_lm_head(cfg, i):
+    return (i["x"].double() @ i["weight"].double().T,)
+
+
+def lm_head_candidate(cfg, i):
+    with torch.device("meta"):
+        model = Glm5NextForCausalLM(cfg)
+    bind_params(model, lm_head=i["weight"])
+
+    def run(out):
+        out[0].copy_(model.compute_logits(i["x"]))
+    return run
+
+
+def _lm_head_cases(cfg, shapes, dtype, device):
+    h, v = cfg.hidden_size, cfg.vocab_size
+
+    def make(gen, b):
+        return {"x": randn(gen, b, h, dtype=dtype, device=device),
+                "weight": randn(gen, v, h, dtype=dtype, device=device, scale=h**-0.5)}
+
+    return [
+        Case(f"B={b}", lambda gen, b=b: make(gen, b), lambda i, b=b: (torch.empty(b, v, device=device),),
+             lambda i: (_nbytes(i) + i["x"].shape[0] * v * 4, 2.0 * i["x"].shape[0] * h * v), precision_of(dtype))
+        for b in shapes.batches  # logits are computed for the last token of each request only
+    ]
+
+
+register_op(Op("lm_head", _lm_head_cases, reference_lm_head, close_for("x"), {"torch": lm_head_candidate}))
