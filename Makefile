@@ -15,8 +15,13 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	touch $(STAMP)
 
+# The main job: the OpenAI-compatible server on the embedded default model (built on first use).
 run: $(STAMP)
-	$(VENV)/bin/oxserve generate --prompt "The engine serves" --prompt "Hello" --max-tokens 32
+	$(VENV)/bin/oxserve build-default-model
+	@echo 'oxserve: serving the default model (random weights) at http://127.0.0.1:8000/v1 -- try:'
+	@echo "  curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' -d '{\"prompt\": \"Hello\", \"max_tokens\": 16}'"
+	@echo '  or, in Python: openai.OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="x").completions.create(model="oxserve-default", prompt="Hello")'
+	$(VENV)/bin/oxserve serve --host 127.0.0.1 --port 8000
 
 test: $(STAMP)
 	$(PY) -m pytest -q -x

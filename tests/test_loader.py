@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import TINY_TEXT_CONFIG
+from tiny_models import TINY_TEXT_CONFIG
 from oxserve.default_model import build_checkpoint
 from oxserve.model.config import TextModelConfig
 from oxserve.model.loader import CheckpointError, load_model

@@ -3,8 +3,9 @@
 
 Every request streams with `ignore_eos`, so output lengths are exactly the ones asked for,
 and asks for a usage chunk, so token counts are the server's own. Per request it records
-TTFT (send -> first chunk with text), ITL (gaps between later chunks with text), TPOT
-((latency - TTFT) / (output tokens - 1)) and end-to-end latency.
+TTFT (send -> first chunk with choices), ITL (gaps between later such chunks: one per engine
+step that produced tokens, when the server sends one per step as oxserve and vLLM do),
+TPOT ((latency - TTFT) / (output tokens - 1)) and end-to-end latency.
 """
 
 from __future__ import annotations
@@ -180,7 +181,7 @@ async def send(client: httpx.AsyncClient, url: str, endpoint: str, model: str, r
                 if chunk.get("usage"):
                     result.prompt_tokens = chunk["usage"]["prompt_tokens"]
                     result.output_tokens = chunk["usage"]["completion_tokens"]
-                if any(_chunk_text(c) for c in chunk.get("choices", [])):
+                if chunk.get("choices"):  # a chunk per token step, text or not (as vLLM's bench)
                     now = time.perf_counter()
                     if result.ttft == 0.0:
                         result.ttft = now - start
@@ -194,10 +195,6 @@ async def send(client: httpx.AsyncClient, url: str, endpoint: str, model: str, r
     except (httpx.HTTPError, json.JSONDecodeError) as e:
         result.error = f"{type(e).__name__}: {e}"
     return result
-
-
-def _chunk_text(choice: dict) -> str:
-    return choice.get("text") or (choice.get("delta") or {}).get("content") or ""
 
 
 class Progress:

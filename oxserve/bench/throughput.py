@@ -102,17 +102,14 @@ def run_oxserve(engine: LLMEngine, prompts: list[list[int]], output_len: int) ->
     decode_tokens = 0
     start = time.perf_counter()
     while engine.has_unfinished_requests():
-        scheduled_prefill = any(r.num_computed_tokens < len(r.prompt_token_ids) for r in engine.scheduler.running) or bool(
-            engine.scheduler.waiting
-        )
         t = time.perf_counter()
-        outputs = engine.step()
+        engine.step()
         dt = time.perf_counter() - t
-        if scheduled_prefill:
+        if engine.last_step.prefill_tokens:
             prefill_s += dt
         else:
             decode_s += dt
-            decode_tokens += len(outputs)
+            decode_tokens += engine.last_step.decode_tokens
     total = time.perf_counter() - start
     n = len(prompts)
     return PhaseRates(

@@ -89,6 +89,7 @@ class LLMEngine:
         self._texts: dict[str, OutputText] = {}
         self._next_id = 0
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0}
+        self.last_step = StepShape(0, 0)
 
     # ---- requests ---------------------------------------------------------------------------
     def add_request(self, request_id: str | None, prompt: Prompt, params: SamplingParams | None = None) -> str:
@@ -130,6 +131,7 @@ class LLMEngine:
         tracer = self.runner.tracer
         with span(tracer, "schedule", track="engine"):
             scheduled = self.scheduler.schedule()
+        self.last_step = StepShape.of(scheduled)
         if not scheduled.scheduled:
             return []
         result = self.runner.execute(scheduled)
@@ -236,6 +238,19 @@ class LLMEngine:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             ids.add(self.tokenizer.eos_token_id)
         return ids
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What the last step computed: tokens of prompts (or recomputed history) and decode tokens."""
+
+    prefill_tokens: int
+    decode_tokens: int
+
+    @staticmethod
+    def of(out: SchedulerOutput) -> "StepShape":
+        decode = sum(s.num_new_tokens for s in out.scheduled if s.is_decode)
+        return StepShape(out.num_tokens - decode, decode)
 
 
 class OutputText:

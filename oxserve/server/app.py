@@ -50,7 +50,7 @@ class ServerState:
             await asyncio.wait_for(self.idle.wait(), timeout)
         except TimeoutError:
             log.warning("drain timeout: aborting %d request(s)", self.in_flight)
-            self.engine.abort_all()
+            self.engine.abort(None)
             await asyncio.wait_for(self.idle.wait(), 10)
         log.info("drained")
 

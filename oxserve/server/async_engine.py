@@ -5,7 +5,8 @@
     submit(requests) --- _Submit ---> commands ---> add_request for each (all or none)
     RequestGroup.abort() - _Abort --> (queue.Queue)  abort_request
                                                     step() -> [RequestOutput]
-    RequestGroup.queue <-- _deliver(batch) <------- loop.call_soon_threadsafe, once per step
+    RequestGroup.queue <-- _deliver(outbox) <------ loop.call_soon_threadsafe, after the
+                                                    commands and after each step
 
 Commands are applied between steps, so an abort (a client that went away) takes effect
 within one engine step and frees the request's cache. One API request becomes a
@@ -23,9 +24,10 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import AsyncIterator, Protocol
 
+from oxserve.config import EngineConfig
 from oxserve.engine.engine import LLMEngine, Prompt
 from oxserve.outputs import RequestOutput
 from oxserve.sampling_params import SamplingParams
@@ -75,17 +77,26 @@ class RequestGroup:
         self.timings = [RequestTiming(now) for _ in requests]
         self.queue: asyncio.Queue[tuple[int, RequestOutput | BaseException]] = asyncio.Queue()
         self.admitted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._engine = engine
+        self._front = engine
         self._unfinished = set(range(len(requests)))
 
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(index, output) until every request finished. Outputs are cumulative, so when a
+        reader falls behind, only the newest output per index is yielded."""
         while self._unfinished:
-            index, item = await self.queue.get()
-            if isinstance(item, BaseException):
-                raise item
-            if item.finished:
-                self._unfinished.discard(index)
-            yield index, item
+            batch = [await self.queue.get()]
+            while not self.queue.empty():
+                batch.append(self.queue.get_nowait())
+            latest: dict[int, RequestOutput] = {}
+            for index, item in batch:
+                if isinstance(item, BaseException):
+                    self.abort()  # the group fails as a whole
+                    raise item
+                latest[index] = item
+            for index, item in latest.items():
+                if item.finished:
+                    self._unfinished.discard(index)
+                yield index, item
 
     def resolve_admission(self, error: BaseException | None) -> None:
         if self.admitted.done():  # the submitter was cancelled meanwhile; its abort is queued
@@ -96,11 +107,13 @@ class RequestGroup:
             self._unfinished = set()  # nothing of it reached the engine
             self.admitted.set_exception(error)
 
-    def abort(self) -> None:
-        """Abort what is still running; a no-op once every request has finished."""
-        if self._unfinished:
-            self._engine._commands.put(_Abort([self.request_ids[i] for i in self._unfinished]))
-            self._unfinished = set()
+    def abort(self) -> bool:
+        """Abort what is still running; False (a no-op) once every request has finished."""
+        if not self._unfinished:
+            return False
+        self._front.abort([self.request_ids[i] for i in self._unfinished])
+        self._unfinished = set()
+        return True
 
 
 @dataclass
@@ -122,27 +135,49 @@ class _Owner:
     index: int
 
 
+@dataclass
+class _Outbox:
+    """What one loop turn hands to the event loop."""
+
+    admissions: list[tuple[RequestGroup, BaseException | None]] = field(default_factory=list)
+    outputs: list[tuple[RequestGroup, int, RequestOutput | BaseException]] = field(default_factory=list)
+
+
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, max_waiting: int, metrics: MetricsSink | None = None):
+    """Builds the engine on its own thread and serves it to the event loop of `start()`.
+
+    Only the engine thread ever runs torch, construction included: once a second thread has
+    run OpenMP regions, libgomp throttles its workers' spin-waiting (more managed threads
+    than cores), which made decode-sized ops about 1.7x slower on 2 cores.
+    """
+
+    _engine: LLMEngine  # built and used by the engine thread only
+
+    def __init__(self, config: EngineConfig, max_waiting: int, metrics: MetricsSink | None = None):
         if max_waiting < 1:
             raise ValueError(f"max_waiting must be >= 1, got {max_waiting}")
-        self._engine = engine  # touched by the engine thread only, after start()
         self.max_waiting = max_waiting
         self.metrics = metrics
-        # Fixed at construction, safe to read from any thread:
-        self.tokenizer = engine.tokenizer
-        self.max_model_len = engine.max_model_len
-        self.model_path = engine.model_path
         self.snapshot = EngineSnapshot()
         self._commands: queue.Queue = queue.Queue()
         self._owners: dict[str, _Owner] = {}  # engine thread only
-        self._thread = threading.Thread(target=self._run, name="oxserve-engine", daemon=True)
+        self._outbox = _Outbox()  # engine thread only
         self._loop: asyncio.AbstractEventLoop | None = None
+        built: queue.Queue[LLMEngine | BaseException] = queue.Queue()
+        self._thread = threading.Thread(target=self._run, args=(config, built), name="oxserve-engine", daemon=True)
+        self._thread.start()
+        engine = built.get()
+        if isinstance(engine, BaseException):
+            raise engine
+        # Fixed once built, safe to read from any thread:
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.max_model_len
+        self.model_path = engine.model_path
 
     # ---- event loop side ----------------------------------------------------------------
     def start(self) -> None:
+        """Deliver outputs to the running event loop; call before the first submit."""
         self._loop = asyncio.get_running_loop()
-        self._thread.start()
 
     async def stop(self) -> None:
         """Abort whatever is left and end the engine thread."""
@@ -167,12 +202,15 @@ class AsyncEngine:
             raise
         return group
 
-    def abort_all(self) -> None:
-        self._commands.put(_Abort(None))
+    def abort(self, request_ids: list[str] | None) -> None:
+        """Abort these requests (None: all) at the next loop turn; their outputs say "abort"."""
+        self._commands.put(_Abort(request_ids))
 
-    def _deliver(self, batch: list[tuple[RequestGroup, int, RequestOutput | BaseException]]) -> None:
+    def _deliver(self, outbox: "_Outbox") -> None:
+        for group, error in outbox.admissions:
+            group.resolve_admission(error)
         now = time.monotonic()
-        for group, index, item in batch:
+        for group, index, item in outbox.outputs:
             timing = group.timings[index]
             if isinstance(item, RequestOutput):
                 if timing.first_token is None and item.outputs[0].token_ids:
@@ -182,19 +220,36 @@ class AsyncEngine:
             group.queue.put_nowait((index, item))
 
     # ---- engine thread ------------------------------------------------------------------
-    def _run(self) -> None:
+    def _run(self, config: EngineConfig, built: queue.Queue) -> None:
+        try:
+            self._engine = LLMEngine(config)
+        except BaseException as e:
+            built.put(e)
+            return
+        built.put(self._engine)
         while True:
             for command in self._take_commands(block=not self._engine.has_unfinished_requests()):
                 if command is _STOP:
                     self._abort(None)
+                    self._flush()
                     return
                 try:
                     self._apply(command)
                 except Exception:
                     log.exception("engine command %r failed", command)
+            self._flush()  # admissions now, not after a step that may take a while
             if self._engine.has_unfinished_requests():
                 self._step()
-            self.snapshot = self._snapshot()
+                self._flush()
+
+    def _flush(self) -> None:
+        """Publish the snapshot, then hand the outbox to the event loop in one call: whoever
+        sees an output sees metrics that already count it."""
+        self.snapshot = self._snapshot()
+        if self._outbox.admissions or self._outbox.outputs:
+            assert self._loop is not None
+            self._loop.call_soon_threadsafe(self._deliver, self._outbox)
+            self._outbox = _Outbox()
 
     def _take_commands(self, block: bool) -> list:
         commands = [self._commands.get()] if block else []
@@ -208,7 +263,7 @@ class AsyncEngine:
         if isinstance(command, _Abort):
             self._abort(command.request_ids)
         else:
-            self._post(command.group.resolve_admission, self._add(command.group))
+            self._outbox.admissions.append((command.group, self._add(command.group)))
 
     def _add(self, group: RequestGroup) -> BaseException | None:
         """Add every request of the group, or none of them; returns the error if any."""
@@ -234,14 +289,11 @@ class AsyncEngine:
         return None
 
     def _abort(self, request_ids: list[str] | None) -> None:
-        batch = []
         for rid in list(self._owners) if request_ids is None else request_ids:
             owner = self._owners.pop(rid, None)
             output = self._engine.abort_request(rid)
             if owner is not None and output is not None:
-                batch.append((owner.group, owner.index, output))
-        if batch:
-            self._post(self._deliver, batch)
+                self._outbox.outputs.append((owner.group, owner.index, output))
 
     def _step(self) -> None:
         try:
@@ -251,26 +303,19 @@ class AsyncEngine:
             log.exception("engine step failed; failing the requests in it: %s", ", ".join(failed))
             self._fail(failed, e)
             return
-        batch = []
         for out in outputs:
             owner = self._owners.pop(out.request_id) if out.finished else self._owners[out.request_id]
-            batch.append((owner.group, owner.index, out))
-        self._post(self._deliver, batch)
+            self._outbox.outputs.append((owner.group, owner.index, out))
 
     def _fail(self, request_ids: list[str], error: Exception) -> None:
-        batch = []
         for rid in request_ids:
             try:
                 self._engine.abort_request(rid)
             except Exception:
                 log.exception("%s: aborting after a failed step failed too", rid)
             if (owner := self._owners.pop(rid, None)) is not None:
-                batch.append((owner.group, owner.index, EngineError(f"the engine failed while running this request: {error!r}")))
-        self._post(self._deliver, batch)
-
-    def _post(self, fn, *args) -> None:
-        assert self._loop is not None
-        self._loop.call_soon_threadsafe(fn, *args)
+                failure = EngineError(f"the engine failed while running this request: {error!r}")
+                self._outbox.outputs.append((owner.group, owner.index, failure))
 
     def _snapshot(self) -> EngineSnapshot:
         engine = self._engine

@@ -16,7 +16,6 @@ from types import FrameType
 import uvicorn
 
 from oxserve.cli import add_engine_arguments, engine_config_from_args
-from oxserve.engine.engine import LLMEngine
 from oxserve.server.app import ServerState, build_app
 from oxserve.server.async_engine import AsyncEngine
 
@@ -41,10 +40,10 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.max_waiting < 1:
         raise SystemExit(f"--max-waiting must be >= 1, got {args.max_waiting}")
-    engine = LLMEngine(engine_config_from_args(args))
+    engine = AsyncEngine(engine_config_from_args(args), args.max_waiting)
     model_name = args.served_model_name or args.model or "oxserve-default"
     log.info("serving %s (%s) as %r, max_model_len %d", engine.model_path, args.dtype, model_name, engine.max_model_len)
-    app = build_app(AsyncEngine(engine, args.max_waiting), model_name)
+    app = build_app(engine, model_name)
     config = uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level, access_log=args.access_log,
         timeout_graceful_shutdown=5, log_config=None,  # keep the logging set up above

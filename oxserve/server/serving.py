@@ -97,15 +97,16 @@ class TextDeltas:
 class EngineStreamResponse(StreamingResponse):
     """An SSE response that aborts its engine requests however it ends (client gone included)."""
 
-    def __init__(self, content: AsyncIterator[str], group: RequestGroup):
+    def __init__(self, content: AsyncIterator[str], job: Job, group: RequestGroup):
         super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        self.group = group
+        self.job, self.group = job, group
 
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            self.group.abort()
+            if self.group.abort():
+                log.info("%s: client disconnected; aborted", self.job.response_id)
 
 
 class OpenAIServing:
@@ -129,13 +130,13 @@ class OpenAIServing:
             def render(i: int, c: CompletionOutput) -> dict | None:
                 offset = deltas[i].text_sent
                 text, token_ids, logprobs = deltas[i].next(c)
-                if not (text or c.finished or (logprobs and token_ids)):
+                if not (token_ids or c.finished):
                     return None
                 lp = fmt.completion(token_ids, logprobs, offset) if logprobs is not None else None
                 return _choice(i, c, text=text, logprobs=lp)
 
-            stream = self._sse(job, group, "text_completion", req.include_usage, None, render)
-            return EngineStreamResponse(stream, group)
+            stream = self._sse(job, group, "text_completion", req.include_usage, render)
+            return EngineStreamResponse(stream, job, group)
 
         finals = await self._collect(job, group, raw)
         if finals is None:
@@ -162,16 +163,17 @@ class OpenAIServing:
             deltas = [TextDeltas(params) for _ in range(job.num_choices)]
 
             def render(i: int, c: CompletionOutput) -> dict | None:
+                first = deltas[i].tokens_sent == 0
                 text, token_ids, logprobs = deltas[i].next(c)
-                if not (text or c.finished or (logprobs and token_ids)):
+                if not (token_ids or c.finished):
                     return None
                 lp = fmt.chat(token_ids, logprobs, top_k) if logprobs is not None else None
-                return _choice(i, c, delta={"content": text} if text else {}, logprobs=lp)
+                # A choice's first chunk carries the role (OpenAI sends it alone, just before).
+                delta = {"role": "assistant", "content": text} if first else {"content": text} if text else {}
+                return _choice(i, c, delta=delta, logprobs=lp)
 
-            # OpenAI opens every choice with the role, before any token exists.
-            opening = [_choice(i, None, delta={"role": "assistant", "content": ""}, logprobs=None) for i in range(job.num_choices)]
-            stream = self._sse(job, group, "chat.completion.chunk", req.include_usage, opening, render)
-            return EngineStreamResponse(stream, group)
+            stream = self._sse(job, group, "chat.completion.chunk", req.include_usage, render)
+            return EngineStreamResponse(stream, job, group)
 
         finals = await self._collect(job, group, raw)
         if finals is None:
@@ -249,25 +251,24 @@ class OpenAIServing:
         except EngineError as e:
             raise engine_error(e) from None
         finally:
-            group.abort()
-        if finals is None:
-            log.info("%s: client disconnected; aborted", job.response_id)
-        else:
+            if group.abort():
+                log.info("%s: client disconnected; aborted", job.response_id)
+        if finals is not None:
             _log_finished(job, finals, time.monotonic() - start)
         return finals
 
     async def _sse(
-        self, job: Job, group: RequestGroup, kind: str, usage: bool, opening: list[dict] | None, render
+        self, job: Job, group: RequestGroup, kind: str, usage: bool, render
     ) -> AsyncIterator[str]:
-        """SSE events: the opening chunk, one chunk per rendered delta, the usage chunk, [DONE].
+        """SSE events: a chunk per output that brought new tokens (text may be empty: a token
+        can end mid-character or be special), the usage chunk, [DONE]. As vLLM does, so
+        clients that time chunks time tokens.
 
         An engine failure mid-stream ends it with an error event (as vLLM does); the status
         line is long gone by then.
         """
         start = time.monotonic()
         finals: list[RequestOutput] = []
-        if opening:
-            yield _sse(_chunk(job, kind, opening, usage))
         try:
             async for i, out in group.outputs():
                 if out.finished:

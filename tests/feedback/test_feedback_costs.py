@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import TINY_TEXT_CONFIG
+from tiny_models import TINY_TEXT_CONFIG
 
 from oxserve.model.config import TextModelConfig
 from oxserve.model.glm5_next import Glm5NextForCausalLM

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from conftest import TINY_TEXT_CONFIG
+from tiny_models import TINY_TEXT_CONFIG
 
 from oxserve.cli import main
 from oxserve.model.config import TextModelConfig

@@ -1,0 +1,169 @@
+"""The OpenAI endpoints through the official `openai` client: shapes, streaming, stop strings,
+n > 1, logprobs, usage, /v1/models, /health and /metrics."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from server_harness import server, tiny_model  # noqa: F401  (fixtures)
+
+PROMPT = "The engine serves"
+GREEDY = {"temperature": 0.0, "extra_body": {"ignore_eos": True}}
+
+
+def stream_text(chunks, field: str = "text") -> tuple[str, list, list]:
+    """(concatenated text, finish reasons, usage objects) of a completion or chat stream."""
+    text, reasons, usages = "", [], []
+    for chunk in chunks:
+        if chunk.usage is not None:
+            usages.append(chunk.usage)
+        for choice in chunk.choices:
+            text += (choice.text if field == "text" else choice.delta.content) or ""
+            if choice.finish_reason:
+                reasons.append(choice.finish_reason)
+    return text, reasons, usages
+
+
+def test_models_and_health(server):
+    models = server.client().models.list()
+    assert [m.id for m in models.data] == [server.client().models.list().data[0].id]
+    assert httpx.get(f"{server.base_url}/health").status_code == 200
+
+
+def test_completion_and_its_stream_agree(server):
+    client = server.client()
+    full = client.completions.create(model=None, prompt=PROMPT, max_tokens=12, **GREEDY)
+    assert full.id.startswith("cmpl-") and full.object == "text_completion"
+    choice = full.choices[0]
+    assert choice.finish_reason == "length" and choice.text
+    assert full.usage.completion_tokens == 12
+    assert full.usage.total_tokens == full.usage.prompt_tokens + 12
+
+    chunks = list(client.completions.create(model=None, prompt=PROMPT, max_tokens=12, stream=True,
+                                            stream_options={"include_usage": True}, **GREEDY))  # fmt: skip
+    text, reasons, usages = stream_text(chunks)
+    assert text == choice.text and reasons == ["length"]
+    assert len(usages) == 1 and chunks[-1].choices == [] and usages[0].completion_tokens == 12
+    assert all(c.id == chunks[0].id for c in chunks) and chunks[0].id.startswith("cmpl-")
+
+
+def test_chat_and_its_stream_agree(server):
+    client = server.client()
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
+    full = client.chat.completions.create(model=None, messages=messages, max_completion_tokens=10, **GREEDY)
+    assert full.id.startswith("chatcmpl-") and full.object == "chat.completion"
+    message = full.choices[0].message
+    assert message.role == "assistant" and message.content
+    assert full.usage.completion_tokens == 10
+
+    chunks = list(client.chat.completions.create(model=None, messages=messages, max_tokens=10, stream=True,
+                                                 stream_options={"include_usage": True}, **GREEDY))  # fmt: skip
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text, reasons, usages = stream_text(chunks, field="content")
+    assert text == message.content and reasons == ["length"]
+    assert usages[0].completion_tokens == 10 and usages[0].prompt_tokens == full.usage.prompt_tokens
+
+
+def test_token_id_prompt_and_batch_of_prompts(server):
+    client = server.client()
+    ids = [100, 200, 300, 400]
+    single = client.completions.create(model=None, prompt=ids, max_tokens=5, **GREEDY)
+    assert single.usage.prompt_tokens == 4
+    batch = client.completions.create(model=None, prompt=[ids, [7, 8, 9]], max_tokens=5, **GREEDY)
+    assert [c.index for c in batch.choices] == [0, 1]
+    assert batch.choices[0].text == single.choices[0].text
+    assert batch.usage.prompt_tokens == 7 and batch.usage.completion_tokens == 10
+    texts = client.completions.create(model=None, prompt=[PROMPT, "Hello"], max_tokens=5, **GREEDY)
+    assert len(texts.choices) == 2 and texts.usage.completion_tokens == 10
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_string_cuts_the_text(server, stream):
+    """Greedy output is known, so a stop string taken from its middle must end it right there."""
+    client = server.client()
+    text = client.completions.create(model=None, prompt=PROMPT, max_tokens=24, **GREEDY).choices[0].text
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    expected = text[: text.index(stop)]
+    kwargs = {"model": None, "prompt": PROMPT, "max_tokens": 24, "stop": [stop], "logprobs": 0, **GREEDY}
+    if stream:
+        chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs))
+        got, reasons, usages = stream_text(chunks)
+        tokens = sum(len(c.choices[0].logprobs.tokens) for c in chunks if c.choices and c.choices[0].logprobs)
+        usage = usages[0]
+    else:
+        out = client.completions.create(**kwargs)
+        got, reasons, usage = out.choices[0].text, [out.choices[0].finish_reason], out.usage
+        tokens = len(out.choices[0].logprobs.tokens)
+    assert got == expected and reasons == ["stop"]
+    # usage counts the tokens produced, the one completing the stop string included
+    assert usage.completion_tokens == tokens < 24
+
+
+def test_n_choices_are_seeded_samples(server):
+    """With a seed, choice j of n equals a single request with seed + j (as vLLM's LLM.generate)."""
+    client = server.client()
+    kwargs = {"model": None, "prompt": PROMPT, "max_tokens": 8, "temperature": 1.0, "extra_body": {"ignore_eos": True}}
+    out = client.completions.create(n=3, seed=7, **kwargs)
+    assert [c.index for c in out.choices] == [0, 1, 2]
+    assert out.usage.completion_tokens == 24
+    for j, choice in enumerate(out.choices):
+        assert choice.text == client.completions.create(n=1, seed=7 + j, **kwargs).choices[0].text
+    chunks = list(client.chat.completions.create(model=None, messages=[{"role": "user", "content": "hi"}], n=2, seed=3,
+                                                 max_tokens=6, stream=True, temperature=1.0))  # fmt: skip
+    assert {c.choices[0].index for c in chunks if c.choices} == {0, 1}
+
+
+def test_completion_logprobs_shape(server):
+    out = server.client().completions.create(model=None, prompt=PROMPT, max_tokens=6, logprobs=3, **GREEDY)
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 6
+    assert "".join(lp.tokens) == out.choices[0].text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(6)]
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert logprob <= 0 and 3 <= len(top) <= 4
+        assert top[token] == logprob == max(top.values())  # greedy picks the most likely token
+
+
+def test_chat_logprobs_shape(server):
+    out = server.client().chat.completions.create(model=None, messages=[{"role": "user", "content": "hi"}],
+                                                  max_tokens=5, logprobs=True, top_logprobs=2, **GREEDY)  # fmt: skip
+    content = out.choices[0].logprobs.content
+    assert len(content) == 5
+    for entry in content:
+        assert bytes(entry.bytes).decode() == entry.token
+        assert len(entry.top_logprobs) == 2
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
+        assert entry.top_logprobs[0].token == entry.token and entry.top_logprobs[0].logprob == entry.logprob
+
+
+def test_sampling_extras_are_accepted(server):
+    out = server.client().completions.create(
+        model=None, prompt=PROMPT, max_tokens=6, temperature=0.8, top_p=0.9, seed=1, presence_penalty=0.5,
+        frequency_penalty=0.5, extra_body={"top_k": 20, "min_p": 0.01, "repetition_penalty": 1.1, "ignore_eos": True},
+    )  # fmt: skip
+    assert out.usage.completion_tokens == 6
+
+
+def test_stop_token_ids_end_the_request(server):
+    client = server.client()
+    ids = client.completions.create(model=None, prompt=PROMPT, max_tokens=8, logprobs=0,
+                                    extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True}, temperature=0.0)  # fmt: skip
+    third = int(ids.choices[0].logprobs.tokens[2].removeprefix("token_id:"))
+    out = client.completions.create(model=None, prompt=PROMPT, max_tokens=8, temperature=0.0,
+                                    extra_body={"ignore_eos": True, "stop_token_ids": [third]})  # fmt: skip
+    assert out.choices[0].finish_reason == "stop" and out.usage.completion_tokens == 3
+
+
+def test_metrics_parse(server):
+    server.client().completions.create(model=None, prompt=PROMPT, max_tokens=3, **GREEDY)
+    text = httpx.get(f"{server.base_url}/metrics").text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    for name in ("oxserve:num_requests_running", "oxserve:num_requests_waiting", "oxserve:kv_cache_usage_perc",
+                 "oxserve:num_preemptions", "oxserve:prompt_tokens", "oxserve:generation_tokens",
+                 "oxserve:time_to_first_token_seconds", "oxserve:time_per_output_token_seconds",
+                 "oxserve:e2e_request_latency_seconds"):  # fmt: skip
+        assert name in families, name
+    samples = server.metrics()
+    assert samples["oxserve:generation_tokens_total"] >= 3
+    assert samples["oxserve:e2e_request_latency_seconds_count"] >= 1

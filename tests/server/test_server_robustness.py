@@ -1,0 +1,205 @@
+"""Bad input, back-pressure, disconnects, SIGTERM and engine failures: each gets its answer and
+nothing disturbs the requests around it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+from server_harness import MAX_MODEL_LEN, serve, server, tiny_model  # noqa: F401  (server, tiny_model: fixtures)
+
+from oxserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from oxserve.sampling_params import SamplingParams
+from oxserve.server.async_engine import AsyncEngine, EngineError
+
+LONG = {"prompt": [11, 12, 13], "max_tokens": 60, "temperature": 0.0, "ignore_eos": True}
+BAD_INPUTS = [
+    # (path, body, status, words the message must contain)
+    ("/v1/completions", b"{not json", 400, "not valid JSON"),
+    ("/v1/completions", b"[1, 2]", 400, "object"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": "5"}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": 5}, 400, "prompt"),
+    ("/v1/completions", {"prompt": [1, "a"]}, 400, "prompt"),
+    ("/v1/completions", {}, 400, "prompt"),
+    ("/v1/completions", {"prompt": ""}, 400, "empty"),
+    ("/v1/completions", {"prompt": []}, 400, "empty"),
+    ("/v1/completions", {"prompt": "hi", "temperature": -1}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "hi", "top_p": 0}, 400, "top_p"),
+    ("/v1/completions", {"prompt": "hi", "n": 0}, 400, "n"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 21}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": "hi", "stop": [""]}, 400, "stop"),
+    ("/v1/completions", {"prompt": "hi", "seed": 2**70}, 400, "seed"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 1.0}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "echo": True}, 400, "echo"),
+    ("/v1/completions", {"prompt": [999999]}, 400, "vocabulary"),
+    ("/v1/completions", {"prompt": list(range(100, 100 + MAX_MODEL_LEN))}, 400, f"maximum context length is {MAX_MODEL_LEN}"),
+    ("/v1/completions", {"prompt": [5] * 100, "max_tokens": 50}, 400, f"maximum context length is {MAX_MODEL_LEN}"),
+    ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, 404, "does not exist"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user"}], "top_logprobs": 2}, 400, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, 400, "image_url"),
+    ("/v1/chat/completions", {"messages": [{"content": "no role"}]}, 400, "role"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, 400, "tools"),
+    ("/v1/nowhere", {}, 404, "Not Found"),
+]  # fmt: skip
+
+
+def post(base: str, path: str, body, **kwargs) -> httpx.Response:
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return httpx.post(base + path, content=content, headers={"content-type": "application/json"}, timeout=60, **kwargs)
+
+
+def stream_tokens(base: str, body: dict, events: list | None = None) -> tuple[int, str]:
+    """Runs a streaming completion; returns (usage.completion_tokens, text)."""
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    usage, text = -1, ""
+    with httpx.stream("POST", base + "/v1/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if events is not None:
+                events.append(line)
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                text += "".join(c["text"] for c in chunk["choices"])
+                usage = chunk["usage"]["completion_tokens"] if chunk.get("usage") else usage
+    return usage, text
+
+
+def test_bad_inputs_get_clear_errors_and_disturb_nobody(server):
+    base = server.base_url
+    alone = post(base, "/v1/completions", LONG).json()["choices"][0]["text"]
+    result = {}
+    neighbour = threading.Thread(target=lambda: result.update(zip(("tokens", "text"), stream_tokens(base, LONG))))
+    neighbour.start()
+    for path, body, status, words in BAD_INPUTS:
+        r = post(base, path, body)
+        assert r.status_code == status, (body, r.text)
+        error = r.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"}
+        assert words in error["message"], (body, error)
+    wrong_method = httpx.get(base + "/v1/completions")
+    assert wrong_method.status_code == 405 and "error" in wrong_method.json()
+    neighbour.join()
+    assert result == {"tokens": 60, "text": alone}
+    assert post(base, "/v1/completions", LONG).json()["choices"][0]["text"] == alone
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_disconnect_aborts_and_frees_the_cache(server, stream):
+    idle = server.metrics()
+    assert idle["oxserve:num_requests_running"] == 0
+    body = {"prompt": [11, 12, 13], "max_tokens": 120, "temperature": 0.0, "ignore_eos": True, "stream": stream}
+    if stream:
+        with httpx.stream("POST", server.base_url + "/v1/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            while not next(lines).startswith("data: {"):
+                pass
+        # leaving the block closes the connection mid-stream
+    else:
+        with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
+            httpx.post(server.base_url + "/v1/completions", json=body, timeout=httpx.Timeout(60, read=0.3))
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        now = server.metrics()
+        if now["oxserve:num_requests_running"] == 0 and now["oxserve:num_requests_waiting"] == 0:
+            break
+        time.sleep(0.05)
+    assert now["oxserve:num_requests_running"] == 0 and now["oxserve:num_requests_waiting"] == 0
+    assert now["oxserve:kv_cache_usage_perc"] == idle["oxserve:kv_cache_usage_perc"]
+    # aborted long before its 120 tokens
+    assert now["oxserve:generation_tokens_total"] - idle["oxserve:generation_tokens_total"] < 100
+    assert "client disconnected; aborted" in server.log()
+
+
+def test_full_queue_answers_429_with_retry_after(tiny_model, tmp_path):
+    """One running slot and two waiting places: of 8 requests at once, some must get 429."""
+    with serve(tiny_model, "--max-num-seqs", "1", "--max-waiting", "2", log_dir=tmp_path) as s:
+        body = {"prompt": [11, 12, 13], "max_tokens": 30, "temperature": 0.0, "ignore_eos": True}
+        responses: list[httpx.Response] = []
+        threads = [threading.Thread(target=lambda: responses.append(post(s.base_url, "/v1/completions", body))) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        codes = sorted(r.status_code for r in responses)
+        assert codes.count(200) >= 3 and 429 in codes, codes
+        for r in responses:
+            if r.status_code == 429:
+                assert r.headers["Retry-After"].isdigit()
+                assert r.json()["error"]["code"] == "rate_limit_exceeded" and "queue is full" in r.json()["error"]["message"]
+            else:
+                assert r.json()["usage"]["completion_tokens"] == 30
+
+
+def test_sigterm_drains_in_flight_requests_and_exits_0(tiny_model, tmp_path):
+    with serve(tiny_model, log_dir=tmp_path) as s:
+        result = {}
+        body = {**LONG, "max_tokens": 100}
+        events: list[str] = []
+        worker = threading.Thread(target=lambda: result.update(tokens=stream_tokens(s.base_url, body, events)[0]))
+        worker.start()
+        while not any(e.startswith("data: {") for e in events):
+            time.sleep(0.01)
+        s.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 5
+        while (refused := post(s.base_url, "/v1/completions", {"prompt": "hi"})).status_code != 503:
+            assert time.monotonic() < deadline
+        assert refused.json()["error"]["code"] == "server_shutting_down"
+        assert httpx.get(s.base_url + "/health").status_code == 503
+        worker.join()
+        assert result["tokens"] == 100 and [e for e in events if e][-1] == "data: [DONE]"
+        assert s.proc.wait(timeout=30) == 0
+
+
+def test_sigterm_past_the_shutdown_timeout_aborts_and_exits_0(tiny_model, tmp_path):
+    with serve(tiny_model, "--shutdown-timeout", "0.5", "--max-model-len", "512", log_dir=tmp_path) as s:
+        events: list[str] = []
+        body = {**LONG, "max_tokens": 500}
+        worker = threading.Thread(target=lambda: stream_tokens(s.base_url, body, events))
+        worker.start()
+        while not any(e.startswith("data: {") for e in events):
+            time.sleep(0.01)
+        s.proc.send_signal(signal.SIGTERM)
+        worker.join(timeout=30)
+        assert s.proc.wait(timeout=30) == 0
+    reasons = [c["finish_reason"] for e in events if e.startswith("data: {") for c in json.loads(e[6:])["choices"]]
+    assert reasons[-1] == "abort" and [e for e in events if e][-1] == "data: [DONE]"
+
+
+def test_engine_thread_survives_a_failing_request(tiny_model):
+    """A seed torch cannot take (the server rejects it; here it goes straight to the engine)
+    makes the engine step raise. That request fails; the one waiting behind it is served."""
+    config = EngineConfig(
+        model=ModelConfig(model=str(tiny_model), dtype="float32", max_model_len=MAX_MODEL_LEN),
+        cache=CacheConfig(cache_memory_gb=0.05),
+        scheduler=SchedulerConfig(max_num_seqs=1),
+    )
+    good = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+
+    async def main() -> tuple[str, list[int], list[int]]:
+        engine = AsyncEngine(config, max_waiting=8)
+        engine.start()
+        bad = await engine.submit([("bad", [1, 2, 3], SamplingParams(max_tokens=5, seed=2**70))])
+        after = await engine.submit([("good", [1, 2, 3], good)])
+        error = ""
+        try:
+            async for _ in bad.outputs():
+                pass
+        except EngineError as e:
+            error = str(e)
+        served = [out async for _, out in after.outputs()][-1].outputs[0].token_ids
+        again = await engine.submit([("again", [1, 2, 3], good)])
+        repeat = [out async for _, out in again.outputs()][-1].outputs[0].token_ids
+        assert engine.is_alive and engine.snapshot.running == 0
+        await engine.stop()
+        return error, served, repeat
+
+    error, served, repeat = asyncio.run(main())
+    assert "engine failed" in error
+    assert len(served) == 5 and served == repeat
