@@ -32,8 +32,8 @@ class SamplingParams:
             self.top_k = 0
         _check(isinstance(self.n, int) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}")
         _check(
-            self.seed is None or (isinstance(self.seed, int) and -(2**63) <= self.seed < 2**63 - 64),
-            f"seed must be an integer in [-2**63, 2**63 - 64), got {self.seed!r}",
+            self.seed is None or (isinstance(self.seed, int) and -(2**63) <= self.seed < 2**63),
+            f"seed must be a 64-bit signed integer, got {self.seed!r}",
         )
         _check(
             self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),

@@ -173,8 +173,8 @@ def test_sigterm_past_the_shutdown_timeout_aborts_and_exits_0(tiny_model, tmp_pa
 
 
 def test_engine_thread_survives_a_failing_request(tiny_model):
-    """A seed torch cannot take (the server rejects it; here it goes straight to the engine)
-    makes the engine step raise. That request fails; the one waiting behind it is served."""
+    """A seed torch cannot take, planted after validation (the server and SamplingParams reject
+    it), makes the engine step raise. That request fails; the one waiting behind it is served."""
     config = EngineConfig(
         model=ModelConfig(model=str(tiny_model), dtype="float32", max_model_len=MAX_MODEL_LEN),
         cache=CacheConfig(cache_memory_gb=0.05),
@@ -185,7 +185,9 @@ def test_engine_thread_survives_a_failing_request(tiny_model):
     async def main() -> tuple[str, list[int], list[int]]:
         engine = AsyncEngine(config, max_waiting=8)
         engine.start()
-        bad = await engine.submit([("bad", [1, 2, 3], SamplingParams(max_tokens=5, seed=2**70))])
+        poisoned = SamplingParams(max_tokens=5, seed=1)
+        poisoned.seed = 2**70  # fault injection: past validation, torch.Generator.manual_seed raises
+        bad = await engine.submit([("bad", [1, 2, 3], poisoned)])
         after = await engine.submit([("good", [1, 2, 3], good)])
         error = ""
         try:
