@@ -14,7 +14,7 @@ import torch
 from oxserve.cache.manager import CacheManager
 from oxserve.cache.tensors import allocate_layer_caches, kda_slot_bytes, mla_token_bytes
 from oxserve.config import EngineConfig
-from oxserve.engine.request import Request, RequestStatus
+from oxserve.engine.request import Request
 from oxserve.engine.runner import ModelRunner, StepResult
 from oxserve.engine.scheduler import Scheduler, SchedulerOutput
 from oxserve.engine.stop import StopChecker

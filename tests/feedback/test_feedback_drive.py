@@ -4,7 +4,6 @@ moment, and the metrics count what was generated."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from oxserve.engine.engine import LLMEngine
 from oxserve.feedback.drive import PROMPT_MIN_TOKEN_ID, run_workload
@@ -12,15 +11,6 @@ from oxserve.feedback.engine_options import engine_config
 from oxserve.feedback.workload import Workload
 from oxserve.profiling.spans import group_spans
 from oxserve.telemetry import Tracer
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One torch thread: two on a shared two-core machine turn other jobs' load into 10x swings."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -24,15 +24,6 @@ REQUIRED_OPS = {
     "moe.router", "moe.experts", "hc.collapse", "hc.expand", "rmsnorm", "lm_head",
 }
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One torch thread: two on a shared two-core machine turn other jobs' load into 10x swings."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 
 def run(op_name: str, candidate, dtype=torch.float32, case_index: int = 0, reps: int = 4):
     op = REGISTRY[op_name]

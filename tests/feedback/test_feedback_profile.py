@@ -8,20 +8,10 @@ import sys
 from collections import defaultdict
 
 import pytest
-import torch
 
 from oxserve.cli import main
 
 EPS_US = 0.01  # timestamps are rounded to ns
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One torch thread: two on a shared two-core machine turn other jobs' load into 10x swings."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 WORKLOAD = """
