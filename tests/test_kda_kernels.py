@@ -45,6 +45,16 @@ def test_split_sequence_equals_whole():
     torch.testing.assert_close(s_end, s_whole, rtol=1e-4, atol=1e-5)
 
 
+def test_recurrent_step_matches_reference():
+    q, k, v, g, beta, state = _inputs(3)
+    ref_out, ref_state = kda.kda_reference(q, k, v, g, beta, state)
+    for t in range(3):
+        o, state = kda.kda_recurrent_step(q[t : t + 1], k[t : t + 1], v[t : t + 1], g[t : t + 1], beta[t : t + 1], state[None])
+        state = state[0]
+        torch.testing.assert_close(o[0], ref_out[t], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(state, ref_state, rtol=1e-5, atol=1e-6)
+
+
 def test_recurrent_step_batched_equals_single():
     q, k, v, g, beta, _ = _inputs(4)  # 4 requests, one token each
     states = torch.randn(4, 3, 8, 12)

@@ -28,21 +28,26 @@ def kda_recurrent_step(
 
     Returns (o [B,H,Dv], new state). All fp32.
     """
-    state = state * g.exp().unsqueeze(-1)
-    kv_mem = torch.einsum("bhk,bhkv->bhv", k, state)
+    b, h, dk, dv = state.shape
+    # Batched (B*H) matrix products, and the rank-1 update in place on the decayed copy:
+    # a few large ops instead of elementwise broadcasts over the [B,H,Dk,Dv] state.
+    decayed = (state * g.exp().unsqueeze(-1)).view(b * h, dk, dv)
+    k_rows = k.reshape(b * h, 1, dk)
+    kv_mem = torch.bmm(k_rows, decayed).view(b, h, dv)
     delta = (v - kv_mem) * beta.unsqueeze(-1)
-    state = state + k.unsqueeze(-1) * delta.unsqueeze(-2)
-    out = torch.einsum("bhk,bhkv->bhv", q, state)
-    return out, state
+    decayed.baddbmm_(k_rows.transpose(1, 2), delta.view(b * h, 1, dv))
+    out = torch.bmm(q.reshape(b * h, 1, dk), decayed).view(b, h, dv)
+    return out, decayed.view(b, h, dk, dv)
 
 
 def kda_reference(q, k, v, g, beta, state):
     """Token-by-token loop over one sequence. q,k,g: [L,H,Dk]; v: [L,H,Dv]; beta: [L,H]; state [H,Dk,Dv]."""
     outs = []
     for t in range(q.shape[0]):
-        o, state = kda_recurrent_step(q[t : t + 1], k[t : t + 1], v[t : t + 1], g[t : t + 1], beta[t : t + 1], state[None])
-        state = state[0]
-        outs.append(o[0])
+        state = state * g[t].exp().unsqueeze(-1)
+        delta = (v[t] - (k[t].unsqueeze(-1) * state).sum(-2)) * beta[t].unsqueeze(-1)
+        state = state + k[t].unsqueeze(-1) * delta.unsqueeze(-2)
+        outs.append((q[t].unsqueeze(-1) * state).sum(-2))
     return torch.stack(outs), state
 
 
