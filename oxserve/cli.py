@@ -57,7 +57,8 @@ def _base_type(hint) -> type:
     return args[0] if args else hint
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str]) -> argparse.ArgumentParser:
+    """The full command tree; only the subcommand named in `argv` imports its module for its options."""
     parser = argparse.ArgumentParser(prog="oxserve", description=__doc__.split("\n")[0])
     subparsers = parser.add_subparsers(dest="command", required=True)
     groups: dict[str, argparse._SubParsersAction] = {}
@@ -70,21 +71,14 @@ def build_parser() -> argparse.ArgumentParser:
                 groups[path[0]] = group.add_subparsers(dest="subcommand", required=True)
             sub = groups[path[0]].add_parser(path[1], help=help_text, description=help_text)
         sub.set_defaults(_module=module, command_path=path)
-        _lazy_arguments(sub, module, path)
+        if tuple(argv[: len(path)]) == path:  # keeps `--help` and other commands fast
+            importlib.import_module(module).add_arguments(sub, path[-1])
     return parser
 
 
-def _lazy_arguments(sub: argparse.ArgumentParser, module: str, path: tuple[str, ...]) -> None:
-    # Import a command's module only when that command is asked for (keeps `--help` fast).
-    wanted = sys.argv[1 : 1 + len(path)]
-    if tuple(wanted) == path:
-        importlib.import_module(module).add_arguments(sub, path[-1])
-
-
 def main(argv: list[str] | None = None) -> int:
-    if argv is not None:
-        sys.argv = ["oxserve", *argv]
-    args = build_parser().parse_args(sys.argv[1:])
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv).parse_args(argv)
     module = importlib.import_module(args._module)
     return int(module.run(args) or 0)
 

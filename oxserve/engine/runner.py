@@ -84,7 +84,7 @@ class ModelRunner:
                 logits_indices.append(len(tokens) - 1)
         width = max(len(s.block_ids) for s in out.scheduled)
         tables = [s.block_ids + [0] * (width - len(s.block_ids)) for s in out.scheduled]
-        as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
+        as_long = self._as_long
         batch = ForwardBatch(
             query_lens=[s.num_new_tokens for s in out.scheduled],
             context_lens=[s.request.num_computed_tokens for s in out.scheduled],
@@ -98,6 +98,9 @@ class ModelRunner:
             logits_indices=as_long(logits_indices),
         )
         return as_long(tokens), batch
+
+    def _as_long(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=self.device)
 
     def _sampling_row(self, request) -> SamplingRow:
         if request.request_id not in self._generators:
