@@ -9,8 +9,8 @@ others run. Each answer is then checked against the same request run alone:
 - default mode, where batching changes float reduction order: by teacher forcing against
   an `LLMEngine` running each request alone with `logprobs=20`. Walking the served tokens,
   each must be the alone run's argmax, or tie with it: logprob gaps are logit gaps, and the
-  gap must be <= 1e-4 (this checkpoint's logits are below 1 in magnitude, so that is 1e-4
-  relative to max |logit| or tighter). Its served logprob must match the alone run's within
+  gap must be <= 1e-4 absolute (this checkpoint's max |logit| is about 0.6, so this is a
+  little looser than 1e-4 relative to max |logit|). Its served logprob must match the alone run's within
   1e-3. On a tie the alone run is restarted from the served prefix, so later tokens are
   compared in the context the server actually had. Everything runs in float32. This
   test's checkpoint keeps every token in sparse attention (see `tiny_dense_dsa_model`):
