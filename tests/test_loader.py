@@ -99,3 +99,8 @@ def test_engine_without_tokenizer_takes_token_ids(checkpoint):
     assert len(out[0].outputs[0].token_ids) == 3
     with pytest.raises(ValueError, match="no tokenizer"):
         llm.generate("text", SamplingParams(max_tokens=3))
+
+
+def test_attention_bias_is_rejected_by_the_config():
+    with pytest.raises(ValueError, match="attention_bias"):
+        TextModelConfig.from_hf_dict(dict(TINY_TEXT_CONFIG, attention_bias=True))

@@ -8,7 +8,7 @@ Both forms are accepted: nested (`{"text_config": {...}, "vision_config": {...}}
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -60,7 +60,6 @@ class TextModelConfig:
     layer_types: tuple[str, ...] = ()
     mlp_layer_types: tuple[str, ...] = ()
     indexer_types: tuple[str, ...] = ()
-    extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
         n = self.num_hidden_layers
@@ -73,6 +72,8 @@ class TextModelConfig:
             raise ValueError(f"config: unknown mlp_layer_types {sorted(bad)}")
         if bad := set(self.indexer_types) - {"full", "shared"}:
             raise ValueError(f"config: unknown indexer_types {sorted(bad)}")
+        if self.attention_bias:
+            raise ValueError("config: attention_bias=True is not supported by oxserve's MLA")
         if self.qk_rope_head_dim != 0:
             raise ValueError(f"config: glm5_next MLA is NoPE, got qk_rope_head_dim={self.qk_rope_head_dim}")
         if self.index_kpool < 1 or self.index_topk % self.index_kpool:
@@ -124,7 +125,7 @@ class TextModelConfig:
     @classmethod
     def from_hf_dict(cls, raw: dict[str, Any]) -> "TextModelConfig":
         text = _text_fields(raw)
-        known = {f.name for f in fields(cls)} - {"extra", "layer_types", "mlp_layer_types", "indexer_types"}
+        known = {f.name for f in fields(cls)} - {"layer_types", "mlp_layer_types", "indexer_types"}
         values = {k: v for k, v in text.items() if k in known}
         if linear := text.get("linear_attn_config"):
             values.setdefault("linear_head_dim", linear.get("head_dim", cls.linear_head_dim))
@@ -143,7 +144,6 @@ class TextModelConfig:
         heads = values.get("num_attention_heads", cls.num_attention_heads)
         if num_kv is not None and num_kv != heads:
             raise ValueError(f"config: num_key_value_heads ({num_kv}) must equal num_attention_heads ({heads})")
-        values["extra"] = {k: v for k, v in raw.items() if k not in ("text_config",)}
         return cls(**values)
 
     @classmethod

@@ -77,8 +77,6 @@ class LoadedModel:
 def load_model(path: str | Path, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu") -> LoadedModel:
     path = Path(path)
     cfg = TextModelConfig.from_file(path)
-    if cfg.extra.get("text_config", {}).get("attention_bias") or cfg.extra.get("attention_bias"):
-        raise CheckpointError("attention_bias=True is not supported by oxserve's MLA")
     with _default_dtype(dtype), torch.device(device):
         model = Glm5NextForCausalLM(cfg)
     params = dict(model.named_parameters())
