@@ -58,10 +58,10 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
-        for prompt in prompts:
-            self.engine._validate_prompt(self.engine._tokenize(prompt)[1])
+        checked = [self.engine.check_prompt(prompt) for prompt in prompts]  # all, before queueing any
         children: dict[str, tuple[int, int]] = {}
-        for i, (prompt, p) in enumerate(zip(prompts, params)):
+        for i, ((text, token_ids), p) in enumerate(zip(checked, params)):
+            prompt = {"prompt": text, "prompt_token_ids": token_ids}
             for j in range(p.n):
                 child = replace(p, n=1, seed=None if p.seed is None else p.seed + j)
                 rid = f"llm-{self._counter}"

@@ -102,8 +102,7 @@ class LLMEngine:
             self._next_id += 1
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        text, token_ids = self._tokenize(prompt)
-        self._validate_prompt(token_ids)
+        text, token_ids = self.check_prompt(prompt)
         request = Request(
             request_id=request_id,
             prompt_token_ids=token_ids,
@@ -190,11 +189,22 @@ class LLMEngine:
         )
 
     # ---- validation -------------------------------------------------------------------------
+    def check_prompt(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        """(text, token ids) of a prompt, or ValueError naming what is wrong with it.
+
+        A dict may carry `prompt_token_ids` (and optionally the `prompt` text they came from)."""
+        text, token_ids = self._tokenize(prompt)
+        self._validate_prompt(token_ids)
+        return text, token_ids
+
     def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
-                prompt = list(prompt["prompt_token_ids"])
-            elif "prompt" in prompt:
+                ids = prompt["prompt_token_ids"]
+                if not isinstance(ids, (list, tuple)):
+                    raise ValueError("prompt_token_ids must be a list of integers")
+                return prompt.get("prompt"), self._tokenize(list(ids))[1]
+            if "prompt" in prompt:
                 prompt = prompt["prompt"]
             else:
                 raise ValueError("a dict prompt needs 'prompt_token_ids' or 'prompt'")

@@ -50,9 +50,9 @@ class Request:
 
     def token_slice(self, start: int, end: int) -> list[int]:
         n_prompt = len(self.prompt_token_ids)
-        if end <= n_prompt:
-            return self.prompt_token_ids[start:end]
-        return (self.prompt_token_ids + self.output_token_ids)[start:end]
+        if start >= n_prompt:  # a decode: never copy the whole history
+            return self.output_token_ids[start - n_prompt : end - n_prompt]
+        return self.prompt_token_ids[start:end] + self.output_token_ids[: max(0, end - n_prompt)]
 
     @property
     def is_finished(self) -> bool:
