@@ -6,33 +6,25 @@ import random
 
 import pytest
 
-from oxserve.cache.manager import BlockPool, CacheManager, SlotPool
+from oxserve.cache.manager import CacheManager, IdPool
 from oxserve.config import SchedulerConfig
 from oxserve.engine.request import Request, RequestStatus
 from oxserve.engine.scheduler import Scheduler
 from oxserve.sampling_params import SamplingParams
 
 
-def test_block_pool_allocates_distinct_blocks_and_takes_them_back():
-    pool = BlockPool(8)
+def test_id_pool_allocates_distinct_ids_and_takes_them_back():
+    pool = IdPool(8, "cache block")
     a = pool.allocate(3)
     b = pool.allocate(5)
     assert len(set(a + b)) == 8 and pool.num_free == 0
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match="cache block"):
         pool.allocate(1)
     pool.free(a)
     assert pool.num_free == 3
     assert set(pool.allocate(3)) == set(a)
-
-
-def test_slot_pool_exhaustion_and_reuse():
-    pool = SlotPool(2)
-    s0, s1 = pool.allocate(), pool.allocate()
-    assert {s0, s1} == {0, 1}
-    with pytest.raises(RuntimeError):
-        pool.allocate()
-    pool.free(s1)
-    assert pool.allocate() == s1
+    with pytest.raises(ValueError, match="at least one"):
+        IdPool(0, "state slot")
 
 
 def test_cache_manager_grows_by_whole_blocks():
@@ -64,9 +56,9 @@ def _request(i: int, prompt_len: int, max_tokens: int) -> Request:
 def _check_invariants(scheduler: Scheduler, cache: CacheManager) -> None:
     held = [b for r in scheduler.running for b in cache.blocks_of(r.request_id)]
     assert len(held) == len(set(held)), "a block is held twice"
-    assert len(held) + cache.blocks.num_free == cache.blocks.num_blocks, "blocks leaked"
+    assert len(held) + cache.blocks.num_free == cache.blocks.size, "blocks leaked"
     assert cache.num_holders == len(scheduler.running)
-    assert cache.slots.num_free + len(scheduler.running) == cache.slots.num_slots
+    assert cache.slots.num_free + len(scheduler.running) == cache.slots.size
     for r in scheduler.waiting:
         assert not cache.blocks_of(r.request_id) and r.num_computed_tokens == 0
 

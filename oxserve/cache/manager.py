@@ -13,12 +13,15 @@ from __future__ import annotations
 from collections import deque
 
 
-class BlockPool:
-    def __init__(self, num_blocks: int):
-        if num_blocks < 1:
-            raise ValueError(f"need at least one cache block, got {num_blocks}")
-        self.num_blocks = num_blocks
-        self._free = deque(range(num_blocks))
+class IdPool:
+    """A free list of integer ids (cache blocks, or KDA state slots)."""
+
+    def __init__(self, size: int, what: str):
+        if size < 1:
+            raise ValueError(f"need at least one {what}, got {size}")
+        self.size = size
+        self.what = what
+        self._free = deque(range(size))
 
     @property
     def num_free(self) -> int:
@@ -26,31 +29,11 @@ class BlockPool:
 
     def allocate(self, n: int) -> list[int]:
         if n > len(self._free):
-            raise RuntimeError(f"asked for {n} blocks with {len(self._free)} free")
+            raise RuntimeError(f"asked for {n} {self.what}s with {len(self._free)} free")
         return [self._free.popleft() for _ in range(n)]
 
-    def free(self, blocks: list[int]) -> None:
-        self._free.extend(blocks)
-
-
-class SlotPool:
-    def __init__(self, num_slots: int):
-        if num_slots < 1:
-            raise ValueError(f"need at least one state slot, got {num_slots}")
-        self.num_slots = num_slots
-        self._free = deque(range(num_slots))
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    def allocate(self) -> int:
-        if not self._free:
-            raise RuntimeError("no free state slot")
-        return self._free.popleft()
-
-    def free(self, slot: int) -> None:
-        self._free.append(slot)
+    def free(self, ids: list[int]) -> None:
+        self._free.extend(ids)
 
 
 class CacheManager:
@@ -58,8 +41,8 @@ class CacheManager:
 
     def __init__(self, num_blocks: int, block_size: int, num_slots: int):
         self.block_size = block_size
-        self.blocks = BlockPool(num_blocks)
-        self.slots = SlotPool(num_slots)
+        self.blocks = IdPool(num_blocks, "cache block")
+        self.slots = IdPool(num_slots, "state slot")
         self._held: dict[str, list[int]] = {}
         self._slot_of: dict[str, int] = {}
 
@@ -82,19 +65,19 @@ class CacheManager:
         if not self.can_grow(request_id, total_tokens):
             raise RuntimeError(f"cannot grow {request_id} to {total_tokens} tokens")
         if request_id not in self._slot_of:
-            self._slot_of[request_id] = self.slots.allocate()
+            (self._slot_of[request_id],) = self.slots.allocate(1)
         extra = self.extra_blocks_needed(request_id, total_tokens)
         self._held.setdefault(request_id, []).extend(self.blocks.allocate(extra))
 
     def release(self, request_id: str) -> None:
         self.blocks.free(self._held.pop(request_id, []))
         if (slot := self._slot_of.pop(request_id, None)) is not None:
-            self.slots.free(slot)
+            self.slots.free([slot])
 
     @property
     def usage(self) -> float:
         """Fraction of blocks in use."""
-        return 1.0 - self.blocks.num_free / self.blocks.num_blocks
+        return 1.0 - self.blocks.num_free / self.blocks.size
 
     @property
     def num_holders(self) -> int:
