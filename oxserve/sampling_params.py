@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+
+# Lower temperatures decode greedily (vLLM's _SAMPLING_EPS): their softmax is one-hot in
+# all but name, and dividing logits by them can overflow to inf and the softmax to NaN.
+MIN_SAMPLING_TEMPERATURE = 1e-5
 
 
 @dataclass
@@ -58,7 +62,15 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < MIN_SAMPLING_TEMPERATURE
+
+    def fan_out(self) -> list["SamplingParams"]:
+        """The n single-sample requests that `n` stands for; sample j draws with seed + j
+        (wrapped to 64 bits), so each one is reproducible on its own."""
+        return [
+            replace(self, n=1, seed=None if self.seed is None else (self.seed + j + 2**63) % 2**64 - 2**63)
+            for j in range(self.n)
+        ]
 
 
 def _check(condition: bool, message: str) -> None:

@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 import torch
 
-from oxserve.engine.sampler import SamplingRow, apply_penalties, make_generator, sample
+from oxserve.engine.sampler import SamplingRow, apply_penalties, filtered_probs, make_generator, sample
 from oxserve.sampling_params import SamplingParams
 
 # Total-variation tolerance for empirical vs. reference distributions. With N draws over
@@ -36,10 +36,19 @@ def ref_penalised(logits: torch.Tensor, row: SamplingRow) -> torch.Tensor:
 
 
 def ref_distribution(logits: torch.Tensor, row: SamplingRow) -> torch.Tensor:
-    """Float64 distribution a non-greedy row samples from (zeros outside the allowed set)."""
+    """Float64 distribution a non-greedy row samples from (zeros outside the allowed set).
+
+    vLLM v1 order: temperature -> min-p -> top-k -> top-p, each renormalising what it keeps.
+    """
     p = row.params
     probs = torch.softmax(ref_penalised(logits, row).double() / p.temperature, dim=-1)
     by_prob = sorted(range(len(probs)), key=lambda t: -probs[t].item())
+    if p.min_p > 0.0:
+        threshold = p.min_p * probs.max()
+        for t in range(len(probs)):
+            if probs[t] < threshold:
+                probs[t] = 0.0
+        probs /= probs.sum()
     if p.top_k > 0:
         for t in by_prob[p.top_k :]:
             probs[t] = 0.0
@@ -52,12 +61,6 @@ def ref_distribution(logits: torch.Tensor, row: SamplingRow) -> torch.Tensor:
             kept.append(t)
             mass += probs[t].item()
         probs = torch.zeros_like(probs).index_fill(0, torch.tensor(kept), 1.0) * probs
-        probs /= probs.sum()
-    if p.min_p > 0.0:
-        threshold = p.min_p * probs.max()
-        for t in range(len(probs)):
-            if probs[t] < threshold:
-                probs[t] = 0.0
         probs /= probs.sum()
     return probs
 
@@ -92,6 +95,44 @@ def test_greedy_is_argmax_and_logits_untouched(dtype, logprobs):
     assert out.token_ids == logits.float().argmax(dim=-1).tolist()
     assert out.token_ids[0] == 3
     assert torch.equal(logits, before)
+
+
+def test_greedy_below_min_sampling_temperature():
+    assert SamplingParams(temperature=9.9e-6).greedy
+    assert not SamplingParams(temperature=1e-5).greedy
+
+
+@pytest.mark.parametrize("temperature", [1e-7, 9.9e-6, 1e-38])
+def test_near_zero_temperature_is_greedy_on_penalised_logits(temperature):
+    """Such a row is greedy, its top-k / top-p / min-p ignored, as in vLLM. (Dividing logits
+    by 1e-38 instead overflows them to inf, and the softmax of those is NaN.)"""
+    torch.manual_seed(8)
+    logits = torch.randn(5, 100) * 3
+    logits[:, 0] = logits.max() + 0.5  # the raw argmax, repeated in every row's output
+    penalties = dict(repetition_penalty=1.5, frequency_penalty=0.7, presence_penalty=0.4)
+    params = [
+        SamplingParams(temperature=temperature, **penalties),
+        SamplingParams(temperature=temperature, logprobs=3, **penalties),
+        SamplingParams(temperature=temperature, top_k=40, top_p=0.3, min_p=0.9, **penalties),
+        SamplingParams(temperature=temperature, logprobs=0),
+        SamplingParams(temperature=1.0, seed=3),  # a sampled row sharing the batch
+    ]
+    rows = [_row(p, prompt=[7], output=[0, 0, 9], generator=make_generator(p.seed, "cpu")) for p in params]
+    raw = torch.log_softmax(logits, dim=-1)
+
+    out = sample(logits, rows)
+
+    for i, row in enumerate(rows[:4]):
+        expected = ref_penalised(logits[i], row).argmax().item()
+        assert out.token_ids[i] == expected, i
+        if row.params.logprobs is not None:
+            assert set(out.logprobs[i]) == {expected, *raw[i].topk(row.params.logprobs).indices.tolist()}
+            for t, value in out.logprobs[i].items():
+                assert value == pytest.approx(raw[i, t].item(), abs=1e-6)
+    # Sanity: the penalties did move the argmax off token 0, so the check above sees them.
+    assert 0 not in out.token_ids[:3] and out.token_ids[3] == 0
+    # The plain greedy row alone takes the argmax fast path: same answer.
+    assert sample(logits[3:4], [_row(SamplingParams(temperature=temperature))]).token_ids == [0]
 
 
 # --- penalties --------------------------------------------------------------------------
@@ -184,6 +225,23 @@ def test_empirical_distribution_matches_reference(kwargs):
     row = _filter_row(kwargs)
     empirical = _empirical(logits, row, draws=20_000)
     assert _tv(empirical, ref_distribution(logits, row)) < TV_TOLERANCE
+
+
+def test_min_p_filters_before_top_p():
+    """Top-p counts mass after min-p has dropped and renormalised the tail (vLLM v1 order)."""
+    logits = torch.tensor([0.2, 0.1, 0.4, 0.3]).log()
+    row = _row(SamplingParams(temperature=1.0, min_p=0.3, top_p=0.75))
+    # min-p drops 0.1 (< 0.3 * 0.4); on (2, 4, 3) / 9 top-p stops at 4/9 + 3/9 >= 0.75.
+    expected = torch.tensor([0.0, 0.0, 4 / 7, 3 / 7], dtype=torch.float64)
+    # Top-p first would stop at 0.4 + 0.3 + 0.2 >= 0.75, and min-p then keeps all three.
+    top_p_first = torch.tensor([2 / 9, 0.0, 4 / 9, 3 / 9], dtype=torch.float64)
+    torch.testing.assert_close(ref_distribution(logits, row), expected)
+    torch.testing.assert_close(filtered_probs(logits[None], [row.params])[0].double(), expected)
+
+    empirical = _empirical(logits, row, draws=20_000)
+    assert (empirical > 0).tolist() == [False, False, True, True]
+    assert _tv(empirical, expected) < TV_TOLERANCE
+    assert _tv(empirical, top_p_first) > 5 * TV_TOLERANCE
 
 
 @pytest.mark.parametrize("temperature", [0.3, 4.0])

@@ -1,6 +1,11 @@
-"""Token sampling for one engine step (vLLM semantics).
+"""Token sampling for one engine step (vLLM v1 semantics).
 
-Order: penalties -> (greedy argmax | temperature -> top-k -> top-p -> min-p -> sample).
+Order: penalties, then
+- greedy rows (params.greedy: temperature below MIN_SAMPLING_TEMPERATURE, 1e-5): argmax;
+  top-k, top-p and min-p are ignored;
+- the others: temperature -> min-p -> top-k -> top-p -> sample. Min-p drops the tokens
+  whose temperature-scaled probability is below min_p times the most likely one's; top-p
+  then counts mass over what min-p and top-k left, renormalised.
 Logprobs are reported from the raw model distribution, before any processing.
 """
 
@@ -113,18 +118,23 @@ def _column(values: list[float], device: torch.device) -> torch.Tensor:
 
 
 def filtered_probs(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Temperature, top-k, top-p, min-p on non-greedy rows; returns unnormalised probs."""
+    """Temperature, min-p, top-k, top-p on non-greedy rows; returns their probabilities."""
     x = x / _column([p.temperature for p in params], x.device)
+    min_p = _column([p.min_p for p in params], x.device)
+    if (min_p > 0).any():
+        x = _apply_min_p(x, min_p)
     top_k = torch.tensor([p.top_k for p in params], device=x.device)
     top_p = _column([p.top_p for p in params], x.device)
     if (top_k > 0).any() or (top_p < 1.0).any():
         x = _apply_top_k_top_p(x, top_k, top_p)
+    return x.softmax(dim=-1)
+
+
+def _apply_min_p(x: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Mask to -inf every token less likely than min_p times the most likely one."""
     probs = x.softmax(dim=-1)
-    min_p = _column([p.min_p for p in params], x.device)
-    if (min_p > 0).any():
-        threshold = min_p * probs.amax(dim=-1, keepdim=True)
-        probs = probs.masked_fill(probs < threshold, 0.0)
-    return probs
+    threshold = min_p * probs.amax(dim=-1, keepdim=True)
+    return x.masked_fill(probs < threshold, float("-inf"))
 
 
 def _apply_top_k_top_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

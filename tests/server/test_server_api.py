@@ -3,10 +3,14 @@ n > 1, logprobs, usage, /v1/models, /health and /metrics."""
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from server_harness import server, tiny_model  # noqa: F401  (fixtures)
+from server_harness import MAX_MODEL_LEN, server, tiny_model  # noqa: F401  (fixtures)
+
+from oxserve import LLM, SamplingParams
 
 PROMPT = "The engine serves"
 GREEDY = {"temperature": 0.0, "extra_body": {"ignore_eos": True}}
@@ -137,12 +141,37 @@ def test_chat_logprobs_shape(server):
         assert entry.top_logprobs[0].token == entry.token and entry.top_logprobs[0].logprob == entry.logprob
 
 
-def test_sampling_extras_are_accepted(server):
-    out = server.client().completions.create(
-        model=None, prompt=PROMPT, max_tokens=6, temperature=0.8, top_p=0.9, seed=1, presence_penalty=0.5,
-        frequency_penalty=0.5, extra_body={"top_k": 20, "min_p": 0.01, "repetition_penalty": 1.1, "ignore_eos": True},
-    )  # fmt: skip
-    assert out.usage.completion_tokens == 6
+def test_sampling_extras_are_accepted(server, tiny_model):
+    """Each vLLM extra changes the tokens as it does offline, so one the server dropped fails."""
+
+    def run(prompt, **body) -> tuple[list[int], str]:
+        """Token ids and finish reason of a completion of at most 16 tokens; `body` is sent as is."""
+        out = server.client().completions.create(model=None, prompt=prompt, max_tokens=16, logprobs=0,
+                                                 extra_body={"return_tokens_as_token_ids": True, **body})  # fmt: skip
+        choice = out.choices[0]
+        return [int(token.removeprefix("token_id:")) for token in choice.logprobs.tokens], choice.finish_reason
+
+    # top_k=1 and min_p=1.0 keep only the most likely token, so sampling gives the greedy tokens;
+    # the random tiny model is near uniform, so without them the same seed does not.
+    greedy, _ = run(PROMPT, temperature=0.0, ignore_eos=True)
+    sampled = {"temperature": 1.0, "seed": 5, "ignore_eos": True}
+    assert run(PROMPT, **sampled)[0] != greedy
+    assert run(PROMPT, **sampled, top_k=1)[0] == greedy
+    assert run(PROMPT, **sampled, min_p=1.0)[0] == greedy
+
+    # repetition_penalty < 1 favours the tokens seen, here the prompt's EOS ids: greedy stops at one...
+    eos_ids = json.loads((tiny_model / "generation_config.json").read_text())["eos_token_id"]
+    prompt = [11, 12, 13, *eos_ids]
+    penalised = {"temperature": 0.0, "repetition_penalty": 0.3}
+    stopped, reason = run(prompt, **penalised)
+    assert reason == "stop" and len(stopped) < 16 and stopped[-1] in eos_ids
+    # ...and with ignore_eos runs on past it, the same tokens as offline, others than unpenalised.
+    past_eos, reason = run(prompt, **penalised, ignore_eos=True)
+    assert reason == "length" and past_eos[: len(stopped)] == stopped
+    offline = LLM(model=str(tiny_model), dtype="float32", max_model_len=MAX_MODEL_LEN)
+    params = SamplingParams(max_tokens=16, temperature=0.0, repetition_penalty=0.3, ignore_eos=True)
+    assert past_eos == offline.generate({"prompt_token_ids": prompt}, params)[0].outputs[0].token_ids
+    assert past_eos != run(prompt, temperature=0.0, ignore_eos=True)[0]
 
 
 def test_stop_token_ids_end_the_request(server):
