@@ -167,6 +167,11 @@ def _memory_bandwidth(device: str, plan: Plan) -> tuple[float, float]:
     return 2 * nbytes / copy_s, nbytes / read_s
 
 
+# A size whose single call takes longer than this is rate enough: larger sizes are skipped
+# and repetitions stop early (a CPU without native bf16 runs a 2048^3 bf16 matmul for ~15 s).
+SLOW_CALL_S = 0.5
+
+
 def _matmul_rate(device: str, dtype: torch.dtype, plan: Plan) -> float:
     best = 0.0
     for n in plan.matmul_sizes:
@@ -174,6 +179,8 @@ def _matmul_rate(device: str, dtype: torch.dtype, plan: Plan) -> float:
         b = torch.randn(n, n, device=device).to(dtype)
         seconds = _best_seconds(lambda: torch.matmul(a, b), device, plan.reps)
         best = max(best, 2 * n**3 / seconds)
+        if seconds > SLOW_CALL_S:
+            break
     return best
 
 
@@ -187,17 +194,22 @@ def _int8_matmul_rate(device: str, plan: Plan) -> float | None:
         except (RuntimeError, NotImplementedError):  # no int8 kernel on this device/build
             return None
         best = max(best, 2 * n**3 / seconds)
+        if seconds > SLOW_CALL_S:
+            break
     return best
 
 
 def _best_seconds(fn, device: str, reps: int) -> float:
-    """Shortest of `reps` timed calls after one warm-up (lazy init, page faults)."""
+    """Shortest of `reps` timed calls after one warm-up (lazy init, page faults); fewer
+    repetitions when calls are slow enough that one is already a steady measurement."""
     cuda = torch.device(device).type == "cuda"
     fn()
     if cuda:
         torch.cuda.synchronize(device)
     times = []
     for _ in range(reps):
+        if times and min(times) > SLOW_CALL_S:
+            break
         if cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
