@@ -11,9 +11,8 @@ import importlib
 import sys
 import typing
 
-from oxserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-
-ENGINE_SECTIONS = (("model", ModelConfig), ("cache", CacheConfig), ("scheduler", SchedulerConfig))
+from oxserve.config import EngineConfig
+from oxserve.options import engine_config, option_names, sections
 
 # command path -> (module, one-line help)
 COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
@@ -33,7 +32,7 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    for section, cls in ENGINE_SECTIONS:
+    for section, cls in sections().items():
         group = parser.add_argument_group(f"{section} options")
         for f in dataclasses.fields(cls):
             flag = "--" + f.name.replace("_", "-")
@@ -48,8 +47,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    parts = {section: cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)}) for section, cls in ENGINE_SECTIONS}
-    return EngineConfig(**parts)
+    return engine_config({name: getattr(args, name) for name in option_names()})
 
 
 def _base_type(hint) -> type:

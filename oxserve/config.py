@@ -33,14 +33,14 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    cache_memory_gb: float = opt(2.0, "memory for the MLA/indexer block cache and KDA state slots, GiB")
+    cache_memory_gib: float = opt(2.0, "memory for the MLA/indexer block cache and KDA state slots, GiB")
     block_size: int | None = opt(None, "tokens per cache block (default: 64, or a multiple of index_kpool)")
-    num_blocks: int | None = opt(None, "override: number of cache blocks (ignores cache_memory_gb for blocks)")
+    num_blocks: int | None = opt(None, "override: number of cache blocks (ignores cache_memory_gib for blocks)")
     num_slots: int | None = opt(None, "override: number of KDA state slots (default: max_num_seqs)")
 
     def __post_init__(self) -> None:
-        if self.cache_memory_gb <= 0:
-            raise ValueError(f"cache_memory_gb must be > 0, got {self.cache_memory_gb}")
+        if self.cache_memory_gib <= 0:
+            raise ValueError(f"cache_memory_gib must be > 0, got {self.cache_memory_gib}")
         for name in ("block_size", "num_blocks", "num_slots"):
             value = getattr(self, name)
             if value is not None and value < 1:

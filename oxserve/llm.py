@@ -5,35 +5,27 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, Sequence
 
-from oxserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from oxserve.config import EngineConfig
 from oxserve.engine.engine import LLMEngine, Prompt
+from oxserve.options import engine_config
 from oxserve.outputs import CompletionOutput, RequestOutput
 from oxserve.sampling_params import SamplingParams
 
 
 class LLM:
-    def __init__(
-        self,
-        model: str | None = None,
-        dtype: str = "bfloat16",
-        device: str = "cpu",
-        max_model_len: int | None = None,
-        seed: int = 0,
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 2048,
-        cache_memory_gb: float = 2.0,
-        block_size: int | None = None,
-        num_blocks: int | None = None,
-        num_slots: int | None = None,
-        deterministic: bool = False,
-    ):
-        config = EngineConfig(
-            model=ModelConfig(model=model, dtype=dtype, device=device, max_model_len=max_model_len, seed=seed),
-            cache=CacheConfig(cache_memory_gb=cache_memory_gb, block_size=block_size, num_blocks=num_blocks, num_slots=num_slots),
-            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, deterministic=deterministic),
-        )
-        self.engine = LLMEngine(config)
+    """`LLM(model=None, **options)`: the options are the engine options of `oxserve --help`
+    (`dtype`, `max_num_seqs`, `cache_memory_gib`, ...), with the same defaults and checks."""
+
+    def __init__(self, model: str | None = None, **options: Any):
+        self.engine = LLMEngine(engine_config({"model": model, **options}))
         self._counter = 0
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> "LLM":
+        llm = cls.__new__(cls)
+        llm.engine = LLMEngine(config)
+        llm._counter = 0
+        return llm
 
     @property
     def tokenizer(self):
@@ -62,18 +54,13 @@ class LLM:
         children: dict[str, tuple[int, int]] = {}
         for i, ((text, token_ids), p) in enumerate(zip(checked, params)):
             prompt = {"prompt": text, "prompt_token_ids": token_ids}
-            for j in range(p.n):
-                child = replace(p, n=1, seed=None if p.seed is None else p.seed + j)
+            for j, child in enumerate(p.fan_out()):
                 rid = f"llm-{self._counter}"
                 self._counter += 1
                 self.engine.add_request(rid, prompt, child)
                 children[rid] = (i, j)
-        finished: dict[str, RequestOutput] = {}
-        while self.engine.has_unfinished_requests():
-            for out in self.engine.step():
-                if out.finished and out.request_id in children:
-                    finished[out.request_id] = out
-        return self._merge(prompts, params, children, finished)
+        finished = run_to_completion(self.engine, set(children))
+        return self._merge(prompts, children, finished)
 
     def chat(
         self,
@@ -88,7 +75,7 @@ class LLM:
         return self.generate(prompts, sampling_params)
 
     @staticmethod
-    def _merge(prompts, params, children, finished) -> list[RequestOutput]:
+    def _merge(prompts, children, finished) -> list[RequestOutput]:
         merged: list[RequestOutput | None] = [None] * len(prompts)
         for rid, (i, j) in sorted(children.items(), key=lambda kv: kv[1]):
             out = finished[rid]
@@ -104,3 +91,13 @@ class LLM:
             else:
                 merged[i].outputs.append(completion)
         return merged  # type: ignore[return-value]
+
+
+def run_to_completion(engine: LLMEngine, request_ids: set[str]) -> dict[str, RequestOutput]:
+    """Step the engine until it has nothing left; the final output of each of `request_ids`."""
+    finished: dict[str, RequestOutput] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished and out.request_id in request_ids:
+                finished[out.request_id] = out
+    return finished

@@ -1,23 +1,30 @@
-"""Engine configurations as flat `option -> value` mappings, the form experiments pass around.
+"""Engine options: the one set that the CLI, the `LLM` constructor and experiments share.
 
-Option names are the `EngineConfig` section fields (`dtype`, `max_num_seqs`, ...), the same
-names the CLI spells `--dtype`, `--max-num-seqs`; they are unique across sections.
+An option is a field of one of `EngineConfig`'s sections (`dtype`, `max_num_seqs`, ...),
+spelled `--dtype`, `--max-num-seqs` on the command line; names are unique across sections.
+The sections are read off `EngineConfig` itself, so this module works unchanged against any
+revision's config (experiments copy it into older trees along with their harness).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import typing
 from collections.abc import Mapping
 from typing import Any
 
-from oxserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from oxserve.config import EngineConfig
 
-SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
+
+def sections() -> dict[str, type]:
+    """section name -> its config dataclass, in EngineConfig's order."""
+    hints = typing.get_type_hints(EngineConfig)
+    return {f.name: hints[f.name] for f in dataclasses.fields(EngineConfig)}
 
 
 def option_names() -> dict[str, str]:
     """option -> the EngineConfig section that holds it."""
-    return {f.name: section for section, cls in SECTIONS.items() for f in dataclasses.fields(cls)}
+    return {f.name: section for section, cls in sections().items() for f in dataclasses.fields(cls)}
 
 
 def engine_config(options: Mapping[str, Any]) -> EngineConfig:
@@ -27,17 +34,17 @@ def engine_config(options: Mapping[str, Any]) -> EngineConfig:
     unknown = sorted(set(options) - set(names))
     if unknown:
         raise ValueError(f"unknown engine option(s): {', '.join(unknown)} (known: {', '.join(sorted(names))})")
-    parts: dict[str, dict[str, Any]] = {section: {} for section in SECTIONS}
+    parts: dict[str, dict[str, Any]] = {section: {} for section in sections()}
     for name, value in options.items():
         parts[names[name]][name] = value
     try:
-        return EngineConfig(**{section: SECTIONS[section](**kw) for section, kw in parts.items()})
+        return EngineConfig(**{section: cls(**parts[section]) for section, cls in sections().items()})
     except TypeError as e:
         raise ValueError(f"bad engine options {dict(options)}: {e}") from e
 
 
 def flat_options(config: EngineConfig) -> dict[str, Any]:
-    return {k: v for section in SECTIONS for k, v in dataclasses.asdict(getattr(config, section)).items()}
+    return {k: v for section in sections() for k, v in dataclasses.asdict(getattr(config, section)).items()}
 
 
 def changed_options(config: EngineConfig) -> dict[str, Any]:

@@ -17,3 +17,30 @@ from tiny_models import TINY_TEXT_CONFIG  # noqa: E402
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     return build_checkpoint(tmp_path_factory.mktemp("tiny-model"), TINY_TEXT_CONFIG, seed=7, dtype=torch.float32)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Print how much of the reference comparisons the near-tie rule excused."""
+    from hf_reference import TALLY
+
+    if not TALLY.total:
+        return
+    terminalreporter.section("positions compared with the HF reference")
+    terminalreporter.write_line(" compared / total  (near ties decided HF's way)")
+    for test, (compared, total, ties) in sorted(TALLY.per_test.items()):
+        terminalreporter.write_line(f"{compared:6d} / {total:6d}  ({ties})  {test}")
+    terminalreporter.write_line(
+        f"{TALLY.compared:6d} / {TALLY.total:6d}  ({TALLY.ties_broken})  all ({TALLY.compared / TALLY.total:.1%})"
+    )
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Fail the session when near ties excused more than a tenth of all compared positions."""
+    from hf_reference import MIN_SUITE_FRACTION, TALLY
+
+    if TALLY.total and TALLY.compared < MIN_SUITE_FRACTION * TALLY.total:
+        session.config.pluginmanager.get_plugin("terminalreporter").write_line(
+            f"FAILED: only {TALLY.compared} of {TALLY.total} reference positions were compared "
+            f"(< {MIN_SUITE_FRACTION:.0%}): the near-tie rule excused too much", red=True,
+        )
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

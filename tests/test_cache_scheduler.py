@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import pickle
 import random
 
 import pytest
 
 from oxserve.cache.manager import CacheManager, IdPool
 from oxserve.config import SchedulerConfig
+from oxserve.engine.interface import ModelRunnerOutput, SchedulerOutput
 from oxserve.engine.request import Request, RequestStatus
 from oxserve.engine.scheduler import Scheduler
 from oxserve.sampling_params import SamplingParams
@@ -44,16 +46,37 @@ def test_cache_manager_grows_by_whole_blocks():
     assert cache.blocks.num_free == 10 and cache.slots.num_free == 2 and cache.num_holders == 0
 
 
-def _request(i: int, prompt_len: int, max_tokens: int) -> Request:
+def _request(i: int, prompt_len: int, max_tokens: int, **params) -> Request:
     return Request(
         request_id=f"r{i}",
         prompt_token_ids=list(range(prompt_len)),
-        params=SamplingParams(max_tokens=max_tokens),
+        params=SamplingParams(max_tokens=max_tokens, **params),
         max_total_tokens=10_000,
     )
 
 
-def _check_invariants(scheduler: Scheduler, cache: CacheManager) -> None:
+def _sample_all(out: SchedulerOutput, token: int = 1) -> ModelRunnerOutput:
+    """What a runner returns: one token for every request that samples this step."""
+    sampling = [s.request_id for s in out.scheduled if s.samples]
+    return ModelRunnerOutput(sampling, [[token] for _ in sampling], [None] * len(sampling))
+
+
+class RunnerView:
+    """The block tables a runner rebuilds from the plain scheduler outputs alone."""
+
+    def __init__(self):
+        self.tables: dict[str, list[int]] = {}
+
+    def apply(self, out: SchedulerOutput) -> None:
+        for rid in out.finished_request_ids:
+            self.tables.pop(rid, None)
+        for new in out.new_requests:
+            self.tables[new.request_id] = []
+        for s in out.scheduled:
+            self.tables[s.request_id] += s.new_block_ids
+
+
+def _check_invariants(scheduler: Scheduler, cache: CacheManager, view: RunnerView) -> None:
     held = [b for r in scheduler.running for b in cache.blocks_of(r.request_id)]
     assert len(held) == len(set(held)), "a block is held twice"
     assert len(held) + cache.blocks.num_free == cache.blocks.size, "blocks leaked"
@@ -61,37 +84,37 @@ def _check_invariants(scheduler: Scheduler, cache: CacheManager) -> None:
     assert cache.slots.num_free + len(scheduler.running) == cache.slots.size
     for r in scheduler.waiting:
         assert not cache.blocks_of(r.request_id) and r.num_computed_tokens == 0
+    for r in scheduler.running:  # the runner's tables agree with the cache's
+        assert view.tables.get(r.request_id, []) == cache.blocks_of(r.request_id)
 
 
 def _simulate(scheduler: Scheduler, cache: CacheManager, requests: list[Request], rng: random.Random) -> int:
     """Drive the scheduler the way the engine does; abort some requests on the way."""
     pending = list(requests)
+    view = RunnerView()
     steps = 0
     while pending or scheduler.has_unfinished():
         for _ in range(rng.randrange(0, 4)):
             if pending:
                 scheduler.add(pending.pop())
         out = scheduler.schedule()
+        pickle.loads(pickle.dumps(out))  # plain data: it can go to a worker process
+        view.apply(out)
         assert out.num_tokens <= scheduler.config.max_num_batched_tokens
         assert len(scheduler.running) <= scheduler.config.max_num_seqs
-        for s in out.scheduled:
-            assert len(s.block_ids) * cache.block_size >= s.request.num_computed_tokens + s.num_new_tokens
         decodes_first = [s.is_decode for s in out.scheduled]
         assert decodes_first == sorted(decodes_first, reverse=True)
         for s in out.scheduled:
-            r = s.request
-            sampling = s.completes_sequence
-            r.num_computed_tokens += s.num_new_tokens
-            if sampling:
-                r.output_token_ids.append(1)
-                if len(r.output_token_ids) >= r.params.max_tokens:
-                    r.finish("length")
-                    scheduler.finish(r)
+            assert len(view.tables[s.request_id]) * cache.block_size >= s.num_computed_tokens + s.num_new_tokens
+            assert s.token_ids == scheduler.requests[s.request_id].token_slice(s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens)
+        for update in scheduler.update_from_output(out, _sample_all(out)):
+            if update.finished:
+                scheduler.forget(update.request.request_id)
         if rng.random() < 0.05 and scheduler.running:
             victim = rng.choice(scheduler.running)
-            victim.finish("abort")
-            scheduler.finish(victim)
-        _check_invariants(scheduler, cache)
+            scheduler.finish(victim.request_id, "abort")
+            scheduler.forget(victim.request_id)
+        _check_invariants(scheduler, cache, view)
         steps += 1
         assert steps < 100_000, "scheduler made no progress"
     return steps
@@ -105,7 +128,10 @@ def test_thousand_random_requests_leak_nothing():
     _simulate(scheduler, cache, requests, rng)
     assert scheduler.num_preemptions > 0, "the cache was meant to be tight enough to preempt"
     assert all(r.is_finished for r in requests)
+    assert all(r.finish_reason in ("length", "abort") for r in requests)
+    assert all(len(r.output_token_ids) == r.params.max_tokens for r in requests if r.finish_reason == "length")
     assert cache.blocks.num_free == 48 and cache.slots.num_free == 12 and cache.num_holders == 0
+    assert not scheduler.requests
 
 
 def test_preemption_takes_the_latest_arrival_and_requeues_it_first():
@@ -115,16 +141,22 @@ def test_preemption_takes_the_latest_arrival_and_requeues_it_first():
     scheduler.add(old)
     scheduler.add(new)
     out = scheduler.schedule()
-    assert [s.request for s in out.scheduled] == [old, new]
-    for s in out.scheduled:
-        s.request.num_computed_tokens += s.num_new_tokens
-        s.request.output_token_ids.append(1)
+    assert [s.request_id for s in out.scheduled] == ["r0", "r1"]
+    assert [r.request_id for r in out.new_requests] == ["r0", "r1"]
+    scheduler.update_from_output(out, _sample_all(out))
     # Both now need a third block; only one can have it.
     out = scheduler.schedule()
-    assert out.preempted == [new]
-    assert [s.request for s in out.scheduled] == [old]
+    assert [s.request_id for s in out.scheduled] == ["r0"] and not out.new_requests
     assert scheduler.waiting[0] is new and new.status is RequestStatus.WAITING
     assert new.num_computed_tokens == 0 and new.num_preemptions == 1
+    scheduler.update_from_output(out, _sample_all(out))
+    scheduler.finish("r0", "abort")
+    out = scheduler.schedule()  # the preempted request restarts on the runner from scratch
+    assert out.finished_request_ids == ["r0"]
+    assert [r.request_id for r in out.new_requests] == ["r1"]
+    (s,) = out.scheduled
+    assert s.num_computed_tokens == 0 and s.token_ids == new.prompt_token_ids + new.output_token_ids
+    assert s.new_block_ids == cache.blocks_of("r1")
 
 
 def test_long_prompt_is_prefilled_in_budget_sized_chunks():
@@ -136,12 +168,10 @@ def test_long_prompt_is_prefilled_in_budget_sized_chunks():
     while not long.output_token_ids:
         out = scheduler.schedule()
         (s,) = out.scheduled
-        chunks.append(s.num_new_tokens)
-        completes = s.completes_sequence
-        long.num_computed_tokens += s.num_new_tokens
-        if completes:
-            long.output_token_ids.append(1)
-    assert chunks == [100, 100, 50]
+        chunks.append((s.num_new_tokens, s.samples))
+        scheduler.update_from_output(out, _sample_all(out))
+    assert chunks == [(100, False), (100, False), (50, True)]
+    assert long.num_computed_tokens == 250 and long.output_token_ids == [1]
 
 
 def test_deterministic_mode_feeds_one_token_per_request():
@@ -151,3 +181,70 @@ def test_deterministic_mode_feeds_one_token_per_request():
         scheduler.add(_request(i, 10, 5))
     out = scheduler.schedule()
     assert [s.num_new_tokens for s in out.scheduled] == [1, 1, 1]
+
+
+def _decoding(scheduler: Scheduler, request: Request) -> None:
+    """Prefill `request` and take its first token."""
+    scheduler.add(request)
+    out = scheduler.schedule()
+    scheduler.update_from_output(out, _sample_all(out, token=7))
+
+
+def test_several_accepted_tokens_and_rollback_over_rejected_drafts():
+    cache = CacheManager(num_blocks=16, block_size=4, num_slots=2)
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64), cache)
+    request = _request(0, 6, 100)
+    _decoding(scheduler, request)
+    assert request.num_computed_tokens == 6 and request.output_token_ids == [7]
+    request.draft_token_ids = [11, 12, 13]
+    out = scheduler.schedule()
+    (s,) = out.scheduled
+    assert s.token_ids == [7, 11, 12, 13] and s.num_draft_tokens == 3 and s.is_decode and s.samples
+    # The model agreed with the first draft only, then sampled 20 itself: 11 and 20 are kept,
+    # drafts 12 and 13 were computed on a wrong prefix, so their positions get recomputed.
+    (update,) = scheduler.update_from_output(out, ModelRunnerOutput(["r0"], [[11, 20]], [None]))
+    assert update.new_token_ids == [11, 20]
+    assert request.output_token_ids == [7, 11, 20]
+    assert request.num_computed_tokens == 6 + 2  # the 7 and the accepted 11; 20 is not yet computed
+    assert request.num_uncomputed == 1 and request.draft_token_ids == []
+    out = scheduler.schedule()
+    assert out.scheduled[0].token_ids == [20] and out.scheduled[0].num_computed_tokens == 8
+
+
+def test_a_stop_among_accepted_tokens_drops_the_rest():
+    cache = CacheManager(num_blocks=16, block_size=4, num_slots=2)
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64), cache)
+    request = _request(0, 6, 100, stop_token_ids=[12])
+    _decoding(scheduler, request)
+    request.draft_token_ids = [11, 12, 13]
+    out = scheduler.schedule()
+    (update,) = scheduler.update_from_output(out, ModelRunnerOutput(["r0"], [[11, 12, 13, 14]], [None]))
+    assert update.finished and update.new_token_ids == [11, 12]
+    assert request.finish_reason == "stop" and request.stop_reason == 12
+    assert request.output_token_ids == [7, 11, 12]
+    assert cache.num_holders == 0 and scheduler.schedule().finished_request_ids == ["r0"]
+
+
+def test_max_tokens_and_eos_stop_in_the_scheduler():
+    cache = CacheManager(num_blocks=16, block_size=4, num_slots=4)
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64), cache)
+    short = _request(0, 3, 1)
+    eos = Request("r1", [1, 2], SamplingParams(max_tokens=50), 10_000, eos_token_ids=frozenset({7}))
+    ignoring = Request("r2", [1, 2], SamplingParams(max_tokens=50, ignore_eos=True), 10_000, eos_token_ids=frozenset({7}))
+    for r in (short, eos, ignoring):
+        scheduler.add(r)
+    out = scheduler.schedule()
+    updates = scheduler.update_from_output(out, _sample_all(out, token=7))
+    assert [u.finished for u in updates] == [True, True, False]
+    assert short.finish_reason == "length" and eos.finish_reason == "stop" and ignoring.status is RequestStatus.RUNNING
+
+
+def test_a_request_aborted_during_the_step_takes_no_tokens():
+    cache = CacheManager(num_blocks=16, block_size=4, num_slots=2)
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64), cache)
+    request = _request(0, 6, 100)
+    scheduler.add(request)
+    out = scheduler.schedule()
+    scheduler.finish("r0", "abort")
+    assert scheduler.update_from_output(out, _sample_all(out)) == []
+    assert request.output_token_ids == [] and request.finish_reason == "abort"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from tokenizers import Tokenizer
 
 from oxserve import LLM, SamplingParams
 
@@ -118,11 +119,34 @@ def test_seeded_sampling_repeats_and_n_children_differ(llm):
     assert [c.index for c in first.outputs] == [0, 1, 2]
 
 
-def test_chat_applies_the_template(llm):
-    out = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=4, temperature=0.0))
-    expected = llm.tokenizer.encode(llm.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}]))
-    assert out[0].prompt_token_ids == expected
-    assert llm.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}]).endswith("<|assistant|>\n")
+CONVERSATION = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "hi"},
+    {"role": "assistant", "content": "hello"},
+]
+
+
+@pytest.mark.parametrize(
+    "messages,add_generation_prompt,expected_prompt",
+    [
+        ([{"role": "user", "content": "hi"}], True, "[gMASK]<sop><|user|>\nhi<|assistant|>\n"),
+        (CONVERSATION, True, "[gMASK]<sop><|system|>\nBe brief.<|user|>\nhi<|assistant|>\nhello<|assistant|>\n"),
+        (CONVERSATION, False, "[gMASK]<sop><|system|>\nBe brief.<|user|>\nhi<|assistant|>\nhello"),
+    ],
+    ids=["user", "conversation", "conversation-without-generation-prompt"],
+)
+def test_chat_applies_the_template(llm, tiny_model_dir, messages, add_generation_prompt, expected_prompt):
+    """Expected prompts are written out by hand from the default model's CHAT_TEMPLATE and
+    tokenized by the `tokenizers` library itself, so no oxserve code computes them."""
+    tokenizer = Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json"))
+    expected_ids = tokenizer.encode(expected_prompt, add_special_tokens=False).ids
+    # The template's markers are single special tokens, not spelled out in pieces.
+    assert expected_ids[:2] == [tokenizer.token_to_id("[gMASK]"), tokenizer.token_to_id("<sop>")]
+
+    out = llm.chat(messages, SamplingParams(max_tokens=1, temperature=0.0), add_generation_prompt=add_generation_prompt)
+
+    assert out[0].prompt == expected_prompt
+    assert out[0].prompt_token_ids == expected_ids
 
 
 def test_abort_frees_the_request(llm):
@@ -136,7 +160,7 @@ def test_abort_frees_the_request(llm):
     while engine.has_unfinished_requests():
         engine.step()
     assert engine.cache.num_holders == 0
-    assert a not in engine.requests
+    assert a not in engine.scheduler.requests and not engine.scheduler.requests  # everything retired
 
 
 def test_deterministic_mode_is_batch_invariant(tiny_model_dir):

@@ -1,58 +1,90 @@
-"""KDA kernels against the plain token-by-token recurrence, on fresh random inputs."""
+"""KDA kernels against the plain token-by-token references, on fresh random inputs."""
+
+import random
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from oxserve.kernels import kda
+from oxserve.kernels import kda, reference
 
 
-def _inputs(length, heads=3, dk=8, dv=12, decay_scale=1.0, seed=None):
-    g = torch.Generator().manual_seed(seed if seed is not None else torch.seed())
+def _inputs(length, heads=3, dk=8, dv=12, decay_scale=1.0, requests=1, gen=None):
+    """Packed inputs of `requests` sequences with `length` tokens in all, one state each."""
+    g = gen or torch.Generator().manual_seed(torch.seed())
     q = kda.l2norm(torch.randn(length, heads, dk, generator=g)) * dk**-0.5
     k = kda.l2norm(torch.randn(length, heads, dk, generator=g))
     v = torch.randn(length, heads, dv, generator=g)
     gate = -decay_scale * torch.rand(length, heads, dk, generator=g)
     beta = torch.rand(length, heads, generator=g)
-    state = torch.randn(heads, dk, dv, generator=g)
-    return q, k, v, gate, beta, state
+    states = torch.randn(requests, heads, dk, dv, generator=g)
+    return q, k, v, gate, beta, states
+
+
+def _split(total: int, parts: int, rng: random.Random) -> list[int]:
+    cuts = sorted(rng.sample(range(1, total), parts - 1)) if parts > 1 else []
+    return [b - a for a, b in zip([0] + cuts, cuts + [total])]
+
+
+def _reference_packed(q, k, v, g, beta, states, lengths):
+    outs, finals, start = [], [], 0
+    for r, n in enumerate(lengths):
+        o, s = reference.delta_rule(*(x[start : start + n].double() for x in (q, k, v, g, beta)), states[r].double())
+        outs.append(o)
+        finals.append(s)
+        start += n
+    return torch.cat(outs).float(), torch.stack(finals).float()
 
 
 @pytest.mark.parametrize("length", [1, 5, 16, 17, 64, 100])
-@pytest.mark.parametrize("decay_scale", [0.05, 5.0, 40.0])
-def test_chunked_matches_recurrence(length, decay_scale):
-    """decay 40/token forces the smaller chunks and then the exact fallback."""
-    q, k, v, g, beta, state = _inputs(length, decay_scale=decay_scale)
-    ref_out, ref_state = kda.kda_reference(q, k, v, g, beta, state)
-    out, new_state = kda.kda_chunked(q, k, v, g, beta, state)
+@pytest.mark.parametrize("lower_bound", [-0.05, -5.0, -40.0, None])
+def test_chunked_matches_recurrence(length, lower_bound):
+    """Bound -40 forces small chunks; None (unbounded, decays up to 60/token) the exact form."""
+    size, exact = kda.chunk_plan(lower_bound)
+    q, k, v, g, beta, states = _inputs(length, decay_scale=abs(lower_bound or 60.0))
+    ref_out, ref_state = _reference_packed(q, k, v, g, beta, states, [length])
+    out, new_state = kda.kda_chunked(q, k, v, g, beta, states, kda.chunk_layout([length], size, exact, "cpu"))
     torch.testing.assert_close(out, ref_out, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(new_state, ref_state, rtol=1e-4, atol=1e-5)
 
 
-def test_exact_path_matches_recurrence():
-    q, k, v, g, beta, state = _inputs(37, decay_scale=3.0)
-    ref_out, ref_state = kda.kda_reference(q, k, v, g, beta, state)
-    out, new_state = kda._chunked_exact(q, k, v, g, beta, state)
+@pytest.mark.parametrize("exact", [False, True])
+def test_packed_requests_match_each_alone(exact):
+    """Several requests of very different lengths in one call, each from its own state."""
+    rng = random.Random()
+    lengths = _split(150, 5, rng)
+    q, k, v, g, beta, states = _inputs(150, requests=5)
+    ref_out, ref_state = _reference_packed(q, k, v, g, beta, states, lengths)
+    out, new_state = kda.kda_chunked(q, k, v, g, beta, states, kda.chunk_layout(lengths, 16, exact, "cpu"))
     torch.testing.assert_close(out, ref_out, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(new_state, ref_state, rtol=1e-4, atol=1e-5)
+
+
+def test_chunk_plan_keeps_the_factored_form_in_fp32_range():
+    assert kda.chunk_plan(-5.0) == (16, False)  # 16 * 5 = 80 <= SAFE_CHUNK_DECAY
+    assert kda.chunk_plan(-10.0) == (8, False)
+    assert kda.chunk_plan(None) == (16, True)
+    assert kda.chunk_plan(-100.0)[1]
 
 
 def test_split_sequence_equals_whole():
-    q, k, v, g, beta, state = _inputs(50)
-    whole, s_whole = kda.kda_chunked(q, k, v, g, beta, state)
-    first, s_mid = kda.kda_chunked(q[:23], k[:23], v[:23], g[:23], beta[:23], state)
-    second, s_end = kda.kda_chunked(q[23:], k[23:], v[23:], g[23:], beta[23:], s_mid)
+    q, k, v, g, beta, states = _inputs(50)
+    layout = kda.chunk_layout([50], 16, False, "cpu")
+    whole, s_whole = kda.kda_chunked(q, k, v, g, beta, states, layout)
+    first, s_mid = kda.kda_chunked(*(x[:23] for x in (q, k, v, g, beta)), states, kda.chunk_layout([23], 16, False, "cpu"))
+    second, s_end = kda.kda_chunked(*(x[23:] for x in (q, k, v, g, beta)), s_mid, kda.chunk_layout([27], 16, False, "cpu"))
     torch.testing.assert_close(torch.cat([first, second]), whole, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(s_end, s_whole, rtol=1e-4, atol=1e-5)
 
 
 def test_recurrent_step_matches_reference():
-    q, k, v, g, beta, state = _inputs(3)
-    ref_out, ref_state = kda.kda_reference(q, k, v, g, beta, state)
+    q, k, v, g, beta, states = _inputs(3)
+    ref_out, ref_state = reference.delta_rule(q, k, v, g, beta, states[0])
+    state = states
     for t in range(3):
-        o, state = kda.kda_recurrent_step(q[t : t + 1], k[t : t + 1], v[t : t + 1], g[t : t + 1], beta[t : t + 1], state[None])
-        state = state[0]
+        o, state = kda.kda_recurrent_step(q[t : t + 1], k[t : t + 1], v[t : t + 1], g[t : t + 1], beta[t : t + 1], state)
         torch.testing.assert_close(o[0], ref_out[t], rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(state, ref_state, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(state[0], ref_state, rtol=1e-5, atol=1e-6)
 
 
 def test_recurrent_step_batched_equals_single():
@@ -65,19 +97,36 @@ def test_recurrent_step_batched_equals_single():
         torch.testing.assert_close(new[b], s1[0])
 
 
+@pytest.mark.parametrize("kernel", [1, 2, 4])
+def test_packed_conv_matches_each_request_alone(kernel):
+    """Decodes and prefill chunks of several requests in one conv, against the plain loop."""
+    rng = random.Random()
+    lengths = [1, 1] + _split(40, 3, rng)  # two decodes, then three chunks
+    channels = 10
+    x = torch.randn(sum(lengths), channels)
+    states = torch.randn(len(lengths), kernel - 1, channels)
+    weight = torch.randn(channels, kernel)
+    out, new_states = kda.causal_conv(x, states, weight, kda.conv_layout(lengths, kernel, "cpu"), F.silu)
+    start = 0
+    for r, n in enumerate(lengths):
+        ref, ref_state = reference.causal_conv(x[start : start + n].double(), states[r].double(), weight.double(), F.silu)
+        torch.testing.assert_close(out[start : start + n], ref.float(), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(new_states[r], ref_state.float())
+        start += n
+
+
 def test_conv_chunk_then_steps_equals_whole_chunk():
     x = torch.randn(12, 10)
     weight = torch.randn(10, 4)
-    zero = torch.zeros(3, 10)
-    whole, _ = kda.causal_conv_chunk(x, zero, weight)
-    head, state = kda.causal_conv_chunk(x[:7], zero, weight)
+    zero = torch.zeros(1, 3, 10)
+
+    def conv(xs, state):
+        return kda.causal_conv(xs, state, weight, kda.conv_layout([xs.shape[0]], 4, "cpu"), F.silu)
+
+    whole, _ = conv(x, zero)
+    head, state = conv(x[:7], zero)
     outs = [head]
     for t in range(7, 12):
-        o, state = kda.causal_conv_step(x[t : t + 1], state.unsqueeze(0), weight)
-        state = state[0]
+        o, state = conv(x[t : t + 1], state)
         outs.append(o)
     torch.testing.assert_close(torch.cat(outs), whole)
-    # The plain definition: out_t = silu(sum_k w[:, k] * x[t - 3 + k]).
-    padded = torch.cat([zero, x])
-    ref = torch.nn.functional.silu(torch.stack([(padded[t : t + 4].T * weight).sum(-1) for t in range(12)]))
-    torch.testing.assert_close(whole, ref)

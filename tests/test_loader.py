@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import fields
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from safetensors.torch import load_file, save_file
 from tiny_models import TINY_TEXT_CONFIG
 from oxserve.default_model import build_checkpoint
 from oxserve.model.config import TextModelConfig
+from oxserve.model import loader
 from oxserve.model.loader import CheckpointError, load_model
 
 
@@ -32,16 +34,42 @@ def _edit_weights(path, edit):
     save_file(tensors, path / "model.safetensors")
 
 
-def test_loads_and_keeps_mtp_and_vision_tensors(checkpoint, tmp_path):
-    path = _copy(checkpoint, tmp_path)
+def test_mtp_and_vision_tensors_are_not_read_unless_asked_for(tmp_path, monkeypatch):
+    """On the real checkpoint they are gigabytes: a plain load must not even read them."""
+    path = build_checkpoint(tmp_path / "m", TINY_TEXT_CONFIG, seed=3, dtype=torch.float32, tokenizer=False, mtp=True)
+    read: list[str] = []
+    real_open = loader.safe_open
+
+    class Recording:
+        def __init__(self, *args, **kwargs):
+            self.file = real_open(*args, **kwargs)
+
+        def __enter__(self):
+            self.inner = self.file.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.file.__exit__(*exc)
+
+        def keys(self):
+            return self.inner.keys()
+
+        def get_tensor(self, name):
+            read.append(name)
+            return self.inner.get_tensor(name)
+
+    monkeypatch.setattr(loader, "safe_open", Recording)
     n = TINY_TEXT_CONFIG["num_hidden_layers"]
-    _edit_weights(path, lambda t: t.update({f"model.language_model.layers.{n}.eh_proj.weight": torch.ones(4, 4)}))
-    loaded = load_model(path, dtype=torch.float32)
-    assert f"layers.{n}.eh_proj.weight" in loaded.mtp_tensors
-    assert any(k.startswith("model.visual.") for k in loaded.vision_tensors)
-    ref = load_file(checkpoint / "model.safetensors")
+    plain = load_model(path, dtype=torch.float32)
+    assert read and not any(".visual." in r or f".layers.{n}." in r for r in read)
+    assert plain.model.mtp is None
+    read.clear()
+    drafting = load_model(path, dtype=torch.float32, with_mtp=True)
+    assert any(f".layers.{n}.eh_proj" in r for r in read) and not any(".visual." in r for r in read)
+    ref = load_file(path / "model.safetensors")
+    torch.testing.assert_close(drafting.model.mtp.eh_proj.weight, ref[f"model.language_model.layers.{n}.eh_proj.weight"])
     q = ref["model.language_model.layers.0.self_attn.q_proj.weight"]
-    torch.testing.assert_close(loaded.model.layers[0].self_attn.qkv_proj.weight[: q.shape[0]], q)
+    torch.testing.assert_close(plain.model.layers[0].self_attn.qkv_proj.weight[: q.shape[0]], q)
 
 
 def test_flat_config_and_sharded_weights(checkpoint, tmp_path):
@@ -84,11 +112,13 @@ def test_shared_indexer_must_follow_a_full_one():
         TextModelConfig.from_hf_dict(cfg)
 
 
-def test_config_defaults_follow_the_reference():
-    cfg = TextModelConfig.from_hf_dict({"num_hidden_layers": 8})
-    assert cfg.layer_types == tuple("indexed_attention" if i % 4 == 3 else "linear_attention" for i in range(8))
-    assert cfg.mlp_layer_types == ("dense",) * 3 + ("sparse",) * 5
-    assert cfg.indexer_types == ("full",) * 8
+@pytest.mark.parametrize("raw", [{"text_config": {"num_hidden_layers": 8}}, {"num_hidden_layers": 8}], ids=["nested", "flat"])
+def test_config_defaults_follow_the_reference(raw):
+    from transformers import Glm5NextConfig
+    from test_config_fidelity import reference_fields
+
+    ours = TextModelConfig.from_hf_dict(raw)
+    assert {f.name: getattr(ours, f.name) for f in fields(ours)} == reference_fields(Glm5NextConfig(**raw), raw)
 
 
 def test_engine_without_tokenizer_takes_token_ids(checkpoint):

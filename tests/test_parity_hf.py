@@ -7,11 +7,10 @@ import random
 import pytest
 import torch
 
-from hf_reference import CONFIGS, LOGIT_TOL, build_reference, check_continuation, teacher_forced
+from hf_reference import CONFIGS, LOGIT_TOL, OxserveChoices, build_reference, check_generation, near_ties, record_comparison, reference_run
 from oxserve import LLM, SamplingParams
-from oxserve.cache.tensors import allocate_layer_caches
-from oxserve.model.batch import ForwardBatch
-from oxserve.model.loader import load_model
+from oxserve.llm import run_to_completion
+from oxserve_forward import ForcedRun
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
@@ -25,51 +24,54 @@ def _prompt(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(2, 512) for _ in range(n)]
 
 
-def _prefill_logits(path, tokens: list[int], chunk: int) -> torch.Tensor:
-    """Run `tokens` through oxserve's model in chunks (exercises state and selection carry-over)."""
-    loaded = load_model(path, dtype=torch.float32)
-    block_size = 32
-    blocks = -(-len(tokens) // block_size)
-    caches = allocate_layer_caches(loaded.config, blocks + 3, block_size, 2, torch.float32, "cpu")
-    # A scrambled block table: pages need not be contiguous or ordered.
-    table = torch.randperm(blocks + 3)[:blocks].unsqueeze(0)
-    outs = []
-    for start in range(0, len(tokens), chunk):
-        pos = torch.arange(start, min(start + chunk, len(tokens)))
-        batch = ForwardBatch(
-            query_lens=[len(pos)], context_lens=[start], num_decodes=0, positions=pos,
-            request_index=torch.zeros_like(pos), slot_mapping=table[0][pos // block_size] * block_size + pos % block_size,
-            block_tables=table, state_slots=torch.tensor([1]), block_size=block_size, logits_indices=torch.arange(len(pos)),
-        )
-        with torch.inference_mode():
-            outs.append(loaded.model.compute_logits(loaded.model(torch.tensor(tokens)[pos], batch, caches)))
-    return torch.cat(outs)
-
-
-@pytest.mark.parametrize("length,chunk", [(1, 64), (5, 64), (37, 16), (200, 64), (700, 700), (700, 96)])
-def test_prompt_logits_match(reference, length, chunk):
+# Chunks of 1, 7 and 13 put pool boundaries (k-pool 4 and 16) and KDA chunk boundaries in the
+# middle of a prefill chunk; decode_from switches to one-token decode steps part way.
+@pytest.mark.parametrize(
+    "length,chunk,decode_from",
+    [(1, 64, None), (5, 64, None), (37, 16, None), (37, 1, None), (100, 7, None), (200, 64, None), (230, 13, None),
+     (700, 700, None), (700, 96, None), (90, 13, 41)],
+)
+def test_prompt_logits_match(reference, length, chunk, decode_from):
     rng = random.Random()
     tokens = _prompt(rng, length)
-    ours = _prefill_logits(reference.path, tokens, chunk)
-    hf_logits, first_tie, _ = teacher_forced(reference, tokens)
-    n = first_tie
-    scale = float(hf_logits.abs().max())
-    err = float((ours[:n] - hf_logits[:n]).abs().max()) if n else 0.0
+    hf = reference_run(reference, tokens)
+    run = ForcedRun(reference.path)
+    choices = OxserveChoices(run.model, forced={"0": near_ties(hf)})
+    ours = run.logits(tokens, chunk, decode_from)
+    n, _ = choices.first_divergence("0", hf, length)  # fails on a pick that differs with a clear margin
+    assert n == length
+    record_comparison(n, length, choices.num_forced)
+    scale = float(hf.logits.abs().max())
+    err = float((ours - hf.logits).abs().max())
     assert err <= LOGIT_TOL * scale, f"max |dlogit| {err:.3g} at scale {scale:.3g} over {n} positions"
 
 
-def _engine(reference, **kw) -> LLM:
-    return LLM(model=str(reference.path), dtype="float32", **kw)
-
-
-def _check_all(reference, prompts, outputs):
-    for prompt, out in zip(prompts, outputs):
-        assert len(out.outputs[0].token_ids) == GREEDY.max_tokens
-        check_continuation(reference, prompt, out.outputs[0].token_ids, out.outputs[0].logprobs)
+def _engine(reference, forced, **kw) -> tuple[LLM, OxserveChoices]:
+    llm = LLM(model=str(reference.path), dtype="float32", **kw)
+    choices = OxserveChoices(llm.engine.runner.model, forced)
+    choices.watch_runner(llm.engine.runner)
+    return llm, choices
 
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True, logprobs=1)
 LENGTHS = [1, 3, 17, 40, 64, 100, 150, 260]
+_IDS = [f"r{i}" for i in range(len(LENGTHS))]
+
+
+def _generate(**options):
+    """A generation of all prompts as one batch under the request ids _IDS."""
+
+    def generate(reference, prompts, forced):
+        llm, choices = _engine(reference, forced, **options)
+        for rid, prompt in zip(_IDS, prompts):
+            llm.engine.add_request(rid, prompt, GREEDY)
+        return run_to_completion(llm.engine, set(_IDS)), choices
+
+    return generate
+
+
+def _check(reference, prompts, generate) -> None:
+    check_generation(reference, lambda forced: generate(reference, prompts, forced), dict(zip(_IDS, prompts)))
 
 
 @pytest.mark.slow
@@ -77,37 +79,47 @@ LENGTHS = [1, 3, 17, 40, 64, 100, 150, 260]
 def test_batched_greedy_matches_hf(reference, budget):
     rng = random.Random()
     prompts = [_prompt(rng, n) for n in LENGTHS]
-    llm = _engine(reference, max_num_batched_tokens=budget)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
-    _check_all(reference, prompts, outputs)
+    _check(reference, prompts, _generate(max_num_batched_tokens=budget))
 
 
 @pytest.mark.slow
 def test_arrivals_during_decode_match_hf(reference):
     rng = random.Random()
     prompts = [_prompt(rng, n) for n in LENGTHS]
-    llm = _engine(reference, max_num_batched_tokens=96)
-    engine = llm.engine
-    finished = {}
-    pending = list(enumerate(prompts))
-    while pending or engine.has_unfinished_requests():
-        for _ in range(rng.randrange(1, 3)):
-            if pending:
-                i, p = pending.pop(0)
-                engine.add_request(f"r{i}", p, GREEDY)
-        for _ in range(rng.randrange(1, 6)):
-            for out in engine.step():
-                if out.finished:
-                    finished[out.request_id] = out
-    _check_all(reference, prompts, [finished[f"r{i}"] for i in range(len(prompts))])
+    arrivals = random.Random().randrange(2**31)  # the same arrival pattern in every round
+
+    def generate(reference, prompts, forced):
+        llm, choices = _engine(reference, forced, max_num_batched_tokens=96)
+        engine, pattern = llm.engine, random.Random(arrivals)
+        finished = {}
+        pending = list(zip(_IDS, prompts))
+        while pending or engine.has_unfinished_requests():
+            for _ in range(pattern.randrange(1, 3)):
+                if pending:
+                    engine.add_request(*pending.pop(0), GREEDY)
+            for _ in range(pattern.randrange(1, 6)):
+                for out in engine.step():
+                    if out.finished:
+                        finished[out.request_id] = out
+        return finished, choices
+
+    _check(reference, prompts, generate)
 
 
 @pytest.mark.slow
 def test_preempted_requests_match_hf(reference):
     rng = random.Random()
     prompts = [_prompt(rng, n) for n in LENGTHS]
-    # 12 blocks of 32 tokens cannot hold all eight requests: some are preempted and recomputed.
-    llm = _engine(reference, max_num_batched_tokens=128, block_size=32, num_blocks=12)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
-    assert llm.engine.scheduler.num_preemptions > 0
-    _check_all(reference, prompts, outputs)
+    preemptions = []
+
+    def generate(reference, prompts, forced):
+        # 12 blocks of 32 tokens cannot hold all eight requests: some are preempted and recomputed.
+        llm, choices = _engine(reference, forced, max_num_batched_tokens=128, block_size=32, num_blocks=12)
+        for rid, prompt in zip(_IDS, prompts):
+            llm.engine.add_request(rid, prompt, GREEDY)
+        outputs = run_to_completion(llm.engine, set(_IDS))
+        preemptions.append(llm.engine.stats().num_preemptions)
+        return outputs, choices
+
+    _check(reference, prompts, generate)
+    assert preemptions[-1] > 0

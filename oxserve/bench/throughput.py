@@ -186,9 +186,8 @@ def decode_steps_by_context(config, contexts: list[int], steps: int = 16) -> lis
         g = torch.Generator().manual_seed(context)
         engine.add_request("ctx", torch.randint(32, 1000, (context,), generator=g).tolist(),
                            SamplingParams(max_tokens=steps + 1, ignore_eos=True))
-        engine.step()
-        while engine.scheduler.running and engine.scheduler.running[0].num_computed_tokens < context:
-            engine.step()
+        while not any(out.outputs[0].token_ids for out in engine.step()):  # until the prompt is in
+            pass
         times, attention = [], []
         while engine.has_unfinished_requests():
             tracer = Tracer(engine.device)

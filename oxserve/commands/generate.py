@@ -8,6 +8,7 @@ import time
 
 from oxserve.cli import add_engine_arguments, engine_config_from_args
 from oxserve.engine.engine import LLMEngine
+from oxserve.llm import run_to_completion
 from oxserve.sampling_params import SamplingParams
 
 
@@ -43,11 +44,7 @@ def run(args: argparse.Namespace) -> int:
     )
     ids = [engine.add_request(f"cli-{i}", p, params) for i, p in enumerate(prompts)]
     start = time.perf_counter()
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
+    done = run_to_completion(engine, set(ids))
     elapsed = time.perf_counter() - start
     for rid, prompt in zip(ids, prompts):
         out = done[rid].outputs[0]

@@ -339,12 +339,25 @@ def _decoder_layer(prefix: str, c: dict[str, Any], i: int) -> Iterator[TensorSpe
         yield from _swiglu(prefix + "mlp.", c["hidden_size"], c["intermediate_size"], c["initializer_range"])
 
 
-def _text_model(c: dict[str, Any]) -> Iterator[TensorSpec]:
+def _mtp_layer(prefix: str, c: dict[str, Any]) -> Iterator[TensorSpec]:
+    """The MTP layer as GLM-5.3-Flash ships it: MLA + DSA and MoE, no hyper-connections; it
+    shares the model's embedding and head."""
+    hidden = c["hidden_size"]
+    for norm in ("enorm", "hnorm", "shared_head.norm", "input_layernorm", "post_attention_layernorm"):
+        yield _norm(prefix + norm, hidden)
+    yield from _linear(prefix + "eh_proj", hidden, 2 * hidden, c["initializer_range"])
+    yield from _mla(prefix + "self_attn.", c, full_indexer=True)
+    yield from _moe(prefix + "mlp.", c)
+
+
+def _text_model(c: dict[str, Any], mtp: bool) -> Iterator[TensorSpec]:
     prefix, std = "model.language_model.", c["initializer_range"]
     vocab, hidden = c["vocab_size"], c["hidden_size"]
     yield TensorSpec(prefix + "embed_tokens.weight", (vocab, hidden), _embedding(std, c["pad_token_id"]))
     for i in range(c["num_hidden_layers"]):
         yield from _decoder_layer(f"{prefix}layers.{i}.", c, i)
+    if mtp:
+        yield from _mtp_layer(f"{prefix}layers.{c['num_hidden_layers']}.", c)
     yield _norm(prefix + "norm", hidden)
     yield from _linear("lm_head", vocab, hidden, std)
 
@@ -373,9 +386,9 @@ def _vision_model(v: dict[str, Any]) -> Iterator[TensorSpec]:
     yield from _swiglu(prefix + "merger.", out, v["projection_intermediate_size"], std)
 
 
-def tensor_specs(config: dict[str, Any]) -> list[TensorSpec]:
+def tensor_specs(config: dict[str, Any], mtp: bool = False) -> list[TensorSpec]:
     """Every tensor of the checkpoint for a `model_config(...)` dict, in writing order."""
-    return [*_text_model(config["text_config"]), *_vision_model(config["vision_config"])]
+    return [*_text_model(config["text_config"], mtp), *_vision_model(config["vision_config"])]
 
 
 # ---- weights: materialise and stream into safetensors ------------------------------------
@@ -524,12 +537,14 @@ def build_checkpoint(
     dtype: torch.dtype = torch.bfloat16,
     max_shard_bytes: int | None = None,
     tokenizer: bool = True,
+    mtp: bool = False,
 ) -> Path:
     """Writes config, generation config, weights and (optionally) the tokenizer into `out_dir`.
 
     `text_config` is completed by `make_text_config`, so a partial dict works. Weights are
     one `model.safetensors`, or shards plus `model.safetensors.index.json` when they exceed
-    `max_shard_bytes`.
+    `max_shard_bytes`. With `mtp`, the checkpoint also holds an MTP layer after the decoder
+    layers (transformers ignores it).
     """
     if dtype not in _SAFETENSORS_DTYPES:
         raise ValueError(f"unsupported dtype {dtype}; use one of {list(_SAFETENSORS_DTYPES)}")
@@ -540,7 +555,7 @@ def build_checkpoint(
     config = model_config(text, dtype)
     _write_json(out / "config.json", config)
     _write_json(out / "generation_config.json", generation_config())
-    _write_weights(out, tensor_specs(config), seed, dtype, max_shard_bytes)
+    _write_weights(out, tensor_specs(config, mtp), seed, dtype, max_shard_bytes)
     if tokenizer:
         train_tokenizer().save(str(out / "tokenizer.json"))
         _write_json(out / "tokenizer_config.json", tokenizer_config(text))

@@ -1,10 +1,15 @@
-"""The engine: `step()` is schedule -> run -> postprocess."""
+"""The engine: `step()` is schedule -> run -> update.
+
+    scheduler.schedule()            -> SchedulerOutput      (plain data: ids, tokens, blocks)
+    runner.execute(...)             -> ModelRunnerOutput    (plain data: accepted tokens)
+    scheduler.update_from_output()  -> RequestUpdates       (the scheduler changes request state)
+    self._outputs(updates)          -> [RequestOutput]      (text, stop strings, what callers see)
+"""
 
 from __future__ import annotations
 
 import json
 import logging
-import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,13 +17,14 @@ from pathlib import Path
 import torch
 
 from oxserve.cache.manager import CacheManager
-from oxserve.cache.tensors import allocate_layer_caches, kda_slot_bytes, mla_token_bytes
+from oxserve.cache.planner import plan_cache
+from oxserve.cache.spec import CacheLayout
 from oxserve.config import EngineConfig
+from oxserve.engine.interface import SchedulerOutput
 from oxserve.engine.request import Request
-from oxserve.engine.runner import ModelRunner, StepResult
-from oxserve.engine.scheduler import Scheduler, SchedulerOutput
-from oxserve.engine.stop import StopChecker
-from oxserve.model.config import TextModelConfig
+from oxserve.engine.runner import ModelRunner
+from oxserve.engine.scheduler import RequestUpdate, Scheduler
+from oxserve.engine.stop import StopStrings
 from oxserve.model.loader import load_model
 from oxserve.outputs import CompletionOutput, RequestOutput
 from oxserve.sampling_params import SamplingParams
@@ -33,32 +39,29 @@ DEFAULT_MAX_MODEL_LEN = 32768
 Prompt = str | list[int] | dict
 
 
-@dataclass
-class CacheLayout:
-    num_blocks: int
-    block_size: int
-    num_slots: int
+@dataclass(frozen=True)
+class EngineStats:
+    """Counters for the server's metrics and for benchmarks."""
+
+    num_running: int
+    num_waiting: int
+    cache_usage: float  # fraction of cache blocks in use
+    num_preemptions: int
+    prompt_tokens: int  # prompt tokens of requests that produced their first token
+    generation_tokens: int
 
 
-def plan_cache(config: EngineConfig, model_cfg: TextModelConfig, dtype: torch.dtype) -> CacheLayout:
-    """Split the memory budget: one KDA slot per running request, the rest to blocks."""
-    c = config.cache
-    block_size = c.block_size or math.lcm(64, model_cfg.index_kpool)
-    if block_size % model_cfg.index_kpool:
-        raise ValueError(f"block_size {block_size} must be a multiple of index_kpool {model_cfg.index_kpool}")
-    num_slots = c.num_slots or config.scheduler.max_num_seqs
-    budget = c.cache_memory_gb * 2**30
-    if c.num_blocks is not None:
-        num_blocks = c.num_blocks
-    else:
-        left = budget - num_slots * kda_slot_bytes(model_cfg, dtype)
-        num_blocks = int(left // (mla_token_bytes(model_cfg, dtype) * block_size))
-        if num_blocks < 1:
-            raise ValueError(
-                f"cache_memory_gb={c.cache_memory_gb} cannot hold {num_slots} KDA state slots plus one block; "
-                "raise it or lower max_num_seqs"
-            )
-    return CacheLayout(num_blocks=num_blocks, block_size=block_size, num_slots=num_slots)
+@dataclass(frozen=True)
+class StepShape:
+    """What the last step computed: tokens of prompts (or recomputed history) and decode tokens."""
+
+    prefill_tokens: int
+    decode_tokens: int
+
+    @staticmethod
+    def of(out: SchedulerOutput) -> "StepShape":
+        decode = out.num_decode_tokens
+        return StepShape(out.num_tokens - decode, decode)
 
 
 class LLMEngine:
@@ -73,22 +76,19 @@ class LLMEngine:
         loaded = load_model(path, dtype=self.dtype, device=self.device)
         self.model_config = loaded.config
         self.tokenizer = Tokenizer.from_dir(path)
-        layout = plan_cache(config, loaded.config, self.dtype)
-        caches = allocate_layer_caches(
-            loaded.config, layout.num_blocks, layout.block_size, layout.num_slots, self.dtype, self.device
-        )
+        limit = config.model.max_model_len or min(self.model_config.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
+        layout = plan_cache(config.cache, config.scheduler, loaded.model.cache_specs(self.dtype), limit)
+        self.cache_layout = layout
         self.cache = CacheManager(layout.num_blocks, layout.block_size, layout.num_slots)
         self.scheduler = Scheduler(config.scheduler, self.cache)
-        self.runner = ModelRunner(
-            loaded.model, caches, layout.block_size, self.device, deterministic=config.scheduler.deterministic
-        )
-        self.max_model_len = self._max_model_len(layout)
-        self.eos_token_ids = self._eos_ids(path)
+        self.runner = ModelRunner(loaded.model, layout, self.dtype, self.device, deterministic=config.scheduler.deterministic)
+        self.max_model_len = _fit_to_cache(limit, layout)
+        self.eos_token_ids = frozenset(self._eos_ids(path))
         torch.manual_seed(config.model.seed)  # requests without their own seed draw from this
-        self.requests: dict[str, Request] = {}
         self._texts: dict[str, OutputText] = {}
         self._next_id = 0
-        self.stats = {"prompt_tokens": 0, "generation_tokens": 0}
+        self._prompt_tokens = 0
+        self._generation_tokens = 0
         self.last_step = StepShape(0, 0)
 
     # ---- requests ---------------------------------------------------------------------------
@@ -96,11 +96,11 @@ class LLMEngine:
         """Validate and queue a request. Raises ValueError naming the problem; nothing else changes."""
         params = params or SamplingParams()
         if params.n != 1:
-            raise ValueError("the engine takes n=1 requests; LLM.generate and the server fan out n > 1")
+            raise ValueError("the engine takes n=1 requests; use SamplingParams.fan_out() for n > 1")
         if request_id is None:
             request_id = f"req-{self._next_id}"
             self._next_id += 1
-        if request_id in self.requests:
+        if request_id in self.scheduler.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, token_ids = self.check_prompt(prompt)
         request = Request(
@@ -108,22 +108,32 @@ class LLMEngine:
             prompt_token_ids=token_ids,
             params=params,
             max_total_tokens=self.max_model_len,
+            eos_token_ids=self.eos_token_ids,
             prompt=text,
         )
-        self.requests[request_id] = request
-        self._texts[request_id] = OutputText(self.tokenizer, StopChecker(params, self.eos_token_ids))
         self.scheduler.add(request)
+        self._texts[request_id] = OutputText(self.tokenizer, params)
         return request_id
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
-        request = self.requests.get(request_id)
-        if request is None or request.is_finished:
-            return None
-        request.finish("abort")
-        return self._retire(request)
+        request = self.scheduler.finish(request_id, "abort")
+        return None if request is None else self._retire(request)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            cache_usage=self.cache.usage,
+            num_preemptions=self.scheduler.num_preemptions,
+            prompt_tokens=self._prompt_tokens,
+            generation_tokens=self._generation_tokens,
+        )
+
+    def running_request_ids(self) -> list[str]:
+        return [r.request_id for r in self.scheduler.running]
 
     # ---- the loop ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -132,41 +142,33 @@ class LLMEngine:
             scheduled = self.scheduler.schedule()
         self.last_step = StepShape.of(scheduled)
         if not scheduled.scheduled:
+            self.runner.drop(scheduled.finished_request_ids)
             return []
         result = self.runner.execute(scheduled)
         with span(tracer, "postprocess", track="engine"):
-            return self._postprocess(scheduled, result)
+            updates = self.scheduler.update_from_output(scheduled, result)
+            return [self._output_of(update) for update in updates]
 
-    def _postprocess(self, scheduled: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
-        for s in scheduled.scheduled:
-            s.request.num_computed_tokens += s.num_new_tokens
-        now = time.monotonic()
-        outputs: list[RequestOutput] = []
-        for request_id, token, logprobs in zip(result.request_ids, result.sampled.token_ids, result.sampled.logprobs):
-            request = self.requests[request_id]
-            if request.first_token_time is None:
-                request.first_token_time = now
-                self.stats["prompt_tokens"] += len(request.prompt_token_ids)
-            self._append(request, token, logprobs)
-            outputs.append(self._retire(request) if request.is_finished else self._output(request))
-        return outputs
-
-    def _append(self, request: Request, token: int, logprobs: dict[int, float] | None) -> None:
-        request.output_token_ids.append(token)
-        if logprobs is not None:
-            request.output_logprobs.append(logprobs)
-        self.stats["generation_tokens"] += 1
-        verdict = self._texts[request.request_id].push(request, token)
-        if verdict is not None:
-            request.finish(*verdict)
-        elif request.num_tokens >= request.max_total_tokens:
-            request.finish("length")
+    def _output_of(self, update: RequestUpdate) -> RequestOutput:
+        request = update.request
+        if request.first_token_time is None:
+            request.first_token_time = time.monotonic()
+            self._prompt_tokens += len(request.prompt_token_ids)
+        self._generation_tokens += len(update.new_token_ids)
+        text = self._texts[request.request_id]
+        for token in update.new_token_ids:
+            if (hit := text.push(token)) is not None:
+                # The stop string decides over a token stop the scheduler found on the same token.
+                if request.is_finished:
+                    request.finish("stop", hit)
+                else:
+                    self.scheduler.finish(request.request_id, "stop", hit)
+                break
+        return self._retire(request) if request.is_finished else self._output(request)
 
     def _retire(self, request: Request) -> RequestOutput:
-        self.scheduler.finish(request)
-        self.runner.forget(request.request_id)
         output = self._output(request)
-        del self.requests[request.request_id]
+        self.scheduler.forget(request.request_id)
         del self._texts[request.request_id]
         return output
 
@@ -194,7 +196,7 @@ class LLMEngine:
 
         A dict may carry `prompt_token_ids` (and optionally the `prompt` text they came from)."""
         text, token_ids = self._tokenize(prompt)
-        self._validate_prompt(token_ids)
+        check_prompt_ids(token_ids, self.model_config.vocab_size, self.max_model_len)
         return text, token_ids
 
     def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
@@ -218,27 +220,6 @@ class LLMEngine:
             return None, list(prompt)
         raise ValueError(f"a prompt is a string, a list of token ids or a dict, got {type(prompt).__name__}")
 
-    def _validate_prompt(self, token_ids: list[int]) -> None:
-        if not token_ids:
-            raise ValueError("the prompt is empty")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in token_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"the prompt has {len(token_ids)} tokens; max_model_len is {self.max_model_len}, "
-                "which must leave room for at least one generated token"
-            )
-
-    def _max_model_len(self, layout: CacheLayout) -> int:
-        limit = self.config.model.max_model_len or min(self.model_config.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
-        capacity = layout.num_blocks * layout.block_size
-        if limit > capacity:
-            log.warning("max_model_len %d exceeds the cache capacity; using %d tokens", limit, capacity)
-            limit = capacity
-        return limit
-
     def _eos_ids(self, path: Path) -> set[int]:
         ids = set(self.model_config.eos_token_id)
         gen = path / "generation_config.json"
@@ -250,34 +231,61 @@ class LLMEngine:
         return ids
 
 
-@dataclass(frozen=True)
-class StepShape:
-    """What the last step computed: tokens of prompts (or recomputed history) and decode tokens."""
-
-    prefill_tokens: int
-    decode_tokens: int
-
-    @staticmethod
-    def of(out: SchedulerOutput) -> "StepShape":
-        decode = sum(s.num_new_tokens for s in out.scheduled if s.is_decode)
-        return StepShape(out.num_tokens - decode, decode)
-
-
 class OutputText:
-    """A request's decoded text so far and its stop conditions."""
+    """A request's decoded text so far and its stop strings."""
 
-    def __init__(self, tokenizer: Tokenizer | None, stop: StopChecker):
+    def __init__(self, tokenizer: Tokenizer | None, params: SamplingParams):
         self.detok = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
-        self.stop = stop
+        self.stops = StopStrings(params)
 
-    def push(self, request: Request, token: int) -> tuple[str, int | str | None] | None:
-        """Take the token just appended; (finish_reason, stop_reason) if the request must stop."""
-        delta = self.detok.push(token) if self.detok else ""
-        return self.stop.check(request, token, self.detok.text if self.detok else "", delta)
+    def push(self, token: int) -> str | None:
+        """Take the next accepted token; the stop string it completed, if any."""
+        if self.detok is None:
+            return None
+        delta = self.detok.push(token)
+        return self.stops.check(self.detok.text, len(delta))
 
     @property
     def visible(self) -> str:
-        return self.stop.visible_text(self.detok.text) if self.detok else ""
+        return self.stops.visible_text(self.detok.text) if self.detok else ""
+
+
+class PromptError(ValueError):
+    """A prompt the engine cannot take; `field` is what to change: "prompt" or "max_tokens"."""
+
+    def __init__(self, message: str, field: str = "prompt"):
+        super().__init__(message)
+        self.field = field
+
+
+def check_prompt_ids(token_ids: list[int], vocab_size: int, max_model_len: int, max_tokens: int | None = None) -> None:
+    """PromptError naming what is wrong with a prompt: empty, ids outside the vocabulary, no
+    room left for one token (or, with `max_tokens`, for that many) within max_model_len."""
+    if not token_ids:
+        raise PromptError("the prompt is empty")
+    bad = [t for t in token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise PromptError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+    if len(token_ids) >= max_model_len:
+        raise PromptError(
+            f"This model's maximum context length is {max_model_len} tokens (max_model_len); the prompt has "
+            f"{len(token_ids)} tokens, which leaves no room for a completion. Shorten the prompt."
+        )
+    if max_tokens is not None and len(token_ids) + max_tokens > max_model_len:
+        raise PromptError(
+            f"This model's maximum context length is {max_model_len} tokens (max_model_len). However, you requested "
+            f"{len(token_ids) + max_tokens} tokens ({len(token_ids)} in the prompt, {max_tokens} for the completion). "
+            "Reduce the prompt or max_tokens.",
+            "max_tokens",
+        )
+
+
+def _fit_to_cache(limit: int, layout: CacheLayout) -> int:
+    capacity = layout.num_blocks * layout.block_size
+    if limit > capacity:
+        log.warning("max_model_len %d exceeds the cache capacity; using %d tokens", limit, capacity)
+        return capacity
+    return limit
 
 
 def _default_model() -> Path:

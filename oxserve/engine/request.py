@@ -2,7 +2,7 @@
 
 Prefill and decode are the same thing seen from here: the scheduler gives a request some of
 its uncomputed tokens each step; when it has computed all of them, the step samples one
-more token, which becomes uncomputed in turn.
+more token, which becomes uncomputed in turn. Only the scheduler changes a request's state.
 """
 
 from __future__ import annotations
@@ -10,8 +10,6 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-
-import torch
 
 from oxserve.sampling_params import SamplingParams
 
@@ -28,11 +26,14 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     max_total_tokens: int  # prompt + output may not exceed this (the model's context)
+    eos_token_ids: frozenset[int] = frozenset()  # tokens that end the request unless ignore_eos
     prompt: str | None = None
-    generator: torch.Generator | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
+    # Proposed next tokens (speculative decoding): scheduled after the request's last token
+    # and kept only as far as the model's own samples agree with them.
+    draft_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
     num_preemptions: int = 0

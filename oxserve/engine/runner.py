@@ -1,8 +1,9 @@
 """Model runner: turns a `SchedulerOutput` into tensors, runs the model, samples.
 
 The runner never decides policy: which requests run, and how many tokens each, arrive
-decided. It owns the device-side state: the model, the cache tensors and the per-request
-random generators.
+decided, as plain data. It owns the device-side state (the model, the cache tensors) and
+what it must remember of each request between steps (`RequestState`): its block table,
+its prompt and the output tokens fed so far (for penalties), and its random generator.
 """
 
 from __future__ import annotations
@@ -11,109 +12,99 @@ from dataclasses import dataclass
 
 import torch
 
-from oxserve.cache.tensors import LayerCache
-from oxserve.engine.sampler import SamplerOutput, SamplingRow, make_generator, sample
-from oxserve.engine.scheduler import SchedulerOutput
-from oxserve.model.batch import ForwardBatch
+from oxserve.cache.spec import CacheLayout
+from oxserve.engine.interface import ModelRunnerOutput, SchedulerOutput, ScheduledRequest
+from oxserve.engine.sampler import SamplingRow, make_generator, sample
+from oxserve.model.batch import BatchRequest, make_forward_batch
 from oxserve.model.glm5_next import Glm5NextForCausalLM
+from oxserve.sampling_params import SamplingParams
 from oxserve.telemetry import Tracer, span
 
 
 @dataclass
-class StepResult:
-    request_ids: list[str]  # the requests that sampled a token this step, in order
-    sampled: SamplerOutput
+class RequestState:
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # output tokens fed to the model so far
+    block_ids: list[int]
+    generator: torch.Generator | None  # seeded per request; None -> the default RNG
 
 
 class ModelRunner:
     def __init__(
         self,
         model: Glm5NextForCausalLM,
-        caches: list[LayerCache],
-        block_size: int,
+        layout: CacheLayout,
+        dtype: torch.dtype,
         device: torch.device,
         deterministic: bool = False,
     ):
         self.model = model
+        self.layout = layout
+        self.device = device
         self.deterministic = deterministic
         self.tracer: Tracer | None = None  # set by the profiler
-        self.caches = caches
-        self.block_size = block_size
-        self.device = device
-        self._generators: dict[str, torch.Generator | None] = {}
+        self.caches = [spec.allocate(layout, device) for spec in model.cache_specs(dtype)]
+        self.requests: dict[str, RequestState] = {}
 
-    def forget(self, request_id: str) -> None:
-        self._generators.pop(request_id, None)
+    def drop(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            self.requests.pop(request_id, None)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> StepResult:
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(out)
         if self.deterministic:
             # One request per forward pass: kernels see the same shapes whoever else is running.
-            parts = [self._forward(SchedulerOutput([s], [])) for s in out.scheduled]
-            logits = torch.cat(parts)
+            logits = torch.cat([self._forward([s]) for s in out.scheduled])
         else:
-            logits = self._forward(out)
-        sampling = [s for s in out.scheduled if s.completes_sequence]
+            logits = self._forward(out.scheduled)
+        sampling = [s for s in out.scheduled if s.samples]
+        if any(s.num_draft_tokens for s in sampling):
+            raise ValueError("draft tokens were scheduled, but this runner has no speculative verifier")
         with span(self.tracer, "sample", track="engine"):
-            rows = [self._sampling_row(s.request) for s in sampling]
-            return StepResult([s.request.request_id for s in sampling], sample(logits, rows))
+            rows = [self._sampling_row(s.request_id) for s in sampling]
+            sampled = sample(logits, rows)
+        return ModelRunnerOutput(
+            request_ids=[s.request_id for s in sampling],
+            sampled_token_ids=[[token] for token in sampled.token_ids],
+            logprobs=[None if lp is None else [lp] for lp in sampled.logprobs],
+        )
 
-    def _forward(self, out: SchedulerOutput) -> torch.Tensor:
+    def _update_states(self, out: SchedulerOutput) -> None:
+        self.drop(out.finished_request_ids)
+        for new in out.new_requests:
+            old = self.requests.get(new.request_id)  # resumed after preemption: keep its generator
+            generator = old.generator if old is not None else make_generator(new.params.seed, self.device)
+            self.requests[new.request_id] = RequestState(new.params, new.prompt_token_ids, [], [], generator)
+        for s in out.scheduled:
+            state = self.requests[s.request_id]
+            state.block_ids.extend(s.new_block_ids)
+            n_prompt = len(state.prompt_token_ids)
+            real = s.token_ids[: s.num_new_tokens - s.num_draft_tokens]
+            skip = max(0, n_prompt - s.num_computed_tokens)  # this step's tokens that are still prompt
+            del state.output_token_ids[max(0, s.num_computed_tokens - n_prompt) :]  # re-fed after a rollback
+            state.output_token_ids.extend(real[skip:])
+
+    def _forward(self, scheduled: list[ScheduledRequest]) -> torch.Tensor:
         with span(self.tracer, "prepare_inputs", track="engine"):
-            input_ids, batch = self.prepare(out)
+            requests = [
+                BatchRequest(s.num_computed_tokens, s.num_new_tokens, self.requests[s.request_id].block_ids, s.state_slot, s.samples)
+                for s in scheduled
+            ]
+            batch = make_forward_batch(requests, self.model.config, self.layout.block_size, self.layout.num_blocks, self.device)
+            input_ids = torch.tensor([t for s in scheduled for t in s.token_ids], dtype=torch.long, device=self.device)
         batch.tracer = self.tracer
         with span(self.tracer, "forward", track="engine", **step_conditions(batch)):
             hidden = self.model(input_ids, batch, self.caches)
             return self.model.compute_logits(hidden, self.tracer)
 
-    def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, ForwardBatch]:
-        tokens: list[int] = []
-        positions: list[int] = []
-        request_index: list[int] = []
-        slot_mapping: list[int] = []
-        logits_indices: list[int] = []
-        bs = self.block_size
-        for r, s in enumerate(out.scheduled):
-            start = s.request.num_computed_tokens
-            end = start + s.num_new_tokens
-            tokens += s.request.token_slice(start, end)
-            positions += range(start, end)
-            request_index += [r] * s.num_new_tokens
-            slot_mapping += [s.block_ids[p // bs] * bs + p % bs for p in range(start, end)]
-            if s.completes_sequence:
-                logits_indices.append(len(tokens) - 1)
-        width = max(len(s.block_ids) for s in out.scheduled)
-        tables = [s.block_ids + [0] * (width - len(s.block_ids)) for s in out.scheduled]
-        as_long = self._as_long
-        batch = ForwardBatch(
-            query_lens=[s.num_new_tokens for s in out.scheduled],
-            context_lens=[s.request.num_computed_tokens for s in out.scheduled],
-            num_decodes=sum(s.is_decode for s in out.scheduled),
-            positions=as_long(positions),
-            request_index=as_long(request_index),
-            slot_mapping=as_long(slot_mapping),
-            block_tables=as_long(tables),
-            state_slots=as_long([s.state_slot for s in out.scheduled]),
-            block_size=bs,
-            logits_indices=as_long(logits_indices),
-        )
-        return as_long(tokens), batch
-
-    def _as_long(self, values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.long, device=self.device)
-
-    def _sampling_row(self, request) -> SamplingRow:
-        if request.request_id not in self._generators:
-            self._generators[request.request_id] = make_generator(request.params.seed, self.device)
-        return SamplingRow(
-            params=request.params,
-            prompt_token_ids=request.prompt_token_ids,
-            output_token_ids=request.output_token_ids,
-            generator=self._generators[request.request_id],
-        )
+    def _sampling_row(self, request_id: str) -> SamplingRow:
+        state = self.requests[request_id]
+        return SamplingRow(state.params, state.prompt_token_ids, state.output_token_ids, state.generator)
 
 
-def step_conditions(batch: ForwardBatch) -> dict:
+def step_conditions(batch) -> dict:
     """The conditions a step ran under, attached to its spans for bucketing."""
     contexts = batch.seq_lens
     return {

@@ -1,12 +1,16 @@
 """Continuous batching under a token budget; preemption by recompute.
 
 Each step: running requests first, in arrival order, each gets min(uncomputed, budget left)
-tokens (1 for a decode, a chunk for a prefill). If the cache cannot hold a request's next
-tokens, the latest-arrived running request is preempted: its blocks and slot are freed and it
-goes back to the front of the queue, to be recomputed from scratch later. Waiting requests
-are admitted while budget, `max_num_seqs` and cache allow, oldest first.
+tokens (1 for a decode, plus its draft tokens if it has any; a chunk for a prefill). If the
+cache cannot hold a request's next tokens, the latest-arrived running request is preempted:
+its blocks and slot are freed and it goes back to the front of the queue, to be recomputed
+from scratch later. Waiting requests are admitted while budget, `max_num_seqs` and cache
+allow, oldest first.
 
-The scheduler decides; it never touches tensors. Its output is one plain `SchedulerOutput`.
+The scheduler decides and owns every change of request state; it never touches tensors.
+`schedule()` returns one plain `SchedulerOutput`; `update_from_output()` takes the runner's
+`ModelRunnerOutput` back: it advances `num_computed_tokens` (and rolls it back over rejected
+draft tokens), appends the accepted tokens, checks token stops and retires what finished.
 """
 
 from __future__ import annotations
@@ -16,68 +20,60 @@ from dataclasses import dataclass
 
 from oxserve.cache.manager import CacheManager
 from oxserve.config import SchedulerConfig
+from oxserve.engine.interface import ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput
 from oxserve.engine.request import Request, RequestStatus
+from oxserve.engine.stop import token_stop
 
 
 @dataclass
-class ScheduledRequest:
+class RequestUpdate:
+    """What one step did to one request: the tokens (and logprobs) it accepted."""
+
     request: Request
-    num_new_tokens: int
-    block_ids: list[int]
-    state_slot: int
+    new_token_ids: list[int]
+    new_logprobs: list[dict[int, float]] | None
 
     @property
-    def is_decode(self) -> bool:
-        return self.num_new_tokens == 1 and self.request.num_computed_tokens > 0
-
-    @property
-    def completes_sequence(self) -> bool:
-        """True when this step computes the request's last uncomputed token, so a new one is sampled."""
-        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest]  # decodes first, then prefill chunks
-    preempted: list[Request]
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
+    def finished(self) -> bool:
+        return self.request.is_finished
 
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, cache: CacheManager):
         self.config = config
         self.cache = cache
+        self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self._finished_ids: list[str] = []  # retired since the last schedule(): the runner drops them
+        self._blocks_sent: dict[str, int] = {}  # blocks of each running request the runner already has
 
     def add(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
         self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    # ---- scheduling -------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
         # Deterministic mode feeds every request token by token: the same computation for a
         # token whatever the chunking or preemption history.
         step_cap = 1 if self.config.deterministic else budget
         chosen: list[tuple[Request, int]] = []
-        preempted: list[Request] = []
+        preempted = False
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            n = min(request.num_uncomputed, budget, step_cap)
-            if n == 0:  # nothing new to compute (cannot happen while the engine samples each step)
-                i += 1
-                continue
+            n = min(request.num_uncomputed + len(request.draft_token_ids), budget, step_cap)
             while not self.cache.can_grow(request.request_id, request.num_computed_tokens + n):
                 victim = self.running.pop()
                 self._preempt(victim)
-                preempted.append(victim)
+                preempted = True
                 if victim is request:
                     break
             else:
@@ -96,25 +92,93 @@ class Scheduler:
             self.running.append(request)
             chosen.append((request, n))
             budget -= n
-        scheduled = [
-            ScheduledRequest(r, n, list(self.cache.blocks_of(r.request_id)), self.cache.slot_of(r.request_id))
-            for r, n in chosen
+        new_requests = [
+            NewRequestData(r.request_id, r.prompt_token_ids, r.params) for r, _ in chosen if r.request_id not in self._blocks_sent
         ]
+        scheduled = [self._scheduled(r, n) for r, n in chosen]
         scheduled.sort(key=lambda s: not s.is_decode)  # stable: decodes first, arrival order kept
-        return SchedulerOutput(scheduled=scheduled, preempted=preempted)
+        finished, self._finished_ids = self._finished_ids, []
+        return SchedulerOutput(new_requests, scheduled, finished)
+
+    def _scheduled(self, request: Request, n: int) -> ScheduledRequest:
+        start = request.num_computed_tokens
+        real = min(n, request.num_uncomputed)  # drafts come after the request's real tokens
+        blocks = self.cache.blocks_of(request.request_id)
+        sent = self._blocks_sent.get(request.request_id, 0)
+        self._blocks_sent[request.request_id] = len(blocks)
+        drafts = request.draft_token_ids[: n - real]
+        return ScheduledRequest(
+            request_id=request.request_id,
+            num_computed_tokens=start,
+            token_ids=request.token_slice(start, start + real) + drafts,
+            new_block_ids=blocks[sent:],
+            state_slot=self.cache.slot_of(request.request_id),
+            samples=start + real == request.num_tokens,
+            num_draft_tokens=len(drafts),
+        )
 
     def _preempt(self, request: Request) -> None:
         self.cache.release(request.request_id)
+        self._blocks_sent.pop(request.request_id, None)  # it restarts on the runner as a new request
         request.num_computed_tokens = 0
+        request.draft_token_ids = []
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
-    def finish(self, request: Request) -> None:
-        """Take a finished or aborted request out and free what it holds."""
+    # ---- results ----------------------------------------------------------------------------
+    def update_from_output(self, scheduled: SchedulerOutput, output: ModelRunnerOutput) -> list[RequestUpdate]:
+        """Apply one step's results; returns one update per request that produced tokens."""
+        by_id = {s.request_id: s for s in scheduled.scheduled}
+        for s in scheduled.scheduled:
+            request = self.requests.get(s.request_id)
+            if request is not None and not request.is_finished:
+                request.num_computed_tokens += s.num_new_tokens
+        updates = []
+        for request_id, tokens, logprobs in zip(output.request_ids, output.sampled_token_ids, output.logprobs):
+            request = self.requests.get(request_id)
+            if request is None or request.is_finished:  # aborted while the step ran
+                continue
+            s = by_id[request_id]
+            # Drafts past the first disagreement were computed on a wrong token: their
+            # cache entries get overwritten later, the request recomputes from there.
+            request.num_computed_tokens -= s.num_draft_tokens - (len(tokens) - 1)
+            request.draft_token_ids = []
+            updates.append(self._append(request, tokens, logprobs))
+        return updates
+
+    def _append(self, request: Request, tokens: list[int], logprobs: list[dict[int, float]] | None) -> RequestUpdate:
+        accepted = []
+        for i, token in enumerate(tokens):
+            request.output_token_ids.append(token)
+            if logprobs is not None:
+                request.output_logprobs.append(logprobs[i])
+            accepted.append(token)
+            if stop := token_stop(request, token):
+                self.finish(request.request_id, *stop)
+                break
+        kept_logprobs = None if logprobs is None else logprobs[: len(accepted)]
+        return RequestUpdate(request, accepted, kept_logprobs)
+
+    # ---- retiring ---------------------------------------------------------------------------
+    def finish(self, request_id: str, reason: str, stop_reason: int | str | None = None) -> Request | None:
+        """Finish (or abort) a request and free what it holds; None if it is unknown or done."""
+        request = self.requests.get(request_id)
+        if request is None or request.is_finished:
+            return None
+        request.finish(reason, stop_reason)
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        self.cache.release(request.request_id)
+        self.cache.release(request_id)
+        self._blocks_sent.pop(request_id, None)
+        self._finished_ids.append(request_id)
+        return request
+
+    def forget(self, request_id: str) -> None:
+        """Drop a finished request from the table (once its final output has been taken)."""
+        request = self.requests.get(request_id)
+        if request is not None and request.is_finished:
+            del self.requests[request_id]

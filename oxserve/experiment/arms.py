@@ -11,7 +11,7 @@ An arm is given as one string:
 
 A `git:` arm runs from a clean export of REV (`git archive`, which leaves the repository's
 state untouched: no worktree to register or prune). The measuring harness --
-`oxserve/feedback` and `oxserve/experiment` -- is copied over from this tree, so both arms
+`oxserve/feedback`, `oxserve/experiment` and `oxserve/options.py` -- is copied over from this tree, so both arms
 are measured by the same code and only the engine differs.
 """
 
@@ -30,10 +30,10 @@ from typing import Any
 
 import yaml
 
-from oxserve.feedback.engine_options import SECTIONS, engine_config, flat_options
+from oxserve.options import engine_config, flat_options, sections
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-HARNESS_PACKAGES = ("oxserve/feedback", "oxserve/experiment")
+HARNESS = ("oxserve/feedback", "oxserve/experiment", "oxserve/options.py")
 
 
 @dataclass(frozen=True)
@@ -96,9 +96,12 @@ def export_revision(commit: str, dest: Path, repo: Path = REPO_ROOT) -> Path:
     dest.mkdir(parents=True, exist_ok=True)
     with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
         tar.extractall(dest, filter="data")
-    for package in HARNESS_PACKAGES:
-        shutil.rmtree(dest / package, ignore_errors=True)
-        shutil.copytree(REPO_ROOT / package, dest / package, ignore=shutil.ignore_patterns("__pycache__"))
+    for part in HARNESS:
+        if (REPO_ROOT / part).is_dir():
+            shutil.rmtree(dest / part, ignore_errors=True)
+            shutil.copytree(REPO_ROOT / part, dest / part, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy2(REPO_ROOT / part, dest / part)
     return dest
 
 
@@ -131,7 +134,7 @@ def _options_from_file(path: Path) -> dict[str, Any]:
         raise ValueError(f"{path} must hold a mapping of engine options, got {type(data).__name__}")
     options = {}
     for key, value in data.items():
-        if key in SECTIONS and isinstance(value, Mapping):  # {scheduler: {max_num_seqs: 16}}
+        if key in sections() and isinstance(value, Mapping):  # {scheduler: {max_num_seqs: 16}}
             options.update({_option_name(k): v for k, v in value.items()})
         else:
             options[_option_name(key)] = value

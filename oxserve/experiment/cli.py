@@ -12,7 +12,7 @@ from oxserve.cli import add_engine_arguments, engine_config_from_args
 from oxserve.experiment.arms import parse_arm
 from oxserve.experiment.launch import WorkerError
 from oxserve.experiment.procedure import Settings, run_experiment
-from oxserve.feedback.engine_options import changed_options
+from oxserve.options import changed_options
 from oxserve.feedback.ledger import ExperimentRecord, Ledger, LedgerError, default_ledger_path, plot_metric
 from oxserve.feedback.stats import ALPHA, NOISE_THRESHOLD
 from oxserve.feedback.workload import load_workload

@@ -1,4 +1,5 @@
-"""Kimi Delta Attention (gated delta rule with a per-channel forget gate), in fp32.
+"""Kimi Delta Attention (gated delta rule with a per-channel forget gate), in fp32, and the
+short causal conv in front of it. Every function takes a packed batch of many requests.
 
 Per head, with state S (Dk x Dv), q already l2-normalised and scaled, k l2-normalised:
 
@@ -6,14 +7,20 @@ Per head, with state S (Dk x Dv), q already l2-normalised and scaled, k l2-norma
     S_t = S_t + k_t (beta_t (v_t - k_t^T S_t))^T
     o_t = q_t^T S_t
 
-`kda_recurrent_step` runs one token for a batch of requests (decode). `kda_chunked` runs a
-whole prompt chunk with the WY/UT chunk form; `kda_reference` is the plain token loop
-that both are tested against.
+`kda_recurrent_step` runs one token for each of a batch of requests (decode); `kda_chunked`
+runs the prompt chunks of several requests at once in the WY/UT chunk form, laid out by a
+`ChunkLayout`; `causal_conv` runs the conv over any mix of requests, laid out by a
+`ConvLayout`. Layouts are built once per step from host-side lengths, so nothing here
+reads a tensor back to the host. The plain references live in `oxserve.kernels.reference`.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable
+
 import torch
+import torch.nn.functional as F
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -40,22 +47,80 @@ def kda_recurrent_step(
     return out, decayed.view(b, h, dk, dv)
 
 
-def kda_reference(q, k, v, g, beta, state):
-    """Token-by-token loop over one sequence. q,k,g: [L,H,Dk]; v: [L,H,Dv]; beta: [L,H]; state [H,Dk,Dv]."""
-    outs = []
-    for t in range(q.shape[0]):
-        state = state * g[t].exp().unsqueeze(-1)
-        delta = (v[t] - (k[t].unsqueeze(-1) * state).sum(-2)) * beta[t].unsqueeze(-1)
-        state = state + k[t].unsqueeze(-1) * delta.unsqueeze(-2)
-        outs.append((q[t].unsqueeze(-1) * state).sum(-2))
-    return torch.stack(outs), state
+# ---- chunked prefill ------------------------------------------------------------------------
+
+# Within a chunk, exp(G_i - G_j) is computed as exp(G_i) * exp(-G_j): two small matmuls instead
+# of a [C, C, Dk] tensor. That needs |G| <= SAFE_CHUNK_DECAY over a chunk, so that exp(+-G) stays
+# a normal fp32 number (fp32 tops out at e^88.7 and its normals end at e^-87.3). A lower-bounded
+# gate (|g| <= |lower_bound| per token) fixes the chunk size statically; an unbounded gate takes
+# the exact form, which forms exp(G_i - G_j) directly.
+SAFE_CHUNK_DECAY = 80.0
+MAX_CHUNK = 16
+# The exact form builds [chunks, C, C, Dk] per head: process chunks in groups of bounded size.
+EXACT_GROUP_ELEMENTS = 1 << 24
 
 
-# Within a chunk, exp(G_i - G_j) is computed as exp(G_i) * exp(-G_j): two small matmuls
-# instead of a [C, C, Dk] tensor. That needs exp(-G) finite with room to spare, so the chunk
-# shrinks when the decay inside it is too strong, and the exact form takes over below that.
-MAX_CHUNK_DECAY = 60.0
-CHUNK_SIZES = (16, 8, 4)
+def chunk_plan(lower_bound: float | None) -> tuple[int, bool]:
+    """(chunk size, exact form?) for a forget gate with this lower bound (None: unbounded)."""
+    if lower_bound is None or abs(lower_bound) > SAFE_CHUNK_DECAY:
+        return MAX_CHUNK, True
+    size = MAX_CHUNK
+    while size * abs(lower_bound) > SAFE_CHUNK_DECAY:
+        size //= 2
+    return size, False
+
+
+@dataclass(frozen=True)
+class ChunkLayout:
+    """Where each request's tokens sit in fixed-size chunks (padding points at a zero row).
+
+        tokens (packed):  | r0 r0 r0 r0 r0 | r1 r1 |          chunk size 4
+        token_index:      [[0 1 2 3] [4 P P P] [5 6 P P]]     P = num_tokens (the zero row)
+        grid (request x chunk step):  [[0 1] [2 N]]           N = num_chunks (an identity chunk)
+        token_pos:        [0 1 2 3 4 8 9]                     token -> chunk * size + offset
+    """
+
+    size: int
+    exact: bool
+    token_index: torch.Tensor  # [N, size] long
+    grid: torch.Tensor  # [R, S] long
+    token_pos: torch.Tensor  # [T] long
+
+    @property
+    def num_chunks(self) -> int:
+        return self.token_index.shape[0]
+
+
+def chunk_layout(lengths: list[int], size: int, exact: bool, device: torch.device | str) -> ChunkLayout:
+    """The layout of requests with these token counts, packed one after the other."""
+    total = sum(lengths)
+    token_index: list[list[int]] = []
+    rows: list[list[int]] = []
+    token_pos: list[int] = []
+    start = 0
+    for n in lengths:
+        chunks = -(-n // size)
+        first = len(token_index)
+        for c in range(chunks):
+            idx = list(range(start + c * size, min(start + (c + 1) * size, start + n)))
+            token_index.append(idx + [total] * (size - len(idx)))
+        token_pos += [first * size + i for i in range(n)]
+        rows.append(list(range(first, first + chunks)))
+        start += n
+    steps = max((len(r) for r in rows), default=0)
+    num_chunks = len(token_index)
+    grid = [r + [num_chunks] * (steps - len(r)) for r in rows]
+
+    def as_long(values, shape):
+        return torch.tensor(values, dtype=torch.long, device=device).reshape(shape)
+
+    return ChunkLayout(
+        size=size,
+        exact=exact,
+        token_index=as_long(token_index, (num_chunks, size)),
+        grid=as_long(grid, (len(lengths), steps)),
+        token_pos=as_long(token_pos, (total,)),
+    )
 
 
 def kda_chunked(
@@ -64,9 +129,11 @@ def kda_chunked(
     v: torch.Tensor,
     g: torch.Tensor,
     beta: torch.Tensor,
-    state: torch.Tensor,
+    states: torch.Tensor,
+    layout: ChunkLayout,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One sequence, chunk-parallel. Shapes as `kda_reference`; returns (o [L,H,Dv], final state).
+    """Packed requests, chunk-parallel. q,k,g: [T,H,Dk]; v: [T,H,Dv]; beta: [T,H];
+    states: [R,H,Dk,Dv] (the initial state of each request). Returns (o [T,H,Dv], final states).
 
     Within a chunk (positions i, j; G = cumulative log-decay from the chunk start):
         A[i,j]  = beta_i * sum_d k_i[d] k_j[d] exp(G_i[d] - G_j[d])      (j < i)
@@ -75,104 +142,123 @@ def kda_chunked(
         V_new   = U - W S_prev
         o_i     = (q_i * exp(G_i)) S_prev + sum_{j<=i} (q_i . k_j exp(G_i - G_j)) V_new_j
         S_next  = exp(G_last) * S_prev + sum_j (k_j exp(G_last - G_j)) V_new_j^T
-    Everything that does not depend on S is computed for all chunks at once; only the
-    state hand-off runs chunk by chunk.
+    Everything that does not depend on S is computed for all chunks of all requests at once;
+    only the state hand-off runs chunk step by chunk step, for all requests together.
     """
-    for size in CHUNK_SIZES:
-        chunks = _to_chunks(size, q, k, v, g, beta)
-        cum = chunks[3].cumsum(2)
-        if -float(cum[:, :, -1].min()) <= MAX_CHUNK_DECAY if cum.numel() else True:
-            out, state = _chunked_factored(*chunks[:3], cum, chunks[4], state)
-            return _from_chunks(out, q.shape[0]), state
-    return _chunked_exact(q, k, v, g, beta, state)
-
-
-def _to_chunks(size: int, *xs: torch.Tensor) -> list[torch.Tensor]:
-    """[L, H, ...] -> [H, N, size, ...], zero-padded at the end (zeros leave the state unchanged)."""
-    length = xs[0].shape[0]
-    pad = (-length) % size
-    out = []
-    for x in xs:
-        x = torch.nn.functional.pad(x, (0, 0) * (x.dim() - 1) + (0, pad))
-        x = x.view(-1, size, *x.shape[1:])  # [N, C, H, ...]
-        out.append(x.movedim(2, 0).contiguous())  # [H, N, C, ...]
-    return out
-
-
-def _from_chunks(out: torch.Tensor, length: int) -> torch.Tensor:
-    heads, n, c, dv = out.shape
-    return out.permute(1, 2, 0, 3).reshape(n * c, heads, dv)[:length]
-
-
-def _chunked_factored(q, k, v, cum, beta, state):
-    """q,k,v,cum: [H, N, C, D]; beta: [H, N, C]; state [H, Dk, Dv]."""
-    c = q.shape[2]
-    eye = torch.eye(c, dtype=q.dtype, device=q.device)
-    causal = torch.ones(c, c, dtype=torch.bool, device=q.device).tril(0)
-    decay, inv_decay = cum.exp(), (-cum).exp()
-    k_in = k * inv_decay
+    q, k, v, g, beta = (_to_chunks(x, layout) for x in (q, k, v, g, beta))  # [H, N, C, ...]
+    cum = g.cumsum(2)
+    decay = cum.exp()
     kb = k * beta.unsqueeze(-1)
-    a = ((kb * decay) @ k_in.transpose(-1, -2)).tril(-1)
+    a, qk = (_intra_exact if layout.exact else _intra_factored)(q, k, kb, cum)
+    c = layout.size
+    eye = torch.eye(c, dtype=q.dtype, device=q.device)
     t_inv = torch.linalg.solve_triangular(eye + a, eye.expand_as(a), upper=False, unitriangular=True)
     u = t_inv @ (v * beta.unsqueeze(-1))
     w = t_inv @ (kb * decay)
     q_dec = q * decay
-    qk = (q_dec @ k_in.transpose(-1, -2)).masked_fill(~causal, 0.0)
     last = cum[:, :, -1:, :]  # [H, N, 1, Dk]
     k_to_end = (k * (last - cum).exp()).transpose(-1, -2)  # [H, N, Dk, C]
     last_decay = last.transpose(-1, -2).exp()  # [H, N, Dk, 1]
+    # Chunk N is the identity: padding steps of shorter requests leave their state alone.
+    u, w, q_dec, qk, k_to_end = (F.pad(x, (0, 0, 0, 0, 0, 1)) for x in (u, w, q_dec, qk, k_to_end))
+    last_decay = F.pad(last_decay, (0, 0, 0, 0, 0, 1), value=1.0)
     out = torch.empty_like(u)
-    for n in range(q.shape[1]):
-        v_new = u[:, n] - w[:, n] @ state
-        out[:, n] = q_dec[:, n] @ state + qk[:, n] @ v_new
-        state = state * last_decay[:, n] + k_to_end[:, n] @ v_new
-    return out, state
+    state = states.transpose(0, 1)  # [H, R, Dk, Dv]
+    for step in range(layout.grid.shape[1]):
+        ids = layout.grid[:, step]
+        v_new = u[:, ids] - w[:, ids] @ state
+        out[:, ids] = q_dec[:, ids] @ state + qk[:, ids] @ v_new
+        state = state * last_decay[:, ids] + k_to_end[:, ids] @ v_new
+    heads, dv = out.shape[0], out.shape[-1]
+    flat = out[:, : layout.num_chunks].permute(1, 2, 0, 3).reshape(-1, heads, dv)
+    return flat[layout.token_pos], state.transpose(0, 1)
 
 
-def _chunked_exact(q, k, v, g, beta, state, chunk_size: int = 16):
-    """The same recurrence with exp(G_i - G_j) formed directly: slower, safe for any decay."""
-    length, heads, _ = k.shape
-    outs = []
-    for start in range(0, length, chunk_size):
-        end = min(start + chunk_size, length)
-        c = end - start
-        eye = torch.eye(c, dtype=q.dtype, device=q.device)
-        causal = torch.ones(c, c, dtype=torch.bool, device=q.device).tril(0)
-        qc, kc, vc = (x[start:end].transpose(0, 1) for x in (q, k, v))  # [H, c, D]
-        gc = g[start:end].transpose(0, 1).cumsum(1)  # [H, c, Dk]
-        bc = beta[start:end].transpose(0, 1).unsqueeze(-1)  # [H, c, 1]
-        decay = (gc.unsqueeze(2) - gc.unsqueeze(1)).masked_fill(~causal[:, :, None], float("-inf")).exp()
-        kk = (kc.unsqueeze(2) * kc.unsqueeze(1) * decay).sum(-1)
-        a = (bc * kk).tril(-1)
-        t_inv = torch.linalg.solve_triangular(eye + a, eye.expand(heads, c, c), upper=False, unitriangular=True)
-        u = t_inv @ (bc * vc)
-        w = t_inv @ (bc * kc * gc.exp())
-        v_new = u - w @ state
-        qk = (qc.unsqueeze(2) * kc.unsqueeze(1) * decay).sum(-1)
-        outs.append(((qc * gc.exp()) @ state + qk @ v_new).transpose(0, 1))
-        last = gc[:, -1:, :]
-        state = state * last.transpose(1, 2).exp() + (kc * (last - gc).exp()).transpose(1, 2) @ v_new
-    return torch.cat(outs, 0), state
+def _to_chunks(x: torch.Tensor, layout: ChunkLayout) -> torch.Tensor:
+    """[T, H, ...] -> [H, N, C, ...], padding rows zero (zeros leave the state unchanged)."""
+    padded = torch.cat([x, x.new_zeros(1, *x.shape[1:])])
+    return padded[layout.token_index].movedim(2, 0).contiguous()
 
 
-def causal_conv_step(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Depthwise causal conv for one token per request, then SiLU.
+def _intra_factored(q, k, kb, cum):
+    """A (strictly lower) and causal q.k, with exp(G_i - G_j) = exp(G_i) * exp(-G_j)."""
+    decay, k_in = cum.exp(), k * (-cum).exp()
+    a = ((kb * decay) @ k_in.transpose(-1, -2)).tril(-1)
+    qk = ((q * decay) @ k_in.transpose(-1, -2)).tril(0)
+    return a, qk
 
-    x: [B, C]; conv_state: [B, K-1, C] (the previous K-1 inputs, oldest first); weight: [C, K].
-    Returns (out [B, C], new conv_state).
+
+def _intra_exact(q, k, kb, cum):
+    """The same two matrices with exp(G_i - G_j) formed directly: safe for any decay."""
+    heads, n, c, dk = q.shape
+    causal = torch.ones(c, c, dtype=torch.bool, device=q.device).tril(0)
+    a = q.new_empty(heads, n, c, c)
+    qk = q.new_empty(heads, n, c, c)
+    group = max(1, EXACT_GROUP_ELEMENTS // (heads * c * c * dk))
+    for s in range(0, n, group):
+        e = min(s + group, n)
+        g = cum[:, s:e]
+        decay = (g.unsqueeze(3) - g.unsqueeze(2)).masked_fill(~causal[:, :, None], float("-inf")).exp()  # [H,n,C,C,Dk]
+        a[:, s:e] = (kb[:, s:e].unsqueeze(3) * k[:, s:e].unsqueeze(2) * decay).sum(-1).tril(-1)
+        qk[:, s:e] = (q[:, s:e].unsqueeze(3) * k[:, s:e].unsqueeze(2) * decay).sum(-1)
+    return a, qk
+
+
+# ---- causal conv ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ConvLayout:
+    """A buffer holding each request's conv state (its last K-1 inputs) right before its new
+    tokens, so one depthwise conv over the whole buffer serves every request:
+
+        buffer rows:   | s0 s0 s0 | t0 t0 | s1 s1 s1 | t1 |        K = 4
+        token_rows:    [3 4 8]            out row of a token = its buffer row - (K - 1)
+        state_rows:    [[0 1 2] [5 6 7]]  final_rows: [[2 3 4] [6 7 8]]  (the last K-1 rows)
     """
-    window = torch.cat([conv_state, x.unsqueeze(1)], dim=1)  # [B, K, C]
-    out = torch.einsum("bkc,ck->bc", window.to(weight.dtype), weight)
-    return torch.nn.functional.silu(out).to(x.dtype), window[:, 1:]
+
+    kernel: int
+    num_rows: int
+    token_rows: torch.Tensor  # [T]
+    state_rows: torch.Tensor  # [R, K-1]
+    final_rows: torch.Tensor  # [R, K-1]
 
 
-def causal_conv_chunk(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Depthwise causal conv over one sequence chunk, then SiLU.
+def conv_layout(query_lens: list[int], kernel: int, device: torch.device | str) -> ConvLayout:
+    keep = kernel - 1
+    token_rows: list[int] = []
+    state_rows: list[list[int]] = []
+    final_rows: list[list[int]] = []
+    start = 0
+    for n in query_lens:
+        state_rows.append(list(range(start, start + keep)))
+        token_rows += range(start + keep, start + keep + n)
+        final_rows.append(list(range(start + n, start + n + keep)))
+        start += keep + n
 
-    x: [L, C]; conv_state: [K-1, C] (zeros for a fresh request); weight: [C, K].
+    def as_long(values, shape):
+        return torch.tensor(values, dtype=torch.long, device=device).reshape(shape)
+
+    r = len(query_lens)
+    return ConvLayout(kernel, start, as_long(token_rows, (-1,)), as_long(state_rows, (r, keep)), as_long(final_rows, (r, keep)))
+
+
+def causal_conv(
+    x: torch.Tensor,
+    states: torch.Tensor,
+    weight: torch.Tensor,
+    layout: ConvLayout,
+    activation: Callable[[torch.Tensor], torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depthwise causal conv, then the activation, for packed requests.
+
+    x: [T, C]; states: [R, K-1, C] (zeros for a fresh request); weight: [C, K].
+    Returns (out [T, C] in x's dtype, new states [R, K-1, C]).
     """
-    kernel = weight.shape[1]
-    padded = torch.cat([conv_state, x], dim=0)  # [L+K-1, C]
-    out = torch.nn.functional.conv1d(padded.T.unsqueeze(0).to(weight.dtype), weight.unsqueeze(1), groups=weight.shape[0])
-    out = torch.nn.functional.silu(out[0].T).to(x.dtype)
-    return out, padded[-(kernel - 1) :]
+    channels = x.shape[1]
+    buffer = x.new_empty(layout.num_rows, channels)
+    buffer[layout.state_rows.flatten()] = states.reshape(-1, channels)
+    buffer[layout.token_rows] = x
+    out = F.conv1d(buffer.T.unsqueeze(0).to(weight.dtype), weight.unsqueeze(1), groups=channels)[0].T
+    out = activation(out[layout.token_rows - (layout.kernel - 1)])
+    return out.to(x.dtype), buffer[layout.final_rows]

@@ -10,12 +10,18 @@ grouped GEMM is unavailable (CUDA with fp32).
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 
 
-def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
-    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+def clamped_glu(
+    gate: torch.Tensor, up: torch.Tensor, limit: float, act: Callable[[torch.Tensor], torch.Tensor] = F.silu
+) -> torch.Tensor:
+    """act(gate clamped above at limit) * up clamped to [-limit, limit]. The routed experts
+    always use SiLU (as the reference does); dense and shared MLPs use the config's act."""
+    return act(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
 
 
 def grouped_experts(
@@ -25,7 +31,7 @@ def grouped_experts(
     gate_up [E, 2I, H]; down [E, H, I] -> [P, H]. The routing weight scales the (narrower)
     activation rather than the output."""
     gate, up = torch._grouped_mm(rows, gate_up.transpose(1, 2), offs=offsets).chunk(2, dim=-1)
-    act = (clamped_swiglu(gate, up, limit) * row_weight).to(rows.dtype)
+    act = (clamped_glu(gate, up, limit) * row_weight).to(rows.dtype)
     return torch._grouped_mm(act, down.transpose(1, 2), offs=offsets)
 
 
@@ -37,11 +43,15 @@ def looped_experts(
     for expert, end in enumerate(offsets.tolist()):
         if end > start:
             gate, up = F.linear(rows[start:end], gate_up[expert]).chunk(2, dim=-1)
-            act = (clamped_swiglu(gate, up, limit) * row_weight[start:end]).to(rows.dtype)
+            act = (clamped_glu(gate, up, limit) * row_weight[start:end]).to(rows.dtype)
             out[start:end] = F.linear(act, down[expert])
         start = end
     return out
 
 
-def grouped_gemm_supported(device: torch.device, dtype: torch.dtype) -> bool:
-    return hasattr(torch, "_grouped_mm") and (device.type == "cpu" or dtype == torch.bfloat16)
+def grouped_gemm_supported(device: torch.device, dtype: torch.dtype, hidden: int, intermediate: int) -> bool:
+    """torch._grouped_mm needs every operand's rows 16-byte aligned (and bf16 on CUDA)."""
+    if not hasattr(torch, "_grouped_mm") or (device.type != "cpu" and dtype != torch.bfloat16):
+        return False
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return all(width * itemsize % 16 == 0 for width in (hidden, intermediate, 2 * intermediate))

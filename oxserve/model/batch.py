@@ -1,15 +1,18 @@
 """Per-step metadata for one flat, packed batch of tokens from many requests.
 
-The runner builds a `ForwardBatch`; the model only reads it. Requests are ordered with
-decodes (one new token on top of a cached context) first, then prefill chunks:
+The runner builds a `ForwardBatch` once per step with `make_forward_batch`; the model only
+reads it, and nothing in the model reads a tensor back to the host to find its way.
+Requests are ordered with decodes (one new token on top of a cached context) first, then
+prefill chunks:
 
     tokens:   | d0 | d1 | d2 | p0 p0 p0 p0 p0 | p1 p1 p1 |
     requests:   0    1    2    3               4
-    num_decodes = 3, query_start = [0, 1, 2, 3, 8, 11]
+    num_decodes = 3, query_lens = [1, 1, 1, 5, 3]
 
 Paged cache layout (MLA latents, indexer keys): a cache row is `block * block_size + offset`;
 request r's token at position p lives in row `block_tables[r, p // block_size] * block_size
 + p % block_size`. Indexer pool keys use the same blocks with `block_size // kpool` pools each.
+Block tables are padded with `num_blocks`, an id that no cache has: a stray read fails.
 """
 
 from __future__ import annotations
@@ -18,7 +21,29 @@ from dataclasses import dataclass
 
 import torch
 
+from oxserve.kernels.kda import ChunkLayout, ConvLayout, chunk_layout, chunk_plan, conv_layout
+from oxserve.model.config import TextModelConfig
 from oxserve.telemetry import Tracer
+
+
+@dataclass(frozen=True)
+class BatchRequest:
+    """One request's share of a step, as the runner knows it."""
+
+    num_computed_tokens: int
+    num_new_tokens: int
+    block_ids: list[int]
+    state_slot: int
+    samples: bool
+
+
+@dataclass(frozen=True)
+class PoolCompletions:
+    """Indexer pools that this step's tokens complete: where their members are, where the
+    compressed key goes."""
+
+    member_rows: torch.Tensor  # [N, kpool] cache rows of each pool's tokens
+    pool_rows: torch.Tensor  # [N] pool-cache rows
 
 
 @dataclass
@@ -28,11 +53,15 @@ class ForwardBatch:
     num_decodes: int  # the first num_decodes requests are single-token decodes
     positions: torch.Tensor  # [T] long, position of each token within its request
     request_index: torch.Tensor  # [T] long, which request each token belongs to
-    slot_mapping: torch.Tensor  # [T] long, cache row each token's latent is written to
-    block_tables: torch.Tensor  # [R, max_blocks] long, padded with 0
+    cache_rows: torch.Tensor  # [T] long, paged-cache row each token's entries are written to
+    block_tables: torch.Tensor  # [R, max_blocks] long, padded with num_blocks
     state_slots: torch.Tensor  # [R] long, KDA state slot of each request
+    has_initial_state: torch.Tensor  # [R] bool, the request has cached context (else states start at zero)
     block_size: int
     logits_indices: torch.Tensor  # [S] long, token rows whose logits are wanted
+    conv: ConvLayout | None = None  # KDA conv over all requests
+    chunks: ChunkLayout | None = None  # KDA chunked delta rule over the prefill requests
+    pools: PoolCompletions | None = None  # indexer pools completed this step
     tracer: Tracer | None = None  # telemetry: per-op spans when profiling
 
     @property
@@ -66,3 +95,72 @@ class ForwardBatch:
         safe = pools.clamp(min=0)
         blocks = self.block_tables[request, safe // pools_per_block]
         return blocks * pools_per_block + safe % pools_per_block
+
+
+def make_forward_batch(
+    requests: list[BatchRequest],
+    cfg: TextModelConfig,
+    block_size: int,
+    num_blocks: int,
+    device: torch.device | str,
+) -> ForwardBatch:
+    """Every piece of step metadata, from host-side lists, in one pass."""
+    positions: list[int] = []
+    request_index: list[int] = []
+    cache_rows: list[int] = []
+    logits_indices: list[int] = []
+    num_decodes = 0
+    for r, req in enumerate(requests):
+        start, end = req.num_computed_tokens, req.num_computed_tokens + req.num_new_tokens
+        if start > 0 and req.num_new_tokens == 1:
+            if num_decodes != r:
+                raise ValueError("decodes must come before prefill chunks in a batch")
+            num_decodes += 1
+        positions += range(start, end)
+        request_index += [r] * req.num_new_tokens
+        cache_rows += [req.block_ids[p // block_size] * block_size + p % block_size for p in range(start, end)]
+        if req.samples:
+            logits_indices.append(len(positions) - 1)
+    width = max(len(req.block_ids) for req in requests)
+    tables = [req.block_ids + [num_blocks] * (width - len(req.block_ids)) for req in requests]
+
+    def as_long(values) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=device)
+
+    query_lens = [req.num_new_tokens for req in requests]
+    batch = ForwardBatch(
+        query_lens=query_lens,
+        context_lens=[req.num_computed_tokens for req in requests],
+        num_decodes=num_decodes,
+        positions=as_long(positions),
+        request_index=as_long(request_index),
+        cache_rows=as_long(cache_rows),
+        block_tables=as_long(tables),
+        state_slots=as_long([req.state_slot for req in requests]),
+        has_initial_state=torch.tensor([req.num_computed_tokens > 0 for req in requests], device=device),
+        block_size=block_size,
+        logits_indices=as_long(logits_indices),
+    )
+    if cfg.kda_layers:
+        size, exact = chunk_plan(cfg.linear_lower_bound)
+        batch.conv = conv_layout(query_lens, cfg.linear_conv_kernel_dim, device)
+        batch.chunks = chunk_layout(query_lens[num_decodes:], size, exact, device)
+    if cfg.full_indexer_layers:
+        batch.pools = _pool_completions(requests, tables, cfg.index_kpool, block_size, device)
+    return batch
+
+
+def _pool_completions(requests: list[BatchRequest], tables, kpool, block_size, device) -> PoolCompletions:
+    members: list[list[int]] = []
+    pool_rows: list[int] = []
+    pools_per_block = block_size // kpool
+    for req, table in zip(requests, tables):
+        start, end = req.num_computed_tokens, req.num_computed_tokens + req.num_new_tokens
+        for last in range(start + (kpool - 1 - start) % kpool, end, kpool):  # positions that end a pool
+            members.append([table[p // block_size] * block_size + p % block_size for p in range(last + 1 - kpool, last + 1)])
+            pool = last // kpool
+            pool_rows.append(table[pool // pools_per_block] * pools_per_block + pool % pools_per_block)
+    return PoolCompletions(
+        member_rows=torch.tensor(members, dtype=torch.long, device=device).reshape(-1, kpool),
+        pool_rows=torch.tensor(pool_rows, dtype=torch.long, device=device),
+    )

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from oxserve.kernels.moe import clamped_swiglu
-
-
-def empty_param(*shape: int, dtype: torch.dtype | None = None) -> nn.Parameter:
-    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+from oxserve.kernels.moe import clamped_glu
+from oxserve.model.linear import Linear, empty_param, loadable
 
 
 class RMSNorm(nn.Module):
@@ -18,7 +16,7 @@ class RMSNorm(nn.Module):
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
-        self.weight = empty_param(dim)
+        self.weight = loadable(empty_param(dim))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -27,25 +25,17 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
-class Linear(nn.Module):
-    """A bias-free projection whose weight a loader fills (possibly from several checkpoint tensors)."""
-
-    def __init__(self, in_features: int, out_features: int):
-        super().__init__()
-        self.weight = empty_param(out_features, in_features)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
-
-
 class DenseMLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int, swiglu_limit: float):
+    """act(clamp(gate)) * clamp(up), projected down: the dense layers and the shared experts."""
+
+    def __init__(self, hidden: int, intermediate: int, swiglu_limit: float, act: Callable[[torch.Tensor], torch.Tensor]):
         super().__init__()
         self.intermediate = intermediate
-        self.gate_up_proj = Linear(hidden, 2 * intermediate)  # [gate; up], fused at load time
+        self.gate_up_proj = Linear(hidden, (intermediate, intermediate))  # [gate; up], fused at load time
         self.down_proj = Linear(intermediate, hidden)
         self.swiglu_limit = swiglu_limit
+        self.act = act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(clamped_swiglu(gate, up, self.swiglu_limit))
+        return self.down_proj(clamped_glu(gate, up, self.swiglu_limit, self.act))

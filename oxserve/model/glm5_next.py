@@ -6,14 +6,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from oxserve.cache.tensors import LayerCache
+from oxserve.cache.layers import LayerCache
+from oxserve.cache.spec import LayerCacheSpec
+from oxserve.model.activations import activation
 from oxserve.model.batch import ForwardBatch
-from oxserve.model.common import DenseMLP, RMSNorm, empty_param
+from oxserve.model.common import DenseMLP, RMSNorm
 from oxserve.model.config import TextModelConfig
 from oxserve.model.hyper import HyperConnection
 from oxserve.model.kda import KDAttention
+from oxserve.model.linear import empty_param, loadable
 from oxserve.model.mla import MLAttention
 from oxserve.model.moe import MoE
+from oxserve.model.mtp import MTPLayer
 from oxserve.telemetry import Tracer, span
 
 
@@ -30,7 +34,7 @@ class DecoderLayer(nn.Module):
         if self.sparse:
             self.mlp = MoE(cfg, f"L{index}.moe")
         else:
-            self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size, cfg.swiglu_limit)
+            self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size, cfg.swiglu_limit, activation(cfg.hidden_act))
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         hc = (cfg.hidden_size, cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps)
@@ -63,24 +67,36 @@ class DecoderLayer(nn.Module):
 
 
 class Glm5NextForCausalLM(nn.Module):
-    def __init__(self, cfg: TextModelConfig):
+    """The decoder. With `with_mtp`, also the checkpoint's MTP layer (a drafter for
+    speculative decoding that shares this model's embedding and head)."""
+
+    def __init__(self, cfg: TextModelConfig, with_mtp: bool = False):
         super().__init__()
         self.config = cfg
-        self.embed_tokens = empty_param(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = loadable(empty_param(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = empty_param(cfg.vocab_size, cfg.hidden_size)
+        # Tied: one tensor serves both (the reference ties on the top-level flag only).
+        self.lm_head = self.embed_tokens if cfg.tie_word_embeddings else loadable(empty_param(cfg.vocab_size, cfg.hidden_size))
+        self.mtp = MTPLayer(cfg, cfg.num_hidden_layers) if with_mtp else None
+
+    def cache_specs(self, dtype: torch.dtype) -> list[LayerCacheSpec]:
+        """What each decoder layer caches, in layer order."""
+        return [layer.self_attn.cache_spec(dtype) for layer in self.layers]
 
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, caches: list[LayerCache]) -> torch.Tensor:
         """input_ids [T] -> final hidden states of the rows in batch.logits_indices [S, D]."""
         with span(batch.tracer, "embed"):
-            x = F.embedding(input_ids, self.embed_tokens)
+            x = self.embed(input_ids)
             streams = x.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
         selection = None
         for layer, cache in zip(self.layers, caches):
             streams, selection = layer(streams, batch, cache, selection)
         with span(batch.tracer, "final_norm"):
             return self.norm(streams[batch.logits_indices].mean(1))
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.embed_tokens)
 
     def compute_logits(self, hidden: torch.Tensor, tracer: Tracer | None = None) -> torch.Tensor:
         with span(tracer, "lm_head"):

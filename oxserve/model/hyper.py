@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from oxserve.model.common import empty_param
+from oxserve.model.linear import empty_param, loadable
 
 
 class HyperConnection(nn.Module):
@@ -19,9 +19,9 @@ class HyperConnection(nn.Module):
         super().__init__()
         n = hc_mult
         self.n = n
-        self.fn = empty_param((2 + n) * n, n * hidden)
-        self.base = empty_param((2 + n) * n, dtype=torch.float32)
-        self.scale = empty_param(3, dtype=torch.float32)
+        self.fn = loadable(empty_param((2 + n) * n, n * hidden))
+        self.base = loadable(empty_param((2 + n) * n, dtype=torch.float32))
+        self.scale = loadable(empty_param(3, dtype=torch.float32))
         self.sinkhorn_iters = sinkhorn_iters
         self.hc_eps = hc_eps
         self.norm_eps = norm_eps

@@ -4,8 +4,8 @@ Pools group a request's tokens from its first token on: pool j = positions [jP, 
 A complete pool gets one compressed key (softmax-weighted mean of its tokens' keys,
 weights from a learned gate + per-offset bias), computed once when its last token arrives
 and kept in the pool cache. A query at position t scores the pools that end at or before
-t, keeps the best min(index_topk / P, #pools), expands them to their P positions and adds
-the tokens of its own incomplete pool (the tail):
+t, keeps the best min(index_topk / P, #pools), expands them to their P positions and, when
+`index_kpool_always_select_tail`, adds the tokens of its own incomplete pool (the tail):
 
     positions:  0 1 2 3 | 4 5 6 7 | 8 9 10 11 | 12 13      query t = 13, P = 4
     pools:        p0    |   p1    |    p2     |  tail = {12, 13}
@@ -19,10 +19,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from oxserve.cache.tensors import MLALayerCache
+from oxserve.cache.layers import MLACache
+from oxserve.cache.spec import PagedTensor
 from oxserve.model.batch import ForwardBatch
-from oxserve.model.common import Linear, empty_param
 from oxserve.model.config import TextModelConfig
+from oxserve.model.linear import Linear, empty_param, loadable
 
 
 class Indexer(nn.Module):
@@ -35,59 +36,61 @@ class Indexer(nn.Module):
         self.with_tail = cfg.index_kpool_always_select_tail
         self.wq_b = Linear(cfg.q_lora_rank, cfg.index_n_heads * cfg.index_head_dim)
         self.wk = Linear(cfg.hidden_size, cfg.index_head_dim)
-        self.k_norm_weight = empty_param(cfg.index_head_dim)
-        self.k_norm_bias = empty_param(cfg.index_head_dim)
+        self.k_norm_weight = loadable(empty_param(cfg.index_head_dim))
+        self.k_norm_bias = loadable(empty_param(cfg.index_head_dim))
         self.weights_proj = Linear(cfg.hidden_size, cfg.index_n_heads)
-        self.compress_ape = empty_param(cfg.index_kpool, cfg.index_head_dim)
-        self.compress_gate = empty_param(cfg.index_head_dim, cfg.hidden_size)
+        self.compress_ape = loadable(empty_param(cfg.index_kpool, cfg.index_head_dim))
+        self.compress_gate = loadable(empty_param(cfg.index_head_dim, cfg.hidden_size))
 
-    def forward(self, x: torch.Tensor, q_resid: torch.Tensor, batch: ForwardBatch, cache: MLALayerCache) -> torch.Tensor:
+    def cache_tensors(self, dtype: torch.dtype) -> tuple[PagedTensor, PagedTensor]:
+        """(each token's key | pool gate score, one compressed key per complete pool)."""
+        return PagedTensor(2 * self.head_dim, dtype), PagedTensor(self.head_dim, dtype, tokens_per_entry=self.kpool)
+
+    def forward(self, x: torch.Tensor, q_resid: torch.Tensor, batch: ForwardBatch, cache: MLACache) -> torch.Tensor:
         self._write_keys(x, batch, cache)
         q = self.wq_b(q_resid).view(x.shape[0], self.n_heads, self.head_dim).float()
         head_weights = self.weights_proj(x).float() * self.n_heads**-0.5
         pos = batch.positions
+        seq_lens = batch.seq_lens
         parts = []
         nd = batch.num_decodes
         if nd:
-            parts.append(self._select(q[:nd], head_weights[:nd], pos[:nd], batch, torch.arange(nd, device=x.device), cache))
+            requests = torch.arange(nd, device=x.device)
+            parts.append(self._select(q[:nd], head_weights[:nd], pos[:nd], batch, requests, max(seq_lens[:nd]), cache))
         starts = batch.query_start
         for r in range(nd, batch.num_requests):
             s, e = starts[r], starts[r + 1]
-            parts.append(self._select(q[s:e], head_weights[s:e], pos[s:e], batch, r, cache))
+            parts.append(self._select(q[s:e], head_weights[s:e], pos[s:e], batch, r, seq_lens[r], cache))
         width = max(p.shape[1] for p in parts)
         return torch.cat([F.pad(p, (0, width - p.shape[1]), value=-1) for p in parts])
 
-    def _write_keys(self, x: torch.Tensor, batch: ForwardBatch, cache: MLALayerCache) -> None:
+    def _write_keys(self, x: torch.Tensor, batch: ForwardBatch, cache: MLACache) -> None:
         """Store this step's token keys, then compress every pool this step completed."""
         keys = F.layer_norm(self.wk(x), (self.head_dim,), self.k_norm_weight, self.k_norm_bias, eps=1e-6)
-        gates = F.linear(x, self.compress_gate)
-        cache.index_keys[batch.slot_mapping] = torch.cat([keys, gates], dim=-1)
-        done = ((batch.positions + 1) % self.kpool == 0).nonzero().squeeze(1)
-        if done.numel() == 0:
+        cache.store_index_keys(batch.cache_rows, keys, F.linear(x, self.compress_gate))
+        pools = batch.pools
+        if pools.pool_rows.numel() == 0:
             return
-        request = batch.request_index[done]
-        last = batch.positions[done]
-        members = last.unsqueeze(1) - self.kpool + 1 + torch.arange(self.kpool, device=last.device)  # [N, P]
-        rows = batch.rows_for_positions(request.unsqueeze(1).expand_as(members), members)
-        pool_keys, pool_gates = cache.index_keys[rows].split(self.head_dim, dim=-1)
+        pool_keys, pool_gates = cache.index_keys_at(pools.member_rows)  # [N, P, Dk] each
         probs = (pool_gates.float() + self.compress_ape.float()).softmax(dim=1).to(pool_keys.dtype)
-        compressed = (probs * pool_keys).sum(1)
-        cache.pool_keys[batch.pool_rows(request, last // self.kpool, self.kpool)] = compressed
+        cache.store_pool_keys(pools.pool_rows, (probs * pool_keys).sum(1))
 
-    def _select(self, q, head_weights, query_pos, batch: ForwardBatch, request, cache: MLALayerCache) -> torch.Tensor:
-        """Pick positions for a group of queries.
+    def _select(self, q, head_weights, query_pos, batch: ForwardBatch, request, longest: int, cache: MLACache) -> torch.Tensor:
+        """Pick positions for a group of queries; `longest` bounds their sequence lengths (host-side).
 
         Decodes: one query per request, `request` is a tensor of request indices.
         Prefill: all queries from one request, `request` is an int; they share its pool keys.
         """
         visible_pools = (query_pos + 1) // self.kpool
-        num_pools = int(visible_pools.max())
+        num_pools = longest // self.kpool
         pool_ids = torch.arange(num_pools, device=q.device)
         if isinstance(request, int):
-            keys = cache.pool_keys[batch.pool_rows(request, pool_ids, self.kpool)].float().unsqueeze(0)
+            keys = cache.pool_keys_at(batch.pool_rows(request, pool_ids, self.kpool)).float().unsqueeze(0)
         else:
-            grid = pool_ids.expand(len(request), num_pools)
-            keys = cache.pool_keys[batch.pool_rows(request.unsqueeze(1).expand_as(grid), grid, self.kpool)].float()
+            # A shorter request's pools end early: read its last pool there (masked below),
+            # never past its own blocks.
+            grid = torch.minimum(pool_ids, (visible_pools - 1).clamp(min=0).unsqueeze(1))
+            keys = cache.pool_keys_at(batch.pool_rows(request.unsqueeze(1).expand_as(grid), grid, self.kpool)).float()
         # [N, H, Dk] x [N|1, P, Dk] -> [N, H, P]; relu per head, then the weighted head sum.
         scores = F.relu(torch.matmul(q, keys.transpose(1, 2)) * self.head_dim**-0.5)
         index_scores = (head_weights.unsqueeze(1) @ scores).squeeze(1)

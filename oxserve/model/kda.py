@@ -6,11 +6,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from oxserve.cache.tensors import KDALayerCache
-from oxserve.kernels.kda import causal_conv_chunk, causal_conv_step, kda_chunked, kda_recurrent_step, l2norm
+from oxserve.cache.layers import KDACache
+from oxserve.cache.spec import KDACacheSpec, StateTensor
+from oxserve.kernels.kda import causal_conv, kda_chunked, kda_recurrent_step, l2norm
+from oxserve.model.activations import activation
 from oxserve.model.batch import ForwardBatch
-from oxserve.model.common import Linear, empty_param
 from oxserve.model.config import TextModelConfig
+from oxserve.model.linear import Linear, copy_loader, empty_param, loadable
 from oxserve.telemetry import span
 
 
@@ -20,8 +22,8 @@ class ForgetGate(nn.Module):
         self.head_dim = cfg.linear_head_dim
         self.f_a_proj = Linear(cfg.hidden_size, cfg.linear_head_dim)
         self.f_b_proj = Linear(cfg.linear_head_dim, cfg.kda_dim)
-        self.dt_bias = empty_param(cfg.kda_dim, dtype=torch.float32)
-        self.A_log = empty_param(cfg.linear_num_heads, dtype=torch.float32)
+        self.dt_bias = loadable(empty_param(cfg.kda_dim, dtype=torch.float32))
+        self.A_log = loadable(empty_param(cfg.linear_num_heads, dtype=torch.float32))
         self.lower_bound = cfg.linear_lower_bound
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -40,22 +42,33 @@ class KDAttention(nn.Module):
         self.num_heads = cfg.linear_num_heads
         self.head_dim = cfg.linear_head_dim
         self.dim = cfg.kda_dim
-        self.qkv_proj = Linear(cfg.hidden_size, 3 * cfg.kda_dim)  # [q; k; v], fused at load time
-        self.conv_weight = empty_param(3 * cfg.kda_dim, cfg.linear_conv_kernel_dim, dtype=torch.float32)
+        self.conv_kernel = cfg.linear_conv_kernel_dim
+        self.qkv_proj = Linear(cfg.hidden_size, (self.dim,) * 3)  # [q; k; v], fused at load time
+        conv_rows = copy_loader((self.dim,) * 3, reshape=lambda t: t.reshape(t.shape[0], -1))  # [C, 1, K] -> [C, K]
+        self.conv_weight = loadable(empty_param(3 * self.dim, self.conv_kernel, dtype=torch.float32), conv_rows)
+        self.conv_act = activation(cfg.hidden_act)
         self.forget_gate = ForgetGate(cfg)
         self.b_proj = Linear(cfg.hidden_size, cfg.linear_num_heads)
         self.g_a_proj = Linear(cfg.hidden_size, cfg.linear_head_dim)
         self.g_b_proj = Linear(cfg.linear_head_dim, cfg.kda_dim)
-        self.o_norm_weight = empty_param(cfg.linear_head_dim)
+        self.o_norm_weight = loadable(empty_param(cfg.linear_head_dim))
         self.o_proj = Linear(cfg.kda_dim, cfg.hidden_size)
         self.norm_eps = cfg.rms_norm_eps
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: KDALayerCache) -> torch.Tensor:
+    def cache_spec(self, dtype: torch.dtype) -> KDACacheSpec:
+        return KDACacheSpec(
+            conv=StateTensor((self.conv_kernel - 1, 3 * self.dim), dtype),
+            recurrent=StateTensor((self.num_heads, self.head_dim, self.head_dim), torch.float32),
+        )
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: KDACache) -> torch.Tensor:
         tokens, tracer = x.shape[0], batch.tracer
         with span(tracer, f"{self.name}.qkv_proj"):
             mixed = self.qkv_proj(x)
         with span(tracer, f"{self.name}.conv"):
-            mixed = self._conv(mixed, batch, cache)
+            states = _initial(cache.conv_states(batch.state_slots), batch.has_initial_state)
+            mixed, states = causal_conv(mixed, states, self.conv_weight, batch.conv, self.conv_act)
+            cache.store_conv_states(batch.state_slots, states)
         with span(tracer, f"{self.name}.gates"):
             q, k, v = (t.float().view(tokens, self.num_heads, self.head_dim) for t in mixed.split(self.dim, dim=-1))
             q = l2norm(q) * self.head_dim**-0.5
@@ -68,35 +81,28 @@ class KDAttention(nn.Module):
             gate = self.g_b_proj(self.g_a_proj(x)).view(tokens, self.num_heads, self.head_dim)
             return self.o_proj(self._gated_norm(core, gate).to(x.dtype).view(tokens, self.dim))
 
-    def _conv(self, mixed: torch.Tensor, batch: ForwardBatch, cache: KDALayerCache) -> torch.Tensor:
-        out = torch.empty_like(mixed)
+    def _delta_rule(self, q, k, v, g, beta, batch: ForwardBatch, cache: KDACache) -> torch.Tensor:
+        """Decodes take one recurrent step each; prefill chunks run chunk-parallel, all at once."""
         nd = batch.num_decodes
+        parts = []
         if nd:
             slots = batch.state_slots[:nd]
-            out[:nd], cache.conv[slots] = causal_conv_step(mixed[:nd], cache.conv[slots], self.conv_weight)
-        starts = batch.query_start
-        slots = batch.state_slots.tolist()
-        for r in range(nd, batch.num_requests):
-            s, e = starts[r], starts[r + 1]
-            state = cache.conv[slots[r]] if batch.context_lens[r] else torch.zeros_like(cache.conv[slots[r]])
-            out[s:e], cache.conv[slots[r]] = causal_conv_chunk(mixed[s:e], state, self.conv_weight)
-        return out
-
-    def _delta_rule(self, q, k, v, g, beta, batch: ForwardBatch, cache: KDALayerCache) -> torch.Tensor:
-        out = torch.empty_like(v)
-        nd = batch.num_decodes
-        if nd:
-            slots = batch.state_slots[:nd]
-            out[:nd], cache.recurrent[slots] = kda_recurrent_step(q[:nd], k[:nd], v[:nd], g[:nd], beta[:nd], cache.recurrent[slots])
-        starts = batch.query_start
-        slots = batch.state_slots.tolist()
-        for r in range(nd, batch.num_requests):
-            s, e = starts[r], starts[r + 1]
-            state = cache.recurrent[slots[r]]
-            state = state if batch.context_lens[r] else torch.zeros_like(state)
-            out[s:e], cache.recurrent[slots[r]] = kda_chunked(q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e], state)
-        return out
+            out, states = kda_recurrent_step(q[:nd], k[:nd], v[:nd], g[:nd], beta[:nd], cache.recurrent_states(slots))
+            cache.store_recurrent_states(slots, states)
+            parts.append(out)
+        if nd < batch.num_requests:
+            slots = batch.state_slots[nd:]
+            initial = _initial(cache.recurrent_states(slots), batch.has_initial_state[nd:])
+            out, states = kda_chunked(q[nd:], k[nd:], v[nd:], g[nd:], beta[nd:], initial, batch.chunks)
+            cache.store_recurrent_states(slots, states)
+            parts.append(out)
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def _gated_norm(self, core: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         normed = core * torch.rsqrt(core.pow(2).mean(-1, keepdim=True) + self.norm_eps)
         return self.o_norm_weight.float() * normed * torch.sigmoid(gate.float())
+
+
+def _initial(states: torch.Tensor, has_initial_state: torch.Tensor) -> torch.Tensor:
+    """Cached states where a request has context; zeros for a request that starts now."""
+    return torch.where(has_initial_state.view(-1, *([1] * (states.dim() - 1))), states, 0.0)

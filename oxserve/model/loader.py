@@ -3,8 +3,13 @@
 Checkpoint names are accepted in both spellings the reference knows: the saved form
 (`hc_attn_fn`, `self_attn.f_a_proj`, `q_conv1d`, per-expert `experts.3.gate_proj`) and the
 in-memory form (`attn_hc.fn`, `forget_gate.f_a_proj`, `conv1d`, stacked `experts.gate_up_proj`).
-Each rule maps a checkpoint tensor onto (part of) one of our parameters; fusions such as
-q|k|v or gate|up happen here, at load time, never inside the model.
+Each rule maps a checkpoint tensor to one of our parameters and the `Shard` of it that the
+tensor fills; the parameter's own `weight_loader` writes it (fusing q|k|v or gate|up, or
+later quantizing or sharding it), so this file knows names, not storage. After loading,
+every module with an `after_load()` hook gets it.
+
+The MTP layer (index num_hidden_layers) loads only when asked for; vision tensors are not
+read at all.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import logging
 import re
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -22,131 +28,135 @@ from safetensors import safe_open
 
 from oxserve.model.config import TextModelConfig
 from oxserve.model.glm5_next import Glm5NextForCausalLM
+from oxserve.model.linear import CheckpointError, Shard, copy_loader
 
 log = logging.getLogger(__name__)
 
 TEXT_PREFIXES = ("model.language_model.", "language_model.model.", "language_model.", "model.")
 VISION_PREFIXES = ("model.visual.", "visual.", "model.vision_tower.")
 
+__all__ = ["CheckpointError", "LoadedModel", "load_model"]
+
 
 @dataclass(frozen=True)
 class Target:
-    """Where a checkpoint tensor goes: a parameter, and which equal-sized row block of it."""
+    """Where a checkpoint tensor goes: a parameter, and which shard of it."""
 
     param: str
-    part: int = 0
-    parts: int = 1
-    expert: int | None = None  # for stacked expert tensors: write only this expert's slice
-    reshape: Callable[[torch.Tensor], torch.Tensor] | None = None
+    shard: Shard = Shard()
 
 
-def _conv(t: torch.Tensor) -> torch.Tensor:
-    return t.reshape(t.shape[0], -1)  # [C, 1, K] -> [C, K]
+def _part(name: str, names: str | tuple[str, ...]) -> Shard:
+    return Shard(part=names.index(name))
 
 
-# (regex over the layer-local name, builder of targets from the match)
+
+# Rules for the names inside a decoder (or MTP) layer: regex -> target builder.
 _LAYER_RULES: list[tuple[str, Callable[[re.Match], Target]]] = [
     (r"(?:hc_attn_|attn_hc\.)(fn|base|scale)", lambda m: Target(f"attn_hc.{m[1]}")),
     (r"(?:hc_ffn_|ffn_hc\.)(fn|base|scale)", lambda m: Target(f"ffn_hc.{m[1]}")),
-    (r"self_attn\.([qkv])_proj\.weight", lambda m: Target("self_attn.qkv_proj.weight", "qkv".index(m[1]), 3)),
-    (r"self_attn\.conv1d\.weight", lambda m: Target("self_attn.conv_weight", reshape=_conv)),
-    (r"self_attn\.([qkv])_conv1d\.weight", lambda m: Target("self_attn.conv_weight", "qkv".index(m[1]), 3, reshape=_conv)),
+    (r"self_attn\.([qkv])_proj\.weight", lambda m: Target("self_attn.qkv_proj.weight", _part(m[1], "qkv"))),
+    (r"self_attn\.conv1d\.weight", lambda m: Target("self_attn.conv_weight")),
+    (r"self_attn\.([qkv])_conv1d\.weight", lambda m: Target("self_attn.conv_weight", _part(m[1], "qkv"))),
     (r"self_attn\.(?:forget_gate\.)?(f_a_proj\.weight|f_b_proj\.weight|dt_bias|A_log)", lambda m: Target(f"self_attn.forget_gate.{m[1]}")),
     (r"self_attn\.o_norm\.weight", lambda m: Target("self_attn.o_norm_weight")),
     (r"self_attn\.indexer\.k_norm\.(weight|bias)", lambda m: Target(f"self_attn.indexer.k_norm_{m[1]}")),
     (r"self_attn\.indexer\.index_kpool_compress_(ape|gate)", lambda m: Target(f"self_attn.indexer.compress_{m[1]}")),
-    (r"(mlp(?:\.shared_experts)?)\.(gate|up)_proj\.weight", lambda m: Target(f"{m[1]}.gate_up_proj.weight", ("gate", "up").index(m[2]), 2)),
-    (r"mlp\.experts\.(\d+)\.(gate|up)_proj\.weight", lambda m: Target("mlp.experts.gate_up_proj", ("gate", "up").index(m[2]), 2, expert=int(m[1]))),
-    (r"mlp\.experts\.(\d+)\.down_proj\.weight", lambda m: Target("mlp.experts.down_proj", expert=int(m[1]))),
+    (r"(mlp(?:\.shared_experts)?)\.(gate|up)_proj\.weight", lambda m: Target(f"{m[1]}.gate_up_proj.weight", _part(m[2], ("gate", "up")))),
+    (r"mlp\.experts\.(\d+)\.(gate|up)_proj\.weight", lambda m: Target("mlp.experts.gate_up_proj", Shard(("gate", "up").index(m[2]), int(m[1])))),
+    (r"mlp\.experts\.(\d+)\.down_proj\.weight", lambda m: Target("mlp.experts.down_proj", Shard(expert=int(m[1])))),
+    (r"shared_head\.norm\.weight", lambda m: Target("shared_head_norm.weight")),
     (r"(.+)", lambda m: Target(m[1])),  # same name on both sides
 ]
+# The MTP layer shares the model's embedding and head; checkpoints may carry copies.
+_MTP_SHARED = re.compile(r"(shared_head\.head|embed_tokens)\.weight")
 
 
-class CheckpointError(ValueError):
-    pass
+class CheckpointLoad:
+    """Counts what each parameter received, so a missing or doubled tensor is an error."""
+
+    def __init__(self, model: Glm5NextForCausalLM):
+        self.params = dict(model.named_parameters())
+        self.written = {name: 0 for name in self.params}
+        self.seen: set[Target] = set()
+
+    def load(self, target: Target, tensor: torch.Tensor, name: str) -> bool:
+        param = self.params.get(target.param)
+        if param is None:
+            return False
+        if target in self.seen:
+            raise CheckpointError(f"tensor {name} duplicates another tensor that fills the same weights")
+        self.seen.add(target)
+        loader = getattr(param, "weight_loader", None) or copy_loader()
+        try:
+            self.written[target.param] += loader(param, tensor, target.shard)
+        except CheckpointError as e:
+            raise CheckpointError(f"tensor {name} {e}") from None
+        return True
+
+    def check_complete(self) -> None:
+        for name, count in self.written.items():
+            if count != self.params[name].numel():
+                raise CheckpointError(
+                    f"checkpoint is missing tensor(s) for parameter {name}: "
+                    f"{count} of {self.params[name].numel()} values provided"
+                )
 
 
 @dataclass
 class LoadedModel:
     model: Glm5NextForCausalLM
     config: TextModelConfig
-    mtp_tensors: dict[str, torch.Tensor]  # layer index num_hidden_layers: for speculative decoding later
-    vision_tensors: dict[str, torch.Tensor]
 
 
-def load_model(path: str | Path, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu") -> LoadedModel:
+def load_model(
+    path: str | Path, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu", with_mtp: bool = False
+) -> LoadedModel:
     path = Path(path)
     cfg = TextModelConfig.from_file(path)
     with _default_dtype(dtype), torch.device(device):
-        model = Glm5NextForCausalLM(cfg)
-    params = dict(model.named_parameters())
-    written = {name: 0 for name in params}
-    seen: set[Target] = set()
-    mtp: dict[str, torch.Tensor] = {}
-    vision: dict[str, torch.Tensor] = {}
-    for name, tensor in _iter_tensors(path):
+        model = Glm5NextForCausalLM(cfg, with_mtp=with_mtp)
+    load = CheckpointLoad(model)
+    mtp_index = cfg.num_hidden_layers
+    for name, read in _checkpoint(path):
         if name.startswith(VISION_PREFIXES):
-            vision[name] = tensor.to(dtype)
             continue
         local = _strip_prefix(name)
         layer = re.match(r"layers\.(\d+)\.(.+)", local)
-        if layer and int(layer[1]) >= cfg.num_hidden_layers:
-            mtp[local] = tensor.to(dtype)
-            continue
-        target = _resolve(local, layer)
-        if target is None or target.param not in params:
+        if layer and int(layer[1]) >= mtp_index:
+            if not with_mtp or int(layer[1]) != mtp_index or _MTP_SHARED.fullmatch(layer[2]):
+                continue  # not read: the MTP layer costs nothing unless a drafter needs it
+            target = _layer_target("mtp.", layer[2])
+        elif layer:
+            target = _layer_target(f"layers.{layer[1]}.", layer[2])
+        else:
+            target = _top_target(local, cfg)
+        if target is None:
             log.warning("checkpoint tensor %s is not used by oxserve", name)
             continue
-        key = Target(target.param, target.part, target.parts, target.expert)
-        if key in seen:
-            raise CheckpointError(f"tensor {name} duplicates another tensor that fills the same weights")
-        seen.add(key)
-        written[target.param] += _copy(params[target.param], target, tensor, name)
-    if cfg.tie_word_embeddings and not written["lm_head"]:
-        params["lm_head"].data.copy_(params["embed_tokens"].data)
-        written["lm_head"] = written["embed_tokens"]
-    _check_complete(written, params)
+        if not load.load(target, read(), name):
+            log.warning("checkpoint tensor %s is not used by oxserve", name)
+    load.check_complete()
+    for module in model.modules():
+        if hasattr(module, "after_load"):
+            module.after_load()
     model.eval()
-    return LoadedModel(model=model, config=cfg, mtp_tensors=mtp, vision_tensors=vision)
+    return LoadedModel(model=model, config=cfg)
 
 
-def _resolve(local: str, layer: re.Match | None) -> Target | None:
-    if layer is None:
-        renamed = {"embed_tokens.weight": "embed_tokens", "lm_head.weight": "lm_head", "norm.weight": "norm.weight"}
-        return Target(renamed[local]) if local in renamed else None
-    prefix, rest = f"layers.{layer[1]}.", layer[2]
+def _top_target(local: str, cfg: TextModelConfig) -> Target | None:
+    if local == "lm_head.weight" and cfg.tie_word_embeddings:
+        return None  # tied: the embedding is the head
+    renamed = {"embed_tokens.weight": "embed_tokens", "lm_head.weight": "lm_head", "norm.weight": "norm.weight"}
+    return Target(renamed[local]) if local in renamed else None
+
+
+def _layer_target(prefix: str, rest: str) -> Target:
     for pattern, build in _LAYER_RULES:
         if m := re.fullmatch(pattern, rest):
             t = build(m)
-            return Target(prefix + t.param, t.part, t.parts, t.expert, t.reshape)
-    return None
-
-
-def _copy(param: torch.Tensor, target: Target, tensor: torch.Tensor, name: str) -> int:
-    """Copy into the target slice; returns how many values were written."""
-    if target.reshape is not None:
-        tensor = target.reshape(tensor)
-    dest = param.data
-    if target.expert is not None:
-        if not 0 <= target.expert < dest.shape[0]:
-            raise CheckpointError(f"tensor {name}: expert {target.expert} out of range (n_routed_experts={dest.shape[0]})")
-        dest = dest[target.expert]
-    if target.parts > 1:
-        rows = dest.shape[0] // target.parts
-        dest = dest[target.part * rows : (target.part + 1) * rows]
-    if tuple(dest.shape) != tuple(tensor.shape):
-        raise CheckpointError(f"tensor {name} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
-    dest.copy_(tensor.to(dest.dtype))
-    return dest.numel()
-
-
-def _check_complete(written: dict[str, int], params: dict[str, torch.Tensor]) -> None:
-    for name, count in written.items():
-        if count != params[name].numel():
-            raise CheckpointError(
-                f"checkpoint is missing tensor(s) for parameter {name}: "
-                f"{count} of {params[name].numel()} values provided"
-            )
+            return Target(prefix + t.param, t.shard)
+    raise AssertionError("the last rule matches every name")
 
 
 def _strip_prefix(name: str) -> str:
@@ -158,7 +168,7 @@ def _strip_prefix(name: str) -> str:
     return name
 
 
-def _iter_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def _shards(path: Path) -> list[str]:
     index = path / "model.safetensors.index.json"
     if index.exists():
         files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -169,9 +179,16 @@ def _iter_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
     for file in files:
         if not (path / file).exists():
             raise CheckpointError(f"weight shard {file} listed in the index is missing from {path}")
+    return files
+
+
+def _checkpoint(path: Path) -> Iterator[tuple[str, Callable[[], torch.Tensor]]]:
+    """(name, read) for every tensor; `read()` loads it, and only tensors that are read cost
+    memory. Call it before asking for the next name."""
+    for file in _shards(path):
         with safe_open(path / file, framework="pt") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                yield name, partial(f.get_tensor, name)
 
 
 @contextmanager

@@ -7,7 +7,8 @@ token, and kv_b_proj is folded into the query and the output instead of expandin
     out_h(t)      = W_uv_h (sum_j p_h(t, j) c_j)
 
 Each query reads only the latents of its selected positions, so its cost is bounded by
-index_topk + kpool - 1, not by the context length.
+index_topk + kpool - 1, not by the context length. A query with nothing selected (possible
+when the incomplete tail pool is not always selected) attends to nothing: its output is 0.
 """
 
 from __future__ import annotations
@@ -15,11 +16,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from oxserve.cache.tensors import MLALayerCache
+from oxserve.cache.layers import MLACache
+from oxserve.cache.spec import MLACacheSpec, PagedTensor
 from oxserve.model.batch import ForwardBatch
-from oxserve.model.common import Linear, RMSNorm
+from oxserve.model.common import RMSNorm
 from oxserve.model.config import TextModelConfig
 from oxserve.model.indexer import Indexer
+from oxserve.model.linear import Linear
 from oxserve.telemetry import span
 
 # Queries per gather block: bounds the [block, K, kv_lora_rank] gathered latents.
@@ -43,20 +46,31 @@ class MLAttention(nn.Module):
         self.kv_b_proj = Linear(cfg.kv_lora_rank, cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim))
         self.o_proj = Linear(cfg.num_attention_heads * cfg.v_head_dim, cfg.hidden_size)
         self.indexer = Indexer(cfg) if has_indexer else None
+        self.w_uk: torch.Tensor | None = None  # [H, nope, C], set by after_load
+        self.w_uv: torch.Tensor | None = None  # [H, v, C]
+
+    def after_load(self) -> None:
+        """Split kv_b_proj into the per-head pieces folded into query and output (views)."""
+        w_kv = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
+        self.w_uk, self.w_uv = w_kv.split([self.nope_dim, self.v_dim], dim=1)
+
+    def cache_spec(self, dtype: torch.dtype) -> MLACacheSpec:
+        latent = PagedTensor(self.kv_lora_rank, dtype)
+        if self.indexer is None:
+            return MLACacheSpec(latent)
+        return MLACacheSpec(latent, *self.indexer.cache_tensors(dtype))
 
     def forward(
-        self, x: torch.Tensor, batch: ForwardBatch, cache: MLALayerCache, shared_selection: torch.Tensor | None
+        self, x: torch.Tensor, batch: ForwardBatch, cache: MLACache, shared_selection: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (output [T, D], the selected positions [T, K] for a following `shared` layer)."""
         tokens, tracer = x.shape[0], batch.tracer
-        w_kv = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
-        w_uk, w_uv = w_kv.split([self.nope_dim, self.v_dim], dim=1)
         with span(tracer, f"{self.name}.q_proj"):
             q_resid = self.q_a_layernorm(self.q_a_proj(x))
             q = self.q_b_proj(q_resid).view(tokens, self.num_heads, self.nope_dim)
-            q_latent = torch.einsum("thd,hdc->thc", q, w_uk)
+            q_latent = torch.einsum("thd,hdc->thc", q, self.w_uk)
         with span(tracer, f"{self.name}.kv_proj"):
-            cache.latent[batch.slot_mapping] = self.kv_a_layernorm(self.kv_a_proj_with_mqa(x))
+            cache.store_latents(batch.cache_rows, self.kv_a_layernorm(self.kv_a_proj_with_mqa(x)))
         if self.indexer is not None:
             with span(tracer, f"{self.name}.indexer"):
                 selection = self.indexer(x, q_resid, batch, cache)
@@ -70,13 +84,15 @@ class MLAttention(nn.Module):
                 e = min(s + QUERY_BLOCK, tokens)
                 out_latent[s:e] = self._attend(q_latent[s:e], selection[s:e], batch.request_index[s:e], batch, cache)
         with span(tracer, f"{self.name}.o_proj"):
-            out = torch.einsum("thc,hvc->thv", out_latent, w_uv)
+            out = torch.einsum("thc,hvc->thv", out_latent, self.w_uv)
             return self.o_proj(out.reshape(tokens, self.num_heads * self.v_dim)), selection
 
-    def _attend(self, q_latent, positions, request, batch: ForwardBatch, cache: MLALayerCache) -> torch.Tensor:
+    def _attend(self, q_latent, positions, request, batch: ForwardBatch, cache: MLACache) -> torch.Tensor:
         rows = batch.rows_for_positions(request.unsqueeze(1).expand_as(positions), positions)
-        latents = cache.latent[rows]  # [t, K, C]
+        latents = cache.latents(rows)  # [t, K, C]
         scores = torch.einsum("thc,tkc->thk", q_latent, latents).float() * self.scale
-        scores = scores.masked_fill((positions < 0).unsqueeze(1), float("-inf"))
-        probs = scores.softmax(-1).to(latents.dtype)
+        missing = (positions < 0).unsqueeze(1)
+        probs = scores.masked_fill(missing, float("-inf")).softmax(-1)
+        # A row with nothing selected is all -inf, and softmax makes it NaN: it attends to nothing.
+        probs = probs.masked_fill(missing.all(-1, keepdim=True), 0.0).to(latents.dtype)
         return torch.einsum("thk,tkc->thc", probs, latents)

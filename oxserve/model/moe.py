@@ -7,16 +7,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from oxserve.kernels.moe import grouped_experts, grouped_gemm_supported, looped_experts
-from oxserve.model.common import DenseMLP, empty_param
+from oxserve.model.activations import activation
+from oxserve.model.common import DenseMLP
 from oxserve.model.config import TextModelConfig
+from oxserve.model.linear import copy_loader, empty_param, loadable
 from oxserve.telemetry import Tracer, span
 
 
 class Router(nn.Module):
     def __init__(self, cfg: TextModelConfig):
         super().__init__()
-        self.weight = empty_param(cfg.n_routed_experts, cfg.hidden_size)
-        self.e_score_correction_bias = empty_param(cfg.n_routed_experts, dtype=torch.float32)
+        self.weight = loadable(empty_param(cfg.n_routed_experts, cfg.hidden_size))
+        self.e_score_correction_bias = loadable(empty_param(cfg.n_routed_experts, dtype=torch.float32))
         self.top_k = cfg.num_experts_per_tok
         self.n_group = cfg.n_group
         self.topk_group = cfg.topk_group
@@ -26,26 +28,32 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [T, D] -> (weights [T, k] fp32, expert ids [T, k])."""
         scores = F.linear(x.float(), self.weight.float()).sigmoid()
-        choice = scores + self.e_score_correction_bias
-        if self.n_group > 1:
-            grouped = choice.view(x.shape[0], self.n_group, -1)
-            group_scores = grouped.topk(2, dim=-1).values.sum(-1)
-            keep = group_scores.topk(self.topk_group, dim=-1, sorted=False).indices
-            group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
-            choice = choice.masked_fill(~group_mask.repeat_interleave(grouped.shape[-1], dim=1), float("-inf"))
-        experts = choice.topk(self.top_k, dim=-1, sorted=False).indices
+        experts = self.choose(scores)
         weights = scores.gather(1, experts)
         if self.norm_topk_prob:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
         return weights * self.scaling, experts
+
+    def choose(self, scores: torch.Tensor) -> torch.Tensor:
+        """The top-k experts by score plus correction bias, among the top groups."""
+        choice = scores + self.e_score_correction_bias
+        if self.n_group > 1:
+            grouped = choice.view(scores.shape[0], self.n_group, -1)
+            group_scores = grouped.topk(2, dim=-1).values.sum(-1)
+            keep = group_scores.topk(self.topk_group, dim=-1, sorted=False).indices
+            group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
+            choice = choice.masked_fill(~group_mask.repeat_interleave(grouped.shape[-1], dim=1), float("-inf"))
+        return choice.topk(self.top_k, dim=-1, sorted=False).indices
 
 
 class Experts(nn.Module):
     def __init__(self, cfg: TextModelConfig):
         super().__init__()
         self.num_experts = cfg.n_routed_experts
-        self.gate_up_proj = empty_param(cfg.n_routed_experts, 2 * cfg.moe_intermediate_size, cfg.hidden_size)
-        self.down_proj = empty_param(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+        inter = cfg.moe_intermediate_size
+        # Stacked per expert; a checkpoint holds one tensor per expert (and part) or the whole stack.
+        self.gate_up_proj = loadable(empty_param(cfg.n_routed_experts, 2 * inter, cfg.hidden_size), copy_loader((inter, inter)))
+        self.down_proj = loadable(empty_param(cfg.n_routed_experts, cfg.hidden_size, inter))
         self.swiglu_limit = cfg.swiglu_limit
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
@@ -55,7 +63,8 @@ class Experts(nn.Module):
         order = flat.argsort(stable=True)
         offsets = torch.bincount(flat, minlength=self.num_experts).cumsum(0).to(torch.int32)
         token_of = order // top_k
-        run = grouped_experts if grouped_gemm_supported(x.device, x.dtype) else looped_experts
+        hidden, inter = self.down_proj.shape[1], self.down_proj.shape[2]
+        run = grouped_experts if grouped_gemm_supported(x.device, x.dtype, hidden, inter) else looped_experts
         out = run(x[token_of], weights.flatten()[order, None], offsets, self.gate_up_proj, self.down_proj, self.swiglu_limit)
         return torch.zeros_like(x).index_add_(0, token_of, out)
 
@@ -66,12 +75,16 @@ class MoE(nn.Module):
         self.name = name
         self.gate = Router(cfg)
         self.experts = Experts(cfg)
-        self.shared_experts = DenseMLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, cfg.swiglu_limit)
+        shared = cfg.moe_intermediate_size * cfg.n_shared_experts
+        act = activation(cfg.hidden_act)
+        self.shared_experts = DenseMLP(cfg.hidden_size, shared, cfg.swiglu_limit, act) if shared else None
 
     def forward(self, x: torch.Tensor, tracer: Tracer | None = None) -> torch.Tensor:
         with span(tracer, f"{self.name}.router"):
             weights, experts = self.gate(x)
         with span(tracer, f"{self.name}.experts"):
             routed = self.experts(x, weights, experts)
+        if self.shared_experts is None:
+            return routed
         with span(tracer, f"{self.name}.shared"):
             return routed + self.shared_experts(x)

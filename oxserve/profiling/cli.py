@@ -13,7 +13,7 @@ from oxserve.cli import add_engine_arguments, engine_config_from_args
 from oxserve.engine.engine import LLMEngine
 from oxserve.feedback.ceilings import load_or_measure_ceilings
 from oxserve.feedback.drive import PROMPT_MIN_TOKEN_ID, run_workload
-from oxserve.feedback.engine_options import changed_options
+from oxserve.options import changed_options
 from oxserve.feedback.workload import Arrival, load_workload
 from oxserve.profiling.analysis import analyse
 from oxserve.profiling.overhead import end_to_end_overhead, measure_span_cost, span_overhead

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator, Protocol
 
 from oxserve.config import EngineConfig
-from oxserve.engine.engine import LLMEngine, Prompt
+from oxserve.engine.engine import EngineStats, LLMEngine, Prompt
 from oxserve.outputs import RequestOutput
 from oxserve.sampling_params import SamplingParams
 
@@ -43,18 +43,6 @@ class QueueFullError(Exception):
 
 class EngineError(Exception):
     """A request failed inside the engine (HTTP 500); the engine keeps serving."""
-
-
-@dataclass(frozen=True)
-class EngineSnapshot:
-    """Engine counters, published by the engine thread after every loop turn."""
-
-    running: int = 0
-    waiting: int = 0
-    cache_usage: float = 0.0
-    preemptions: int = 0
-    prompt_tokens: int = 0
-    generation_tokens: int = 0
 
 
 @dataclass
@@ -152,13 +140,13 @@ class AsyncEngine:
     """
 
     _engine: LLMEngine  # built and used by the engine thread only
+    snapshot: EngineStats  # the engine's counters, published by the engine thread after each loop turn
 
     def __init__(self, config: EngineConfig, max_waiting: int, metrics: MetricsSink | None = None):
         if max_waiting < 1:
             raise ValueError(f"max_waiting must be >= 1, got {max_waiting}")
         self.max_waiting = max_waiting
         self.metrics = metrics
-        self.snapshot = EngineSnapshot()
         self._commands: queue.Queue = queue.Queue()
         self._owners: dict[str, _Owner] = {}  # engine thread only
         self._outbox = _Outbox()  # engine thread only
@@ -172,6 +160,7 @@ class AsyncEngine:
         # Fixed once built, safe to read from any thread:
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
+        self.vocab_size = engine.model_config.vocab_size
         self.model_path = engine.model_path
 
     # ---- event loop side ----------------------------------------------------------------
@@ -226,6 +215,7 @@ class AsyncEngine:
         except BaseException as e:
             built.put(e)
             return
+        self.snapshot = self._engine.stats()
         built.put(self._engine)
         while True:
             for command in self._take_commands(block=not self._engine.has_unfinished_requests()):
@@ -245,7 +235,7 @@ class AsyncEngine:
     def _flush(self) -> None:
         """Publish the snapshot, then hand the outbox to the event loop in one call: whoever
         sees an output sees metrics that already count it."""
-        self.snapshot = self._snapshot()
+        self.snapshot = self._engine.stats()
         if self._outbox.admissions or self._outbox.outputs:
             assert self._loop is not None
             self._loop.call_soon_threadsafe(self._deliver, self._outbox)
@@ -267,7 +257,7 @@ class AsyncEngine:
 
     def _add(self, group: RequestGroup) -> BaseException | None:
         """Add every request of the group, or none of them; returns the error if any."""
-        need, waiting = len(group.requests), len(self._engine.scheduler.waiting)
+        need, waiting = len(group.requests), self._engine.stats().num_waiting
         if need > self.max_waiting:
             return ValueError(f"this request needs {need} queue places; the server allows {self.max_waiting}")
         if waiting + need > self.max_waiting:
@@ -299,7 +289,7 @@ class AsyncEngine:
         try:
             outputs = self._engine.step()
         except Exception as e:
-            failed = [r.request_id for r in self._engine.scheduler.running]
+            failed = self._engine.running_request_ids()
             log.exception("engine step failed; failing the requests in it: %s", ", ".join(failed))
             self._fail(failed, e)
             return
@@ -316,14 +306,3 @@ class AsyncEngine:
             if (owner := self._owners.pop(rid, None)) is not None:
                 failure = EngineError(f"the engine failed while running this request: {error!r}")
                 self._outbox.outputs.append((owner.group, owner.index, failure))
-
-    def _snapshot(self) -> EngineSnapshot:
-        engine = self._engine
-        return EngineSnapshot(
-            running=len(engine.scheduler.running),
-            waiting=len(engine.scheduler.waiting),
-            cache_usage=engine.cache.usage,
-            preemptions=engine.scheduler.num_preemptions,
-            prompt_tokens=engine.stats["prompt_tokens"],
-            generation_tokens=engine.stats["generation_tokens"],
-        )

@@ -1,6 +1,6 @@
 """Prometheus metrics (vLLM's names under the `oxserve:` prefix).
 
-Engine gauges and counters are read from the engine thread's latest `EngineSnapshot` at
+Engine gauges and counters are read from the engine thread's latest `EngineStats` at
 scrape time, so nothing is counted twice; latency histograms are observed on the event
 loop when a request's last output arrives. Each server has its own registry.
 """
@@ -13,14 +13,15 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from oxserve.outputs import RequestOutput
-from oxserve.server.async_engine import EngineSnapshot, RequestTiming
+from oxserve.engine.engine import EngineStats
+from oxserve.server.async_engine import RequestTiming
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
 TOKEN_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
 
 
 class ServerMetrics:
-    def __init__(self, snapshot: Callable[[], EngineSnapshot]):
+    def __init__(self, snapshot: Callable[[], EngineStats]):
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(snapshot))
         self.ttft = Histogram(
@@ -54,14 +55,14 @@ class ServerMetrics:
 
 
 class _EngineCollector:
-    def __init__(self, snapshot: Callable[[], EngineSnapshot]):
+    def __init__(self, snapshot: Callable[[], EngineStats]):
         self.snapshot = snapshot
 
     def collect(self) -> Iterator[Metric]:
         s = self.snapshot()
-        yield GaugeMetricFamily("oxserve:num_requests_running", "Requests in the running batch.", value=s.running)
-        yield GaugeMetricFamily("oxserve:num_requests_waiting", "Requests waiting to be scheduled.", value=s.waiting)
+        yield GaugeMetricFamily("oxserve:num_requests_running", "Requests in the running batch.", value=s.num_running)
+        yield GaugeMetricFamily("oxserve:num_requests_waiting", "Requests waiting to be scheduled.", value=s.num_waiting)
         yield GaugeMetricFamily("oxserve:kv_cache_usage_perc", "Fraction of cache blocks in use (0-1).", value=s.cache_usage)
-        yield CounterMetricFamily("oxserve:num_preemptions", "Preemptions (recompute) so far.", value=s.preemptions)
+        yield CounterMetricFamily("oxserve:num_preemptions", "Preemptions (recompute) so far.", value=s.num_preemptions)
         yield CounterMetricFamily("oxserve:prompt_tokens", "Prompt tokens prefilled.", value=s.prompt_tokens)
         yield CounterMetricFamily("oxserve:generation_tokens", "Tokens generated.", value=s.generation_tokens)

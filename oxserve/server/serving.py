@@ -1,8 +1,8 @@
 """The two generation endpoints: API request -> engine requests -> JSON response or SSE stream.
 
 One API request becomes `len(prompts) * n` engine requests; choice i is prompt i // n,
-sample i % n, with seed + (i % n) when a seed is given (as `LLM.generate` does), so each
-choice is reproducible on its own.
+sample i % n, with the parameters `SamplingParams.fan_out()` gives sample i % n (as
+`LLM.generate` does), so each choice is reproducible on its own.
 """
 
 from __future__ import annotations
@@ -12,13 +12,14 @@ import json
 import logging
 import time
 import uuid
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 import jinja2
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from oxserve.engine.engine import PromptError, check_prompt_ids
 from oxserve.outputs import CompletionOutput, RequestOutput
 from oxserve.sampling_params import SamplingParams
 from oxserve.server.async_engine import AsyncEngine, EngineError, EngineRequest, QueueFullError, RequestGroup
@@ -55,12 +56,11 @@ class Job:
         return sum(len(p) for p in self.prompts)
 
     def engine_requests(self) -> list[EngineRequest]:
-        n, seed = self.params.n, self.params.seed
+        children = self.params.fan_out()
         requests = []
         for i in range(self.num_choices):
             rid = self.response_id if self.num_choices == 1 else f"{self.response_id}-{i}"
-            params = replace(self.params, n=1, seed=None if seed is None else seed + i % n)
-            requests.append((rid, self.prompts[i // n], params))
+            requests.append((rid, self.prompts[i // len(children)], children[i % len(children)]))
         return requests
 
     def usage(self, completion_tokens: int) -> dict[str, int]:
@@ -208,20 +208,10 @@ class OpenAIServing:
             ids = await asyncio.to_thread(self.engine.tokenizer.encode, prompt)  # long texts would stall the loop
         else:
             ids = prompt
-        limit = self.engine.max_model_len
-        if not ids:
-            raise bad_request("the prompt is empty", param)
-        if len(ids) >= limit:
-            raise bad_request(
-                f"This model's maximum context length is {limit} tokens; the prompt has {len(ids)} tokens, "
-                "which leaves no room for a completion. Shorten the prompt.", param,
-            )  # fmt: skip
-        if max_tokens is not None and len(ids) + max_tokens > limit:
-            raise bad_request(
-                f"This model's maximum context length is {limit} tokens. However, you requested "
-                f"{len(ids) + max_tokens} tokens ({len(ids)} in the prompt, {max_tokens} for the completion). "
-                "Reduce the prompt or max_tokens.", "max_tokens",
-            )  # fmt: skip
+        try:
+            check_prompt_ids(ids, self.engine.vocab_size, self.engine.max_model_len, max_tokens)
+        except PromptError as e:
+            raise bad_request(str(e), param if e.field == "prompt" else e.field) from None
         return ids
 
     async def _submit(self, job: Job, stream: bool) -> RequestGroup:

@@ -7,7 +7,7 @@ import pytest
 
 from oxserve.engine.engine import LLMEngine
 from oxserve.feedback.drive import PROMPT_MIN_TOKEN_ID, run_workload
-from oxserve.feedback.engine_options import engine_config
+from oxserve.options import engine_config
 from oxserve.feedback.workload import Workload
 from oxserve.profiling.spans import group_spans
 from oxserve.telemetry import Tracer
@@ -15,7 +15,7 @@ from oxserve.telemetry import Tracer
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir):
-    return LLMEngine(engine_config({"model": str(tiny_model_dir), "dtype": "float32", "cache_memory_gb": 0.05}))
+    return LLMEngine(engine_config({"model": str(tiny_model_dir), "dtype": "float32", "cache_memory_gib": 0.05}))
 
 
 def workload(arrival: dict, n: int = 6) -> Workload:

@@ -34,7 +34,7 @@ def data_dir(tmp_path_factory):
 
 @pytest.fixture
 def base(tiny_model_dir):
-    return {"model": str(tiny_model_dir), "dtype": "float32", "cache_memory_gb": 0.05}
+    return {"model": str(tiny_model_dir), "dtype": "float32", "cache_memory_gib": 0.05}
 
 
 def settings(base, a="", b="", workload=None, **kw) -> Settings:
@@ -74,7 +74,7 @@ def test_a_real_difference_is_detected(base, data_dir, tmp_path):
 def test_quality_gate_fails_a_change_of_outputs_and_passes_none(base, data_dir, tmp_path):
     bf16 = warm_up_with_quality_gate(prepare(settings(base, "dtype=float32", "dtype=bfloat16", quality_bound=1e-3), tmp_path))
     assert not bf16["passed"] and bf16["max_divergence"] > 1e-3
-    same = warm_up_with_quality_gate(prepare(settings(base, "cache_memory_gb=0.05", "cache_memory_gb=0.06",
+    same = warm_up_with_quality_gate(prepare(settings(base, "cache_memory_gib=0.05", "cache_memory_gib=0.06",
                                                       quality_bound=1e-3), tmp_path))
     assert same["passed"] and same["max_divergence"] <= 1e-3
     assert same["argmax_agreement"] == 1.0 and same["compared"] == same["positions"] == 8
@@ -102,14 +102,14 @@ def test_bad_arms_fail_before_any_run(base, data_dir, tmp_path):
 def test_a_worker_failure_is_recorded_not_lost(base, data_dir, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(sys, "argv", list(sys.argv))  # main() rewrites sys.argv
     ledger_path = tmp_path / "ledger.sqlite"
-    args = ["experiment", "run", "--a", "", "--b", "cache_memory_gb=0.0000001", "--workload", "smoke",
-            "--model", base["model"], "--dtype", "float32", "--cache-memory-gb", "0.05", "--threads", "1",
+    args = ["experiment", "run", "--a", "", "--b", "cache_memory_gib=0.0000001", "--workload", "smoke",
+            "--model", base["model"], "--dtype", "float32", "--cache-memory-gib", "0.05", "--threads", "1",
             "--quality-prompts", "1", "--quality-tokens", "2", "--ledger", str(ledger_path)]
     assert main(args) == 1
     assert "arm B: worker exited" in capsys.readouterr().err
     with Ledger(ledger_path) as ledger:
         (record,) = ledger.list()
-    assert record.status == "failed" and "cache_memory_gb" in record.error
+    assert record.status == "failed" and "cache_memory_gib" in record.error
 
 
 def test_corrupt_or_missing_ledger_is_a_clear_error_before_any_run(base, data_dir, tmp_path, capsys, monkeypatch):

@@ -33,7 +33,7 @@ def profile_dir(one_thread, tiny_model_dir, tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("OXSERVE_DATA_DIR", str(data))  # ceilings cache stays out of the user's data dir
         mp.setattr(sys, "argv", list(sys.argv))  # main() rewrites sys.argv
-        code = main(["profile", "--model", str(tiny_model_dir), "--dtype", "float32", "--cache-memory-gb", "0.05",
+        code = main(["profile", "--model", str(tiny_model_dir), "--dtype", "float32", "--cache-memory-gib", "0.05",
                      "--workload", str(workload), "--out", str(out), "--ceilings", "quick", "--overhead-repeats", "1",
                      "--threads", "1"])
     assert code == 0

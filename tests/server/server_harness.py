@@ -68,7 +68,7 @@ def serve(model: Path, *args: str, log_dir: Path) -> Iterator[ServerProcess]:
     port = free_port()
     log_path = log_dir / f"server-{port}.log"
     cmd = [sys.executable, "-m", "oxserve.cli", "serve", "--model", str(model), "--dtype", "float32",
-           "--port", str(port), "--max-model-len", str(MAX_MODEL_LEN), "--cache-memory-gb", "0.05", *args]  # fmt: skip
+           "--port", str(port), "--max-model-len", str(MAX_MODEL_LEN), "--cache-memory-gib", "0.05", *args]  # fmt: skip
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     server = ServerProcess(proc, port, log_path)

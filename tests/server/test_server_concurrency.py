@@ -91,7 +91,7 @@ def test_default_mode_matches_alone_runs_by_teacher_forcing(tiny_dense_dsa_model
 class AloneRunner:
     def __init__(self, model):
         config = EngineConfig(model=ModelConfig(model=str(model), dtype="float32", max_model_len=MAX_MODEL_LEN),
-                              cache=CacheConfig(cache_memory_gb=0.05))  # fmt: skip
+                              cache=CacheConfig(cache_memory_gib=0.05))  # fmt: skip
         self.engine = LLMEngine(config)
         self.count = 0
 

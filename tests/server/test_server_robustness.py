@@ -177,7 +177,7 @@ def test_engine_thread_survives_a_failing_request(tiny_model):
     it), makes the engine step raise. That request fails; the one waiting behind it is served."""
     config = EngineConfig(
         model=ModelConfig(model=str(tiny_model), dtype="float32", max_model_len=MAX_MODEL_LEN),
-        cache=CacheConfig(cache_memory_gb=0.05),
+        cache=CacheConfig(cache_memory_gib=0.05),
         scheduler=SchedulerConfig(max_num_seqs=1),
     )
     good = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
@@ -198,7 +198,7 @@ def test_engine_thread_survives_a_failing_request(tiny_model):
         served = [out async for _, out in after.outputs()][-1].outputs[0].token_ids
         again = await engine.submit([("again", [1, 2, 3], good)])
         repeat = [out async for _, out in again.outputs()][-1].outputs[0].token_ids
-        assert engine.is_alive and engine.snapshot.running == 0
+        assert engine.is_alive and engine.snapshot.num_running == 0
         await engine.stop()
         return error, served, repeat
 

@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from oxserve.cache.tensors import MLALayerCache
+from oxserve.cache.layers import MLACache
 from oxserve.model.batch import ForwardBatch
 from oxserve.model.indexer import Indexer
 from oxserve.model.mla import QUERY_BLOCK, MLAttention
@@ -35,10 +35,11 @@ def _paging(batch: int, context: int, block_size: int, device, gen) -> dict:
 def _decode_batch(i: dict, block_size: int) -> ForwardBatch:
     """A decode batch over the case's paging. These ops read only its paging fields."""
     batch = i["block_tables"].shape[0]
-    ones = torch.ones(batch, dtype=torch.long, device=i["block_tables"].device)
+    device = i["block_tables"].device
     return ForwardBatch(
-        query_lens=[1] * batch, context_lens=[0] * batch, num_decodes=batch, positions=i["contexts"] - 1,
-        request_index=i["request"], slot_mapping=ones, block_tables=i["block_tables"], state_slots=i["request"],
+        query_lens=[1] * batch, context_lens=(i["contexts"] - 1).tolist(), num_decodes=batch,
+        positions=i["contexts"] - 1, request_index=i["request"], cache_rows=torch.ones(batch, dtype=torch.long, device=device),
+        block_tables=i["block_tables"], state_slots=i["request"], has_initial_state=torch.ones(batch, dtype=torch.bool, device=device),
         block_size=block_size, logits_indices=i["request"],
     )
 
@@ -84,7 +85,7 @@ def reference_attention(cfg, i):
 def attention_candidate(cfg, i):
     with torch.device("meta"):  # only `scale` and the method are used: no weights needed
         attn = MLAttention(cfg, has_indexer=False, name="bench")
-    batch, cache = _decode_batch(i, BLOCK_SIZE), MLALayerCache(i["latent"], None, None)
+    batch, cache = _decode_batch(i, BLOCK_SIZE), MLACache(i["latent"])
 
     def run(out):
         q, pos, req = i["q_latent"], i["positions"], i["request"]
@@ -187,10 +188,11 @@ def indexer_candidate(cfg, i):
     with torch.device("meta"):  # _select uses the config values only, not the weights
         indexer = Indexer(cfg)
     batch = _decode_batch(i, BLOCK_SIZE)
-    cache = MLALayerCache(torch.empty(0, device=i["q"].device), None, i["pool_keys"])
+    cache = MLACache(torch.empty(0, device=i["q"].device), None, i["pool_keys"])
+    longest = max(batch.seq_lens)
 
     def run(out):
-        out[0].copy_(indexer._select(i["q"], i["head_weights"], i["query_pos"], batch, i["request"], cache))
+        out[0].copy_(indexer._select(i["q"], i["head_weights"], i["query_pos"], batch, i["request"], longest, cache))
     return run
 
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from oxserve.kernels.kda import causal_conv_chunk, causal_conv_step, kda_chunked, kda_recurrent_step
+from oxserve.kernels import reference
+from oxserve.kernels.kda import causal_conv, chunk_layout, chunk_plan, conv_layout, kda_chunked, kda_recurrent_step
+from oxserve.model.activations import activation
 from oxserve.profiling.opbench.checks import TOLERANCE, close, close_for, randn
 from oxserve.profiling.opbench.registry import Case, Op, register_op, returning
 
@@ -29,27 +31,24 @@ def _delta_inputs(cfg, tokens: int, batch: int | None, device, gen) -> dict:
     }
 
 
-def _delta_step_plain(q, k, v, g, beta, state):
-    """One token per head, any leading dims, as matrix-vector products:
-    S <- diag(e^g) S;   S <- S + k (beta (v - S^T k))^T;   o = S^T q."""
-    state = state * g.exp().unsqueeze(-1)
-    predicted = (k.unsqueeze(-2) @ state).squeeze(-2)  # S^T k
-    state = state + k.unsqueeze(-1) * (beta.unsqueeze(-1) * (v - predicted)).unsqueeze(-2)
-    return (q.unsqueeze(-2) @ state).squeeze(-2), state
-
-
 def reference_recurrent_step(cfg, i):
-    return _delta_step_plain(*(i[n].double() for n in ("q", "k", "v", "g", "beta", "state")))
+    return reference.delta_rule_step(*(i[n].double() for n in ("q", "k", "v", "g", "beta", "state")))
 
 
 def reference_chunked(cfg, i):
-    """Token by token over the whole sequence."""
-    q, k, v, g, beta, state = (i[n].double() for n in ("q", "k", "v", "g", "beta", "state"))
-    outs = []
-    for t in range(q.shape[0]):
-        o, state = _delta_step_plain(q[t], k[t], v[t], g[t], beta[t], state)
-        outs.append(o)
-    return torch.stack(outs), state
+    return reference.delta_rule(*(i[n].double() for n in ("q", "k", "v", "g", "beta", "state")))
+
+
+def chunked_candidate(cfg, i):
+    """One request's chunk through the packed kernel, laid out as the engine lays it out."""
+    size, exact = chunk_plan(cfg.linear_lower_bound)
+    layout = chunk_layout([i["q"].shape[0]], size, exact, i["q"].device)
+
+    def run(out):
+        o, state = kda_chunked(i["q"], i["k"], i["v"], i["g"], i["beta"], i["state"][None], layout)
+        out[0].copy_(o)
+        out[1].copy_(state[0])
+    return run
 
 
 def _delta_cost(i) -> tuple[float, float]:
@@ -83,34 +82,48 @@ def _chunked_cases(cfg, shapes, dtype, device):
 register_op(Op("kda.recurrent_step", _recurrent_cases, reference_recurrent_step, close(TOLERANCE[FP32]),
                {"torch": returning(kda_recurrent_step)}))
 # The chunked form reorders a long fp32 recurrence: allow more rounding than a single step.
-register_op(Op("kda.chunked", _chunked_cases, reference_chunked, close(1e-3), {"torch": returning(kda_chunked)}))
+register_op(Op("kda.chunked", _chunked_cases, reference_chunked, close(1e-3), {"torch": chunked_candidate}))
 
 
 # ---- causal conv ---------------------------------------------------------------------------
+# One op per shape class: a decode batch (one token for each of B requests) and one request's
+# prompt chunk. Both go through the same packed kernel, as in the engine.
 
 
-def _conv_inputs(cfg, lead: tuple[int, ...], state_lead: tuple[int, ...], dtype, device, gen) -> dict:
+def _conv_inputs(cfg, lengths: list[int], dtype, device, gen) -> dict:
     channels, width = 3 * cfg.kda_dim, cfg.linear_conv_kernel_dim
     return {
-        "x": randn(gen, *lead, channels, dtype=dtype, device=device),
-        "conv_state": randn(gen, *state_lead, width - 1, channels, dtype=dtype, device=device),
+        "x": randn(gen, sum(lengths), channels, dtype=dtype, device=device),
+        "conv_state": randn(gen, len(lengths), width - 1, channels, dtype=dtype, device=device),
         "weight": randn(gen, channels, width, dtype=FP32, device=device, scale=width**-0.5),
     }
 
 
-def reference_conv_step(cfg, i):
-    x, state, w = i["x"].double(), i["conv_state"].double(), i["weight"].double()
-    window = torch.cat([state, x.unsqueeze(1)], dim=1)  # [B, K, C], oldest first
-    out = sum(window[:, j] * w[:, j] for j in range(w.shape[1]))
-    return F.silu(out), window[:, 1:]
+def _lengths(i) -> list[int]:
+    requests, tokens = i["conv_state"].shape[0], i["x"].shape[0]
+    return [1] * requests if requests == tokens else [tokens]
 
 
-def reference_conv_chunk(cfg, i):
-    x, state, w = i["x"].double(), i["conv_state"].double(), i["weight"].double()
-    padded = torch.cat([state, x])
-    width = w.shape[1]
-    out = torch.stack([(padded[t : t + width].T * w).sum(-1) for t in range(x.shape[0])])
-    return F.silu(out), padded[-(width - 1) :]
+def reference_conv(cfg, i):
+    act = activation(cfg.hidden_act)
+    outs, states, start = [], [], 0
+    for r, n in enumerate(_lengths(i)):
+        out, state = reference.causal_conv(i["x"][start : start + n].double(), i["conv_state"][r].double(), i["weight"].double(), act)
+        outs.append(out)
+        states.append(state)
+        start += n
+    return torch.cat(outs), torch.stack(states)
+
+
+def conv_candidate(cfg, i):
+    layout = conv_layout(_lengths(i), cfg.linear_conv_kernel_dim, i["x"].device)
+    act = activation(cfg.hidden_act)
+
+    def run(out):
+        o, states = causal_conv(i["x"], i["conv_state"], i["weight"], layout, act)
+        out[0].copy_(o)
+        out[1].copy_(states)
+    return run
 
 
 def _conv_cost(i) -> tuple[float, float]:
@@ -119,23 +132,21 @@ def _conv_cost(i) -> tuple[float, float]:
     return data, 2.0 * x.numel() * i["weight"].shape[1]
 
 
-def _conv_step_cases(cfg, shapes, dtype, device):
+def _conv_cases(cfg, labels_and_lengths, dtype, device):
     return [
-        Case(f"B={b}", lambda gen, b=b: _conv_inputs(cfg, (b,), (b,), dtype, device, gen),
+        Case(label, lambda gen, n=lengths: _conv_inputs(cfg, n, dtype, device, gen),
              lambda i: (torch.empty_like(i["x"]), torch.empty_like(i["conv_state"])), _conv_cost, "fp32")
-        for b in shapes.batches
+        for label, lengths in labels_and_lengths
     ]
+
+
+def _conv_step_cases(cfg, shapes, dtype, device):
+    return _conv_cases(cfg, [(f"B={b}", [1] * b) for b in shapes.batches], dtype, device)
 
 
 def _conv_chunk_cases(cfg, shapes, dtype, device):
-    return [
-        Case(f"L={n}", lambda gen, n=n: _conv_inputs(cfg, (n,), (), dtype, device, gen),
-             lambda i: (torch.empty_like(i["x"]), torch.empty_like(i["conv_state"])), _conv_cost, "fp32")
-        for n in shapes.contexts
-    ]
+    return _conv_cases(cfg, [(f"L={n}", [n]) for n in shapes.contexts], dtype, device)
 
 
-register_op(Op("conv.step", _conv_step_cases, reference_conv_step, close_for("x"),
-               {"torch": returning(causal_conv_step)}))
-register_op(Op("conv.chunk", _conv_chunk_cases, reference_conv_chunk, close_for("x"),
-               {"torch": returning(causal_conv_chunk)}))
+register_op(Op("conv.step", _conv_step_cases, reference_conv, close_for("x"), {"torch": conv_candidate}))
+register_op(Op("conv.chunk", _conv_chunk_cases, reference_conv, close_for("x"), {"torch": conv_candidate}))

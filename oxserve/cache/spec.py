@@ -1,0 +1,122 @@
+"""What each layer caches, declared by the layer itself.
+
+A layer's spec names its tensors and says how they grow: `PagedTensor`s hold one entry per
+token (or per pool of tokens) in the request's paged blocks, `StateTensor`s one fixed-size
+tensor per request in its state slot. The memory planner sizes the caches from these
+declarations alone, and `allocate` builds the cache object the layer reads and writes
+through. A different precision, a split across devices or an extra ring buffer is a
+different spec and cache object, not a change to the layer's maths.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from oxserve.cache.layers import KDACache, MLACache
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """How much cache there is: paged blocks of `block_size` tokens, and state slots."""
+
+    num_blocks: int
+    block_size: int
+    num_slots: int
+
+
+def itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass(frozen=True)
+class PagedTensor:
+    """One `width`-wide entry per `tokens_per_entry` tokens, in the request's blocks."""
+
+    width: int
+    dtype: torch.dtype
+    tokens_per_entry: int = 1
+
+    @property
+    def bytes_per_token(self) -> float:
+        return self.width * itemsize(self.dtype) / self.tokens_per_entry
+
+    def allocate(self, layout: CacheLayout, device) -> torch.Tensor:
+        rows = layout.num_blocks * layout.block_size // self.tokens_per_entry
+        return torch.zeros(rows, self.width, dtype=self.dtype, device=device)
+
+
+@dataclass(frozen=True)
+class StateTensor:
+    """One tensor of `shape` per request, in its state slot."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def bytes(self) -> int:
+        return math.prod(self.shape) * itemsize(self.dtype)
+
+    def allocate(self, layout: CacheLayout, device) -> torch.Tensor:
+        return torch.zeros(layout.num_slots, *self.shape, dtype=self.dtype, device=device)
+
+
+@dataclass(frozen=True)
+class MLACacheSpec:
+    """An MLA layer: the normalised latent per token; with a full indexer, also each token's
+    indexer key and pool gate score, and one compressed key per complete pool."""
+
+    latent: PagedTensor
+    index_keys: PagedTensor | None = None
+    pool_keys: PagedTensor | None = None
+
+    @property
+    def paged(self) -> tuple[PagedTensor, ...]:
+        return tuple(t for t in (self.latent, self.index_keys, self.pool_keys) if t is not None)
+
+    @property
+    def states(self) -> tuple[StateTensor, ...]:
+        return ()
+
+    def allocate(self, layout: CacheLayout, device) -> MLACache:
+        def make(t: PagedTensor | None):
+            return None if t is None else t.allocate(layout, device)
+
+        return MLACache(make(self.latent), make(self.index_keys), make(self.pool_keys))
+
+
+@dataclass(frozen=True)
+class KDACacheSpec:
+    """A KDA layer: the last K-1 conv inputs and the fp32 delta-rule state, per request."""
+
+    conv: StateTensor
+    recurrent: StateTensor
+
+    @property
+    def paged(self) -> tuple[PagedTensor, ...]:
+        return ()
+
+    @property
+    def states(self) -> tuple[StateTensor, ...]:
+        return (self.conv, self.recurrent)
+
+    def allocate(self, layout: CacheLayout, device) -> KDACache:
+        return KDACache(self.conv.allocate(layout, device), self.recurrent.allocate(layout, device))
+
+
+LayerCacheSpec = MLACacheSpec | KDACacheSpec
+
+
+def bytes_per_token(specs: list[LayerCacheSpec]) -> float:
+    return sum(t.bytes_per_token for spec in specs for t in spec.paged)
+
+
+def bytes_per_request(specs: list[LayerCacheSpec]) -> int:
+    return sum(t.bytes for spec in specs for t in spec.states)
+
+
+def block_multiple(specs: list[LayerCacheSpec]) -> int:
+    """Block sizes must hold whole entries of every paged tensor."""
+    return math.lcm(1, *(t.tokens_per_entry for spec in specs for t in spec.paged))

@@ -1,0 +1,79 @@
+"""The plain data a step passes from the scheduler to the runner and back.
+
+Nothing here holds a live object: ids, token ids, block ids and counts only, so a
+`SchedulerOutput` can be pickled to worker processes (tensor parallelism, disaggregated
+prefill/decode) and a `ModelRunnerOutput` sent back.
+
+    Scheduler --SchedulerOutput--> ModelRunner(s) --ModelRunnerOutput--> Scheduler.update_from_output
+
+The runner keeps what it needs of a request between steps (its block table, the tokens it
+has fed, its sampling state) from `new_requests` and the per-step `ScheduledRequest`s, and
+drops it when the request's id comes back in `finished_request_ids`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from oxserve.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class NewRequestData:
+    """A request the runner starts from scratch this step: first scheduled, or resumed after
+    preemption. Its block table restarts from its `ScheduledRequest.new_block_ids`."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    """What one request computes this step."""
+
+    request_id: str
+    num_computed_tokens: int  # tokens already in the cache: the position of the first new token
+    token_ids: list[int]  # the tokens computed this step, drafts (if any) last
+    new_block_ids: list[int]  # blocks appended to the request's block table this step
+    state_slot: int  # the request's KDA state slot
+    samples: bool  # this step reaches the request's last token, so it yields new token(s)
+    num_draft_tokens: int = 0  # speculative tokens at the end of token_ids, to be verified
+
+    @property
+    def num_new_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def is_decode(self) -> bool:
+        """One new token on top of a cached context (drafts ride along with it)."""
+        return self.num_computed_tokens > 0 and self.num_new_tokens - self.num_draft_tokens == 1
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    new_requests: list[NewRequestData]
+    scheduled: list[ScheduledRequest]  # decodes first, then prefill chunks
+    finished_request_ids: list[str] = field(default_factory=list)  # since the last step: drop their state
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled if s.is_decode)
+
+
+@dataclass(frozen=True)
+class ModelRunnerOutput:
+    """Per sampling request: the tokens it accepted this step (one without speculation; the
+    verified drafts plus one more with it) and, if asked for, their logprobs."""
+
+    request_ids: list[str]
+    sampled_token_ids: list[list[int]]
+    logprobs: list[list[dict[int, float]] | None]
+
+    @staticmethod
+    def empty() -> "ModelRunnerOutput":
+        return ModelRunnerOutput([], [], [])

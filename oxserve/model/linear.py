@@ -1,0 +1,102 @@
+"""Projections and parameters that load themselves.
+
+Every projection of the model is a `Linear`; `swap_linears` replaces them all (before the
+weights load) with another implementation, which is how quantization and tensor
+parallelism enter without touching the model's maths. A parameter carries its own
+`weight_loader(param, tensor, shard) -> values written`, so the checkpoint loader only maps
+names to (parameter, `Shard`) and never needs to know how a parameter is stored:
+
+    q_proj.weight -> Shard(part=0) ─┐
+    k_proj.weight -> Shard(part=1) ─┼─> qkv_proj.weight rows [0:Q | Q:Q+K | Q+K:Q+K+V]
+    v_proj.weight -> Shard(part=2) ─┘
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Which piece of a parameter one checkpoint tensor fills."""
+
+    part: int | None = None  # of the parts fused along the (expert's) row axis; None: all of them
+    expert: int | None = None  # of an expert-stacked parameter; None: the whole stack
+
+
+class CheckpointError(ValueError):
+    pass
+
+
+WeightLoader = Callable[[nn.Parameter, torch.Tensor, Shard], int]
+
+
+def empty_param(*shape: int, dtype: torch.dtype | None = None) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+def copy_loader(
+    part_rows: tuple[int, ...] | None = None, reshape: Callable[[torch.Tensor], torch.Tensor] | None = None
+) -> WeightLoader:
+    """Copy a tensor into the part (rows) and expert slice a shard names.
+
+    part_rows: the row count of each fused part (None: the whole parameter is one part)."""
+
+    def load(param: nn.Parameter, tensor: torch.Tensor, shard: Shard) -> int:
+        if reshape is not None:
+            tensor = reshape(tensor)
+        dest = param.data
+        if shard.expert is not None:
+            if not 0 <= shard.expert < dest.shape[0]:
+                raise CheckpointError(f"expert {shard.expert} out of range (n_routed_experts={dest.shape[0]})")
+            dest = dest[shard.expert]
+        if shard.part is not None:
+            if part_rows is None or not 0 <= shard.part < len(part_rows):
+                raise CheckpointError(f"part {shard.part} out of range ({len(part_rows or ())} parts)")
+            start = sum(part_rows[: shard.part])
+            dest = dest[start : start + part_rows[shard.part]]
+        if tuple(dest.shape) != tuple(tensor.shape):
+            raise CheckpointError(f"has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
+        dest.copy_(tensor.to(dest.dtype))
+        return dest.numel()
+
+    return load
+
+
+def loadable(param: nn.Parameter, loader: WeightLoader | None = None) -> nn.Parameter:
+    param.weight_loader = loader or copy_loader()
+    return param
+
+
+class Linear(nn.Module):
+    """y = x W^T, no bias. `out_features` may list the row counts of parts fused into one
+    weight at load time (q|k|v, gate|up); the checkpoint fills each part separately."""
+
+    def __init__(self, in_features: int, out_features: int | tuple[int, ...]):
+        super().__init__()
+        parts = (out_features,) if isinstance(out_features, int) else tuple(out_features)
+        self.in_features = in_features
+        self.out_parts = parts
+        self.weight = loadable(empty_param(sum(parts), in_features), copy_loader(parts))
+
+    @property
+    def out_features(self) -> int:
+        return sum(self.out_parts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+def swap_linears(model: nn.Module, make: Callable[[str, Linear], nn.Module]) -> int:
+    """Replace every `Linear` in `model` by `make(qualified name, linear)`; returns how many.
+    Call it before loading: the new modules' parameters load the checkpoint themselves."""
+    targets = [(name, module) for name, module in model.named_modules() if isinstance(module, Linear)]
+    for name, linear in targets:
+        parent_name, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, attr, make(name, linear))
+    return len(targets)

@@ -1,0 +1,56 @@
+"""The MTP (multi-token prediction) layer GLM-5.3-Flash ships after its decoder layers.
+
+DeepSeek-V3 style, as vLLM and SGLang run it for glm5_next: one pre-norm residual block of
+MLA + DSA attention (with its own indexer and cache) and MoE, on a single residual stream
+(no hyper-connections). It drafts the token after next from the next token's embedding and
+the target model's final (normed) hidden state at the current position:
+
+    x = eh_proj([enorm(embed(t_{i+1})) ; hnorm(h_i)])        embedding first
+    y = x + attn(input_layernorm(x))
+    z = y + moe(post_attention_layernorm(y))
+    logits = lm_head(shared_head.norm(z))                    the target's head
+
+For k > 1 drafts it runs again on its own output (normed z) and the draft token, one
+position on. The embedding at position 0 is zeroed, as vLLM does: no token precedes it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from oxserve.cache.layers import MLACache
+from oxserve.cache.spec import MLACacheSpec
+from oxserve.model.batch import ForwardBatch
+from oxserve.model.common import RMSNorm
+from oxserve.model.config import TextModelConfig
+from oxserve.model.linear import Linear
+from oxserve.model.mla import MLAttention
+from oxserve.model.moe import MoE
+
+
+class MTPLayer(nn.Module):
+    def __init__(self, cfg: TextModelConfig, index: int):
+        super().__init__()
+        d, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.enorm = RMSNorm(d, eps)
+        self.hnorm = RMSNorm(d, eps)
+        self.eh_proj = Linear(2 * d, d)
+        self.input_layernorm = RMSNorm(d, eps)
+        self.self_attn = MLAttention(cfg, has_indexer=True, name=f"L{index}.mla")
+        self.post_attention_layernorm = RMSNorm(d, eps)
+        self.mlp = MoE(cfg, f"L{index}.moe")
+        self.shared_head_norm = RMSNorm(d, eps)
+
+    def cache_spec(self, dtype: torch.dtype) -> MLACacheSpec:
+        return self.self_attn.cache_spec(dtype)
+
+    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch, cache: MLACache) -> torch.Tensor:
+        """embeds [T, D] of the next tokens, hidden [T, D] of the target (or of the previous
+        draft) -> normed hidden [S, D] of the rows in batch.logits_indices, for the lm head."""
+        embeds = embeds.masked_fill((batch.positions == 0).unsqueeze(-1), 0.0)
+        x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden)], dim=-1))
+        attn, _ = self.self_attn(self.input_layernorm(x), batch, cache, None)
+        y = x + attn
+        z = y + self.mlp(self.post_attention_layernorm(y), batch.tracer)
+        return self.shared_head_norm(z[batch.logits_indices])
