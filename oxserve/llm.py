@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, Sequence
 
-from oxserve.config import EngineConfig
 from oxserve.engine.engine import LLMEngine, Prompt
 from oxserve.options import engine_config
 from oxserve.outputs import CompletionOutput, RequestOutput
@@ -19,13 +18,6 @@ class LLM:
     def __init__(self, model: str | None = None, **options: Any):
         self.engine = LLMEngine(engine_config({"model": model, **options}))
         self._counter = 0
-
-    @classmethod
-    def from_config(cls, config: EngineConfig) -> "LLM":
-        llm = cls.__new__(cls)
-        llm.engine = LLMEngine(config)
-        llm._counter = 0
-        return llm
 
     @property
     def tokenizer(self):

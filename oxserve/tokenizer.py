@@ -22,7 +22,6 @@ class Tokenizer:
         if self.chat_template is None and (path / "chat_template.jinja").exists():
             self.chat_template = (path / "chat_template.jinja").read_text()
         self.eos_token_id = self._special_id("eos_token")
-        self.bos_token_id = self._special_id("bos_token")
 
     @staticmethod
     def from_dir(path: str | Path) -> "Tokenizer | None":
@@ -44,9 +43,6 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
-
-    def id_to_token(self, token_id: int) -> str | None:
-        return self._tok.id_to_token(token_id)
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs) -> str:
         if not self.chat_template:

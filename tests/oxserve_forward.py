@@ -23,8 +23,15 @@ class ForcedRun:
     """A loaded model that runs any token sequence from an empty cache."""
 
     def __init__(self, path: Path | str, dtype: torch.dtype = torch.float32):
-        loaded = load_model(path, dtype=dtype)
-        self.model, self.cfg, self.dtype = loaded.model, loaded.config, dtype
+        self.model = load_model(path, dtype=dtype).model
+        self.cfg, self.dtype = self.model.config, dtype
+
+    @classmethod
+    def of(cls, model) -> "ForcedRun":
+        """A run of an already loaded model."""
+        run = cls.__new__(cls)
+        run.model, run.cfg, run.dtype = model, model.config, next(model.parameters()).dtype
+        return run
 
     def logits(self, tokens: list[int], chunk: int, decode_from: int | None = None) -> torch.Tensor:
         """Logits [L, V] (fp32) of every position of `tokens`.

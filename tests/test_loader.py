@@ -14,7 +14,9 @@ from tiny_models import TINY_TEXT_CONFIG
 from oxserve.default_model import build_checkpoint
 from oxserve.model.config import TextModelConfig
 from oxserve.model import loader
+from oxserve.model.linear import Linear, loadable, swap_linears
 from oxserve.model.loader import CheckpointError, load_model
+from oxserve_forward import ForcedRun
 
 
 @pytest.fixture(scope="module")
@@ -134,3 +136,39 @@ def test_engine_without_tokenizer_takes_token_ids(checkpoint):
 def test_attention_bias_is_rejected_by_the_config():
     with pytest.raises(ValueError, match="attention_bias"):
         TextModelConfig.from_hf_dict(dict(TINY_TEXT_CONFIG, attention_bias=True))
+
+
+class TransposedLinear(torch.nn.Module):
+    """Another storage for a projection: W^T (still called `weight`, the checkpoint's name),
+    filled part by part through its own loader."""
+
+    def __init__(self, linear: Linear):
+        super().__init__()
+        self.out_parts = linear.out_parts
+        weight = torch.empty(linear.in_features, sum(linear.out_parts))
+        self.weight = loadable(torch.nn.Parameter(weight, requires_grad=False), self._load)
+
+    def _load(self, param, tensor, shard) -> int:
+        start = sum(self.out_parts[: shard.part]) if shard.part is not None else 0
+        dest = param.data[:, start : start + tensor.shape[0]]
+        dest.copy_(tensor.T)
+        return dest.numel()
+
+    def forward(self, x):
+        return x @ self.weight
+
+    def dense_weight(self):
+        return self.weight.T
+
+
+def test_swapped_linears_load_themselves_and_compute_the_same(checkpoint):
+    """The quantization / sharding seam: a different Linear storage needs no loader change."""
+    plain = load_model(checkpoint, dtype=torch.float32).model
+    swapped_count = []
+    swapped = load_model(
+        checkpoint, dtype=torch.float32,
+        transform=lambda m: swapped_count.append(swap_linears(m, lambda name, linear: TransposedLinear(linear))),
+    ).model
+    assert swapped_count[0] > 0 and not any(isinstance(m, Linear) for m in swapped.modules())
+    tokens = list(range(20, 60))
+    torch.testing.assert_close(ForcedRun.of(swapped).logits(tokens, 16), ForcedRun.of(plain).logits(tokens, 16), rtol=1e-5, atol=1e-5)

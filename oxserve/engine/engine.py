@@ -78,7 +78,6 @@ class LLMEngine:
         self.tokenizer = Tokenizer.from_dir(path)
         limit = config.model.max_model_len or min(self.model_config.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
         layout = plan_cache(config.cache, config.scheduler, loaded.model.cache_specs(self.dtype), limit)
-        self.cache_layout = layout
         self.cache = CacheManager(layout.num_blocks, layout.block_size, layout.num_slots)
         self.scheduler = Scheduler(config.scheduler, self.cache)
         self.runner = ModelRunner(loaded.model, layout, self.dtype, self.device, deterministic=config.scheduler.deterministic)

@@ -73,7 +73,3 @@ class ModelRunnerOutput:
     request_ids: list[str]
     sampled_token_ids: list[list[int]]
     logprobs: list[list[dict[int, float]] | None]
-
-    @staticmethod
-    def empty() -> "ModelRunnerOutput":
-        return ModelRunnerOutput([], [], [])

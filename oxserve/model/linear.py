@@ -84,17 +84,21 @@ class Linear(nn.Module):
         self.out_parts = parts
         self.weight = loadable(empty_param(sum(parts), in_features), copy_loader(parts))
 
-    @property
-    def out_features(self) -> int:
-        return sum(self.out_parts)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight)
+
+    def dense_weight(self) -> torch.Tensor:
+        """W [out, in] in the model's dtype, for maths that uses the weight itself (MLA folds
+        kv_b_proj into query and output). Every Linear replacement provides it."""
+        return self.weight
 
 
 def swap_linears(model: nn.Module, make: Callable[[str, Linear], nn.Module]) -> int:
     """Replace every `Linear` in `model` by `make(qualified name, linear)`; returns how many.
-    Call it before loading: the new modules' parameters load the checkpoint themselves."""
+    Call it before loading (`load_model(..., transform=...)`): the new module keeps the
+    checkpoint's parameter name (`weight`), and that parameter's `weight_loader` takes each
+    part as the checkpoint holds it and stores it however the new module computes; it
+    provides `dense_weight()` too."""
     targets = [(name, module) for name, module in model.named_modules() if isinstance(module, Linear)]
     for name, linear in targets:
         parent_name, _, attr = name.rpartition(".")

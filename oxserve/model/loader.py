@@ -110,12 +110,20 @@ class LoadedModel:
 
 
 def load_model(
-    path: str | Path, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu", with_mtp: bool = False
+    path: str | Path,
+    dtype: torch.dtype = torch.bfloat16,
+    device: str | torch.device = "cpu",
+    with_mtp: bool = False,
+    transform: Callable[[Glm5NextForCausalLM], object] | None = None,
 ) -> LoadedModel:
+    """`transform` runs on the built model before any weight is read: the place to swap in
+    other Linears (`swap_linears`) whose parameters then load the checkpoint themselves."""
     path = Path(path)
     cfg = TextModelConfig.from_file(path)
     with _default_dtype(dtype), torch.device(device):
         model = Glm5NextForCausalLM(cfg, with_mtp=with_mtp)
+        if transform is not None:
+            transform(model)
     load = CheckpointLoad(model)
     mtp_index = cfg.num_hidden_layers
     for name, read in _checkpoint(path):

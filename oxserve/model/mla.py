@@ -50,8 +50,8 @@ class MLAttention(nn.Module):
         self.w_uv: torch.Tensor | None = None  # [H, v, C]
 
     def after_load(self) -> None:
-        """Split kv_b_proj into the per-head pieces folded into query and output (views)."""
-        w_kv = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
+        """Split kv_b_proj into the per-head pieces folded into query and output."""
+        w_kv = self.kv_b_proj.dense_weight().view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
         self.w_uk, self.w_uv = w_kv.split([self.nope_dim, self.v_dim], dim=1)
 
     def cache_spec(self, dtype: torch.dtype) -> MLACacheSpec:
