@@ -20,9 +20,13 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
 
 def pytest_terminal_summary(terminalreporter):
-    """Print how much of the reference comparisons the near-tie rule excused."""
-    from hf_reference import TALLY
+    """Print how much of the reference comparisons the near-tie rule excused, and bf16 fidelity."""
+    from hf_reference import FIDELITY_LINES, TALLY
 
+    if FIDELITY_LINES:
+        terminalreporter.section("bf16 fidelity against HF fp32")
+        for line in FIDELITY_LINES:
+            terminalreporter.write_line(line)
     if not TALLY.total:
         return
     terminalreporter.section("positions compared with the HF reference")

@@ -58,6 +58,7 @@ class Tally:
 
 
 TALLY = Tally()
+FIDELITY_LINES: list[str] = []  # bf16 fidelity results, printed at the end of the session
 
 
 def record_comparison(compared: int, total: int, ties_broken: int = 0) -> None:

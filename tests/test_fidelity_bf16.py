@@ -14,13 +14,14 @@ the per-sequence paired differences, plus 10% of HF's value for the few sequence
 from __future__ import annotations
 
 import math
+import os
 import random
 
 import pytest
 import torch
 from transformers import Glm5NextForConditionalGeneration
 
-from hf_reference import build_reference
+from hf_reference import FIDELITY_LINES, build_reference
 from oxserve.default_model import SMALL_TEXT_CONFIG, ensure_default_model
 from oxserve_forward import ForcedRun
 
@@ -50,8 +51,10 @@ def compare_bf16(path, sequences: list[list[int]], chunk: int, decode_last: int)
     ours = torch.stack([run.logits(s, chunk, decode_from=len(s) - decode_last) for s in sequences])
     kl_ours, top1_ours = (x.mean(-1) for x in per_position(hf32, ours))  # per sequence
     kl_hf, top1_hf = (x.mean(-1) for x in per_position(hf32, hf16))
-    print(f"{ids.numel()} positions in {len(sequences)} sequences: mean KL vs HF fp32: oxserve bf16 {kl_ours.mean():.3e}, "
-          f"HF bf16 {kl_hf.mean():.3e}; top-1 disagreement: oxserve {top1_ours.mean():.2%}, HF {top1_hf.mean():.2%}")  # fmt: skip
+    line = (f"{ids.numel()} positions in {len(sequences)} sequences: mean KL vs HF fp32: oxserve bf16 {kl_ours.mean():.3e}, "
+            f"HF bf16 {kl_hf.mean():.3e}; top-1 disagreement: oxserve {top1_ours.mean():.2%}, HF {top1_hf.mean():.2%}")  # fmt: skip
+    print(line)
+    FIDELITY_LINES.append(f"{os.environ.get('PYTEST_CURRENT_TEST', '?').rsplit(' ', 1)[0]}: {line}")
     kl_ok, kl_margin = within_noise(kl_ours, kl_hf)
     top1_ok, top1_margin = within_noise(top1_ours, top1_hf)
     assert kl_ok, f"oxserve's mean KL {kl_ours.mean():.3e} exceeds HF bf16's {kl_hf.mean():.3e} by more than {kl_margin:.1e}"

@@ -166,18 +166,23 @@ def kda_chunked(
     state = states.transpose(0, 1)  # [H, R, Dk, Dv]
     for step in range(layout.grid.shape[1]):
         ids = layout.grid[:, step]
-        v_new = u[:, ids] - w[:, ids] @ state
-        out[:, ids] = q_dec[:, ids] @ state + qk[:, ids] @ v_new
-        state = state * last_decay[:, ids] + k_to_end[:, ids] @ v_new
+
+        def at(x: torch.Tensor) -> torch.Tensor:
+            return x.index_select(1, ids)
+
+        v_new = at(u) - at(w) @ state
+        out.index_copy_(1, ids, at(q_dec) @ state + at(qk) @ v_new)  # repeated ids: the identity chunk
+        state = state * at(last_decay) + at(k_to_end) @ v_new
     heads, dv = out.shape[0], out.shape[-1]
     flat = out[:, : layout.num_chunks].permute(1, 2, 0, 3).reshape(-1, heads, dv)
-    return flat[layout.token_pos], state.transpose(0, 1)
+    return flat.index_select(0, layout.token_pos), state.transpose(0, 1)
 
 
 def _to_chunks(x: torch.Tensor, layout: ChunkLayout) -> torch.Tensor:
     """[T, H, ...] -> [H, N, C, ...], padding rows zero (zeros leave the state unchanged)."""
     padded = torch.cat([x, x.new_zeros(1, *x.shape[1:])])
-    return padded[layout.token_index].movedim(2, 0).contiguous()
+    chunks = padded.index_select(0, layout.token_index.flatten()).view(*layout.token_index.shape, *x.shape[1:])
+    return chunks.movedim(2, 0).contiguous()
 
 
 def _intra_factored(q, k, kb, cum):
@@ -209,38 +214,41 @@ def _intra_exact(q, k, kb, cum):
 
 @dataclass(frozen=True)
 class ConvLayout:
-    """A buffer holding each request's conv state (its last K-1 inputs) right before its new
-    tokens, so one depthwise conv over the whole buffer serves every request:
+    """Where each tap of each token's conv window reads from, in `source = [states; tokens]`
+    (every request's K-1 previous inputs, flattened, then the step's new tokens):
 
-        buffer rows:   | s0 s0 s0 | t0 t0 | s1 s1 s1 | t1 |        K = 4
-        token_rows:    [3 4 8]            out row of a token = its buffer row - (K - 1)
-        state_rows:    [[0 1 2] [5 6 7]]  final_rows: [[2 3 4] [6 7 8]]  (the last K-1 rows)
-    """
+        source rows:  | s0 s0 s0 s1 s1 s1 | t0 t0 t1 |          K = 4, request 0 has 2 new tokens
+        taps[:, 1]:   [1, 2, 6, 7]         token 1 of request 0: inputs at offsets -2, -1, 0, +1
+        final[0]:     [2, 6, 7]            its last K-1 inputs: the new conv state
 
-    kernel: int
-    num_rows: int
-    token_rows: torch.Tensor  # [T]
-    state_rows: torch.Tensor  # [R, K-1]
-    final_rows: torch.Tensor  # [R, K-1]
+    A token's output is sum_k w[:, k] * source[taps[k]]: K gathers and K multiply-adds for any
+    mix of decodes and prefill chunks."""
+
+    taps: torch.Tensor  # [K, T]
+    final: torch.Tensor  # [R, K-1]
 
 
 def conv_layout(query_lens: list[int], kernel: int, device: torch.device | str) -> ConvLayout:
     keep = kernel - 1
-    token_rows: list[int] = []
-    state_rows: list[list[int]] = []
-    final_rows: list[list[int]] = []
+    tokens_start = keep * len(query_lens)
+    taps: list[list[int]] = [[] for _ in range(kernel)]
+    final: list[list[int]] = []
     start = 0
-    for n in query_lens:
-        state_rows.append(list(range(start, start + keep)))
-        token_rows += range(start + keep, start + keep + n)
-        final_rows.append(list(range(start + n, start + n + keep)))
-        start += keep + n
+    for r, n in enumerate(query_lens):
+
+        def row(offset: int) -> int:  # source row of this request's input at `offset` from its first new token
+            return tokens_start + start + offset if offset >= 0 else r * keep + keep + offset
+
+        for i in range(n):
+            for k in range(kernel):
+                taps[k].append(row(i - keep + k))
+        final.append([row(n - keep + j) for j in range(keep)])
+        start += n
 
     def as_long(values, shape):
         return torch.tensor(values, dtype=torch.long, device=device).reshape(shape)
 
-    r = len(query_lens)
-    return ConvLayout(kernel, start, as_long(token_rows, (-1,)), as_long(state_rows, (r, keep)), as_long(final_rows, (r, keep)))
+    return ConvLayout(as_long(taps, (kernel, sum(query_lens))), as_long(final, (len(query_lens), keep)))
 
 
 def causal_conv(
@@ -252,13 +260,14 @@ def causal_conv(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Depthwise causal conv, then the activation, for packed requests.
 
-    x: [T, C]; states: [R, K-1, C] (zeros for a fresh request); weight: [C, K].
+    x: [T, C]; states: [R, K-1, C] (zeros for a fresh request); weight: [C, K] (fp32).
     Returns (out [T, C] in x's dtype, new states [R, K-1, C]).
     """
     channels = x.shape[1]
-    buffer = x.new_empty(layout.num_rows, channels)
-    buffer[layout.state_rows.flatten()] = states.reshape(-1, channels)
-    buffer[layout.token_rows] = x
-    out = F.conv1d(buffer.T.unsqueeze(0).to(weight.dtype), weight.unsqueeze(1), groups=channels)[0].T
-    out = activation(out[layout.token_rows - (layout.kernel - 1)])
-    return out.to(x.dtype), buffer[layout.final_rows]
+    source = torch.cat([states.reshape(-1, channels), x])
+    wide = source.to(weight.dtype)
+    out = wide.index_select(0, layout.taps[0]) * weight[:, 0]
+    for k in range(1, weight.shape[1]):
+        out.addcmul_(wide.index_select(0, layout.taps[k]), weight[:, k])
+    new_states = source.index_select(0, layout.final.flatten()).view(states.shape)
+    return activation(out).to(x.dtype), new_states

@@ -65,7 +65,8 @@ class Experts(nn.Module):
         token_of = order // top_k
         hidden, inter = self.down_proj.shape[1], self.down_proj.shape[2]
         run = grouped_experts if grouped_gemm_supported(x.device, x.dtype, hidden, inter) else looped_experts
-        out = run(x[token_of], weights.flatten()[order, None], offsets, self.gate_up_proj, self.down_proj, self.swiglu_limit)
+        rows, row_weight = x.index_select(0, token_of), weights.flatten().index_select(0, order)[:, None]
+        out = run(rows, row_weight, offsets, self.gate_up_proj, self.down_proj, self.swiglu_limit)
         return torch.zeros_like(x).index_add_(0, token_of, out)
 
 
