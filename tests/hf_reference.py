@@ -118,10 +118,12 @@ class Reference:
     path: Path
 
 
-def build_reference(name: str, directory: Path, seed: int) -> Reference:
-    """A random HF model whose every parameter is non-trivial, saved as a checkpoint."""
+def build_reference(name: str, directory: Path, seed: int, text: dict | None = None) -> Reference:
+    """A random HF model whose every parameter is non-trivial, saved as a checkpoint: the
+    config CONFIGS[name], or `text` when given."""
     torch.manual_seed(seed)
-    config = Glm5NextConfig(text_config=CONFIGS[name], vision_config=dict(VISION, out_hidden_size=64), **TOP_LEVEL.get(name, {}))
+    text = CONFIGS[name] if text is None else text
+    config = Glm5NextConfig(text_config=text, vision_config=dict(VISION, out_hidden_size=64), **TOP_LEVEL.get(name, {}))
     model = Glm5NextForConditionalGeneration(config).eval()
     with torch.no_grad():
         for pname, p in model.named_parameters():

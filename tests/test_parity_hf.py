@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from hf_reference import CONFIGS, LOGIT_TOL, OxserveChoices, build_reference, check_generation, near_ties, record_comparison, reference_run
+from hf_reference import CONFIGS, LOGIT_TOL, OxserveChoices, tiny_config, build_reference, check_generation, near_ties, record_comparison, reference_run
 from oxserve import LLM, SamplingParams
 from oxserve.llm import run_to_completion
 from oxserve_forward import ForcedRun
@@ -44,6 +44,20 @@ def test_prompt_logits_match(reference, length, chunk, decode_from):
     scale = float(hf.logits.abs().max())
     err = float((ours - hf.logits).abs().max())
     assert err <= LOGIT_TOL * scale, f"max |dlogit| {err:.3g} at scale {scale:.3g} over {n} positions"
+
+
+@pytest.mark.parametrize("options", [dict(linear_conv_kernel_dim=1, index_kpool=1, index_topk=8), dict(n_shared_experts=0)])
+def test_edge_shapes_match_hf(options, tmp_path):
+    """A 1-wide conv (no conv state at all), pools of one token, no shared expert."""
+    reference = build_reference("edge", tmp_path, random.SystemRandom().randrange(2**31), tiny_config(**options))
+    tokens = _prompt(random.Random(), 90)
+    hf = reference_run(reference, tokens)
+    run = ForcedRun(reference.path)
+    choices = OxserveChoices(run.model, forced={"0": near_ties(hf)})
+    ours = run.logits(tokens, 13, decode_from=70)
+    assert choices.first_divergence("0", hf, len(tokens))[0] == len(tokens)
+    record_comparison(len(tokens), len(tokens), choices.num_forced)
+    assert float((ours - hf.logits).abs().max()) <= LOGIT_TOL * float(hf.logits.abs().max())
 
 
 def _engine(reference, forced, **kw) -> tuple[LLM, OxserveChoices]:

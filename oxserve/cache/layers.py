@@ -27,7 +27,7 @@ def gather_rows(table: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 
 def scatter_rows(table: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> None:
     """table[rows] = values, for distinct row indices of any shape."""
-    table.index_copy_(0, rows.flatten(), values.reshape(-1, *table.shape[1:]).to(table.dtype))
+    table.index_copy_(0, rows.flatten(), values.reshape(rows.numel(), *table.shape[1:]).to(table.dtype))
 
 
 @dataclass

@@ -263,8 +263,7 @@ def causal_conv(
     x: [T, C]; states: [R, K-1, C] (zeros for a fresh request); weight: [C, K] (fp32).
     Returns (out [T, C] in x's dtype, new states [R, K-1, C]).
     """
-    channels = x.shape[1]
-    source = torch.cat([states.reshape(-1, channels), x])
+    source = torch.cat([states.flatten(0, 1), x])
     wide = source.to(weight.dtype)
     out = wide.index_select(0, layout.taps[0]) * weight[:, 0]
     for k in range(1, weight.shape[1]):
