@@ -5,9 +5,18 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
-from hf_reference import CONFIGS, LOGIT_TOL, OxserveChoices, tiny_config, build_reference, check_generation, near_ties, record_comparison, reference_run
+from hf_reference import (
+    CONFIGS,
+    LOGIT_TOL,
+    OxserveChoices,
+    build_reference,
+    check_generation,
+    near_ties,
+    record_comparison,
+    reference_run,
+    tiny_config,
+)
 from oxserve import LLM, SamplingParams
 from oxserve.llm import run_to_completion
 from oxserve_forward import ForcedRun

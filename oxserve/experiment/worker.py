@@ -26,8 +26,8 @@ import oxserve
 from oxserve.engine.engine import LLMEngine
 from oxserve.experiment.quality import generate_greedy, score_tokens
 from oxserve.feedback.drive import PROMPT_MIN_TOKEN_ID, run_workload
-from oxserve.options import engine_config
 from oxserve.feedback.workload import Arrival, Workload
+from oxserve.options import engine_config
 
 
 def run_job(job: dict) -> dict:
