@@ -9,7 +9,9 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 install: $(STAMP)
 
 # torch is pinned first: a bare `torch` requirement could pull a multi-GB CUDA build.
+# A C compiler builds the native CPU kernels (oxserve/kernels/native) on first use.
 $(STAMP): pyproject.toml
+	command -v cc >/dev/null || (apt-get update -q && apt-get install -y -q gcc)
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[test]'

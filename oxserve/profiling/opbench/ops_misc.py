@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from oxserve.kernels.hyper import hc_gates, hc_gates_torch
 from oxserve.model.common import RMSNorm
 from oxserve.model.glm5_next import Glm5NextForCausalLM
 from oxserve.model.hyper import HyperConnection
@@ -50,10 +51,11 @@ def reference_collapse(cfg, i):
     return post, comb, collapsed
 
 
-def collapse_candidate(cfg, i):
+def collapse_candidate(cfg, i, gates=hc_gates):
     with torch.device("meta"):
         hc = HyperConnection(cfg.hidden_size, cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps)
     bind_params(hc, fn=i["fn"], base=i["base"], scale=i["scale"])
+    hc.gates = gates
 
     def run(out):
         for buffer, value in zip(out, hc.collapse(i["streams"]), strict=True):
@@ -111,7 +113,9 @@ def _expand_cases(cfg, shapes, dtype, device):
     ]
 
 
-register_op(Op("hc.collapse", _collapse_cases, reference_collapse, close_for("streams"), {"torch": collapse_candidate}))
+register_op(Op("hc.collapse", _collapse_cases, reference_collapse, close_for("streams"),
+               {"engine": collapse_candidate,  # native gates on CPU
+                "torch": lambda cfg, i: collapse_candidate(cfg, i, gates=hc_gates_torch)}))
 register_op(Op("hc.expand", _expand_cases, reference_expand, close_for("streams"),
                {"torch": returning(HyperConnection.expand)}))
 

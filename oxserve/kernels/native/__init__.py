@@ -1,0 +1,59 @@
+"""Small C kernels for CPU hot spots that eager torch runs as many tiny ops.
+
+Each kernel is one C file in this package, compiled on first use with the system C compiler
+(`cc`, or `$CC`) into `$OXSERVE_CACHE_DIR/native` (default `~/.cache/oxserve/native`),
+named by a hash of source and flags so an edit rebuilds it and parallel processes share
+one build. Plain C with no torch headers: it builds in well under a second, and is called
+through ctypes on tensors' data pointers. Where no compiler is found, `load` returns None
+and callers run their torch version (which is also what the kernels are tested against).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+FLAGS = ("-O2", "-fPIC", "-shared", "-std=c11")
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("OXSERVE_CACHE_DIR")
+    return (Path(root) if root else Path.home() / ".cache" / "oxserve") / "native"
+
+
+def compiler() -> str | None:
+    return shutil.which(os.environ.get("CC", "cc"))
+
+
+@functools.cache
+def load(name: str) -> ctypes.CDLL | None:
+    """The compiled kernel library `name` (from `name.c`), or None without a C compiler."""
+    cc = compiler()
+    if cc is None:
+        log.warning("no C compiler (cc / $CC): native kernel %s unavailable, using the torch version", name)
+        return None
+    source = Path(__file__).with_name(f"{name}.c")
+    digest = hashlib.sha256(source.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
+    target = cache_dir() / f"{name}-{digest}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            built = Path(tmp) / target.name
+            result = subprocess.run([cc, *FLAGS, "-o", str(built), str(source), "-lm"], capture_output=True, text=True)
+            if result.returncode != 0:
+                raise RuntimeError(f"compiling native kernel {name} failed:\n{result.stderr}")
+            os.replace(built, target)  # atomic: a concurrent build just replaces an identical file
+    return ctypes.CDLL(str(target))
+
+
+def pointer(tensor) -> ctypes.c_void_p:
+    return ctypes.c_void_p(tensor.data_ptr())

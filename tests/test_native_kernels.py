@@ -1,0 +1,63 @@
+"""The native C kernels against their torch versions and the float64 definition."""
+
+import pytest
+import torch
+
+from oxserve.kernels import native
+from oxserve.kernels.hyper import NATIVE_MAX_N, hc_gates, hc_gates_native, hc_gates_torch
+
+
+def test_the_native_kernels_build_here():
+    # The engine's CPU fast path depends on them: a machine without a C compiler is a set-up
+    # failure (`make install` provides one), not a reason to skip.
+    assert native.compiler() is not None
+    assert native.load("hc_gates") is not None
+
+
+def _definition(mixed, base, scale, n, iters, eps):
+    """Per token, in float64, as the mHC paper states it."""
+    x = mixed.double()
+    base, scale = base.double(), scale.double()
+    pre = torch.sigmoid(x[:, :n] * scale[0] + base[:n]) + eps
+    post = 2 * torch.sigmoid(x[:, n : 2 * n] * scale[1] + base[n : 2 * n])
+    comb = torch.softmax(x[:, 2 * n :].view(-1, n, n) * scale[2] + base[2 * n :].view(n, n), dim=-1) + eps
+    comb = comb / (comb.sum(1, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(2, keepdim=True) + eps)
+        comb = comb / (comb.sum(1, keepdim=True) + eps)
+    return pre, post, comb
+
+
+@pytest.mark.parametrize("n", [1, 2, 4, 7, NATIVE_MAX_N])
+@pytest.mark.parametrize("tokens", [0, 1, 7, 8, 9, 300])
+def test_hc_gates_native_matches_torch_and_definition(n, tokens):
+    gen = torch.Generator().manual_seed(n * 1000 + tokens)
+    width = (2 + n) * n
+    mixed = torch.randn(tokens, width, generator=gen) * 4
+    base = torch.randn(width, generator=gen)
+    scale = torch.rand(3, generator=gen) + 0.5
+    iters, eps = int(torch.randint(0, 21, (), generator=gen)), float(10 ** -torch.randint(3, 8, ()).item())
+    got = hc_gates_native(mixed, base, scale, n, iters, eps)
+    eager = hc_gates_torch(mixed, base, scale, n, iters, eps)
+    exact = _definition(mixed, base, scale, n, iters, eps)
+    for g, e, x in zip(got, eager, exact, strict=True):
+        assert g.shape == e.shape and g.dtype == torch.float32
+        torch.testing.assert_close(g, e, rtol=2e-6, atol=2e-6)
+        torch.testing.assert_close(g.double(), x, rtol=1e-5, atol=1e-5)
+    if tokens and iters >= 20 and eps < 1e-5:
+        comb = got[2].double()  # converged: rows and columns sum to 1
+        torch.testing.assert_close(comb.sum(1), torch.ones(tokens, n, dtype=torch.float64), rtol=0, atol=1e-3)
+
+
+def test_hc_gates_takes_strided_inputs_and_large_n_falls_back():
+    mixed = torch.randn(5, 2 * 24)[:, ::2]  # not contiguous
+    base, scale = torch.randn(24), torch.rand(3) + 0.5
+    for g, e in zip(hc_gates(mixed, base, scale, 4, 20, 1e-6), hc_gates_torch(mixed, base, scale, 4, 20, 1e-6)):
+        torch.testing.assert_close(g, e, rtol=2e-6, atol=2e-6)
+    n = NATIVE_MAX_N + 1
+    width = (2 + n) * n
+    args = torch.randn(3, width), torch.randn(width), torch.rand(3) + 0.5
+    with pytest.raises(ValueError, match="limit"):
+        hc_gates_native(*args, n, 5, 1e-6)
+    for g, e in zip(hc_gates(*args, n, 5, 1e-6), hc_gates_torch(*args, n, 5, 1e-6)):
+        torch.testing.assert_close(g, e)
