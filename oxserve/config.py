@@ -23,6 +23,10 @@ class ModelConfig:
     threads: int | None = opt(
         None, "torch intra-op threads (default: torch's choice; 1 is steadier on a machine shared with other work)"
     )
+    linear_kernel: str = opt(
+        "auto", "matrix products of the projections and LM head: oneDNN pre-packed weights (onednn; CPU fp32), "
+        "F.linear (torch), or auto (onednn where supported)", choices=("auto", "onednn", "torch"),
+    )
 
     def __post_init__(self) -> None:
         if self.threads is not None and self.threads < 1:

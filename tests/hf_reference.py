@@ -118,12 +118,15 @@ class Reference:
     path: Path
 
 
-def build_reference(name: str, directory: Path, seed: int, text: dict | None = None) -> Reference:
+def build_reference(
+    name: str, directory: Path, seed: int, text: dict | None = None, top_level: dict | None = None
+) -> Reference:
     """A random HF model whose every parameter is non-trivial, saved as a checkpoint: the
-    config CONFIGS[name], or `text` when given."""
+    config CONFIGS[name] (and TOP_LEVEL[name]), or `text` (and `top_level`) when given."""
     torch.manual_seed(seed)
     text = CONFIGS[name] if text is None else text
-    config = Glm5NextConfig(text_config=text, vision_config=dict(VISION, out_hidden_size=64), **TOP_LEVEL.get(name, {}))
+    top_level = TOP_LEVEL.get(name, {}) if top_level is None else top_level
+    config = Glm5NextConfig(text_config=text, vision_config=dict(VISION, out_hidden_size=64), **top_level)
     model = Glm5NextForConditionalGeneration(config).eval()
     with torch.no_grad():
         for pname, p in model.named_parameters():

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from oxserve.cache.spec import CacheLayout
+from oxserve.kernels.onednn import choose_linear_kernel
 from oxserve.model.batch import BatchRequest, make_forward_batch
 from oxserve.model.loader import load_model
 
@@ -22,8 +23,10 @@ BLOCK_SIZE = 32
 class ForcedRun:
     """A loaded model that runs any token sequence from an empty cache."""
 
-    def __init__(self, path: Path | str, dtype: torch.dtype = torch.float32):
-        self.model = load_model(path, dtype=dtype).model
+    def __init__(self, path: Path | str, dtype: torch.dtype = torch.float32, linear_kernel: str = "auto"):
+        """linear_kernel: as the engine option (auto: the engine's default choice)."""
+        _, transform = choose_linear_kernel(linear_kernel, torch.device("cpu"), dtype)
+        self.model = load_model(path, dtype=dtype, transform=transform).model
         self.cfg, self.dtype = self.model.config, dtype
 
     @classmethod

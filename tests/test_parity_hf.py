@@ -40,11 +40,11 @@ def _prompt(rng: random.Random, n: int) -> list[int]:
     [(1, 64, None), (5, 64, None), (37, 16, None), (37, 1, None), (100, 7, None), (200, 64, None), (230, 13, None),
      (700, 700, None), (700, 96, None), (90, 13, 41)],
 )
-def test_prompt_logits_match(reference, length, chunk, decode_from):
+def test_prompt_logits_match(reference, length, chunk, decode_from, linear_kernel="auto"):
     rng = random.Random()
     tokens = _prompt(rng, length)
     hf = reference_run(reference, tokens)
-    run = ForcedRun(reference.path)
+    run = ForcedRun(reference.path, linear_kernel=linear_kernel)
     choices = OxserveChoices(run.model, forced={"0": near_ties(hf)})
     ours = run.logits(tokens, chunk, decode_from)
     n, _ = choices.first_divergence("0", hf, length)  # fails on a pick that differs with a clear margin
@@ -53,6 +53,12 @@ def test_prompt_logits_match(reference, length, chunk, decode_from):
     scale = float(hf.logits.abs().max())
     err = float((ours - hf.logits).abs().max())
     assert err <= LOGIT_TOL * scale, f"max |dlogit| {err:.3g} at scale {scale:.3g} over {n} positions"
+
+
+@pytest.mark.parametrize("linear_kernel", ["torch", "onednn"])
+def test_each_linear_kernel_matches_hf(reference, linear_kernel):
+    """auto picks onednn on CPU fp32; both kernels stay selectable and both match."""
+    test_prompt_logits_match(reference, 90, 13, 41, linear_kernel)
 
 
 @pytest.mark.parametrize("options", [dict(linear_conv_kernel_dim=1, index_kpool=1, index_topk=8), dict(n_shared_experts=0)])

@@ -25,6 +25,8 @@ from oxserve.engine.request import Request
 from oxserve.engine.runner import ModelRunner
 from oxserve.engine.scheduler import RequestUpdate, Scheduler
 from oxserve.engine.stop import StopStrings
+from oxserve.engine.threads import choose_threads
+from oxserve.kernels.onednn import choose_linear_kernel
 from oxserve.model.loader import load_model
 from oxserve.outputs import CompletionOutput, RequestOutput
 from oxserve.sampling_params import SamplingParams
@@ -67,13 +69,17 @@ class StepShape:
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
-        if config.model.threads:
-            torch.set_num_threads(config.model.threads)
+        self.device = torch.device(config.model.device)
+        if self.device.type == "cpu":
+            threads, why = choose_threads(config.model.threads)
+            torch.set_num_threads(threads)
+            log.info("oxserve: %d intra-op thread(s), %s", threads, why)
         path = Path(config.model.model) if config.model.model else _default_model()
         self.model_path = path
         self.dtype = DTYPES[config.model.dtype]
-        self.device = torch.device(config.model.device)
-        loaded = load_model(path, dtype=self.dtype, device=self.device)
+        self.linear_kernel, transform = choose_linear_kernel(config.model.linear_kernel, self.device, self.dtype)
+        loaded = load_model(path, dtype=self.dtype, device=self.device, transform=transform)
+        log.info("oxserve: projection and LM head products through %s", self.linear_kernel)
         self.model_config = loaded.config
         self.tokenizer = Tokenizer.from_dir(path)
         limit = config.model.max_model_len or min(self.model_config.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)

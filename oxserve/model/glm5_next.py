@@ -14,7 +14,7 @@ from oxserve.model.common import DenseMLP, RMSNorm
 from oxserve.model.config import TextModelConfig
 from oxserve.model.hyper import HyperConnection
 from oxserve.model.kda import KDAttention
-from oxserve.model.linear import empty_param, loadable
+from oxserve.model.linear import Linear, empty_param, loadable
 from oxserve.model.mla import MLAttention
 from oxserve.model.moe import MoE
 from oxserve.model.mtp import MTPLayer
@@ -76,8 +76,12 @@ class Glm5NextForCausalLM(nn.Module):
         self.embed_tokens = loadable(empty_param(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        # Tied: one tensor serves both (the reference ties on the top-level flag only).
-        self.lm_head = self.embed_tokens if cfg.tie_word_embeddings else loadable(empty_param(cfg.vocab_size, cfg.hidden_size))
+        # A Linear, so that quantization and kernel choices (swap_linears) reach the head too.
+        # Tied: the embedding's parameter is the head's weight (the reference ties on the
+        # top-level flag only).
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens
         self.mtp = MTPLayer(cfg, cfg.num_hidden_layers) if with_mtp else None
 
     def cache_specs(self, dtype: torch.dtype) -> list[LayerCacheSpec]:
@@ -100,4 +104,4 @@ class Glm5NextForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor, tracer: Tracer | None = None) -> torch.Tensor:
         with span(tracer, "lm_head"):
-            return F.linear(hidden, self.lm_head).float()
+            return self.lm_head(hidden).float()

@@ -155,7 +155,7 @@ def load_model(
 def _top_target(local: str, cfg: TextModelConfig) -> Target | None:
     if local == "lm_head.weight" and cfg.tie_word_embeddings:
         return None  # tied: the embedding is the head
-    renamed = {"embed_tokens.weight": "embed_tokens", "lm_head.weight": "lm_head", "norm.weight": "norm.weight"}
+    renamed = {"embed_tokens.weight": "embed_tokens", "lm_head.weight": "lm_head.weight", "norm.weight": "norm.weight"}
     return Target(renamed[local]) if local in renamed else None
 
 

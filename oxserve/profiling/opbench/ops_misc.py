@@ -165,7 +165,7 @@ def reference_lm_head(cfg, i):
 def lm_head_candidate(cfg, i):
     with torch.device("meta"):
         model = Glm5NextForCausalLM(cfg)
-    bind_params(model, lm_head=i["weight"])
+    bind_params(model.lm_head, weight=i["weight"])
 
     def run(out):
         out[0].copy_(model.compute_logits(i["x"]))

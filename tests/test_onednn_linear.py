@@ -1,0 +1,51 @@
+"""oneDNN pre-packed linears: the same products as F.linear, the same model once loaded."""
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from oxserve.kernels.onednn import OneDNNLinear, choose_linear_kernel, use_onednn_linears
+from oxserve.model.linear import Linear
+from oxserve.model.loader import load_model
+from hf_reference import build_reference, tiny_config
+
+
+def test_auto_takes_onednn_on_cpu_fp32_only():
+    cpu = torch.device("cpu")
+    assert choose_linear_kernel("auto", cpu, torch.float32)[0] == "onednn"
+    assert choose_linear_kernel("auto", cpu, torch.bfloat16) == ("torch", None)
+    assert choose_linear_kernel("torch", cpu, torch.float32) == ("torch", None)
+    with pytest.raises(ValueError, match="float32"):
+        choose_linear_kernel("onednn", cpu, torch.bfloat16)
+    with pytest.raises(ValueError, match="auto, onednn or torch"):
+        choose_linear_kernel("mkl", cpu, torch.float32)
+
+
+@pytest.mark.parametrize("rows", [0, 1, 2, 8, 33, 300])
+def test_products_match_f_linear(rows):
+    parts = (random.randint(1, 40), random.randint(1, 70))
+    linear = Linear(random.randint(1, 90), parts)
+    weight = torch.randn(sum(parts), linear.in_features)
+    linear.weight.data.copy_(weight)
+    packed = OneDNNLinear(linear)
+    packed.after_load()
+    assert packed.weight.numel() == 0  # the dense copy is freed
+    torch.testing.assert_close(packed.dense_weight(), weight, rtol=0, atol=0)
+    for x in (torch.randn(rows, linear.in_features), torch.randn(2, rows, 2 * linear.in_features)[..., ::2]):
+        torch.testing.assert_close(packed(x), F.linear(x, weight), rtol=1e-5, atol=1e-5 * linear.in_features**0.5)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_loaded_model_keeps_what_it_shares(tmp_path, tied):
+    top_level = {"tie_word_embeddings": tied}
+    reference = build_reference("onednn", tmp_path, random.randrange(2**31), tiny_config(), top_level)
+    plain = load_model(reference.path, dtype=torch.float32).model
+    model = load_model(reference.path, dtype=torch.float32, transform=use_onednn_linears).model
+    assert isinstance(model.lm_head, OneDNNLinear) and model.lm_head.shared_weight == tied
+    # A tied head keeps the embedding's rows; every unshared projection gave up its dense copy.
+    torch.testing.assert_close(model.embed_tokens, plain.embed_tokens, rtol=0, atol=0)
+    assert model.layers[0].self_attn.o_proj.weight.numel() == 0
+    hidden = torch.randn(3, model.config.hidden_size)
+    torch.testing.assert_close(model.compute_logits(hidden), plain.compute_logits(hidden), rtol=1e-5, atol=1e-4)
