@@ -21,7 +21,8 @@ class ModelConfig:
     max_model_len: int | None = opt(None, "longest prompt + output in tokens (default: the model's limit, capped at 32768)")
     seed: int = opt(0, "seed for requests that do not set their own")
     threads: int | None = opt(
-        None, "torch intra-op threads (default: torch's choice; 1 is steadier on a machine shared with other work)"
+        None, "torch intra-op threads on CPU (default: one per CPU this process may use, after affinity and cgroup "
+        "quota; logged at start; 1 is steadier on a machine shared with other work)"
     )
     linear_kernel: str = opt(
         "auto", "matrix products of the projections and LM head: oneDNN pre-packed weights (onednn; CPU fp32), "

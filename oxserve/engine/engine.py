@@ -25,6 +25,7 @@ from oxserve.engine.request import Request
 from oxserve.engine.runner import ModelRunner
 from oxserve.engine.scheduler import RequestUpdate, Scheduler
 from oxserve.engine.stop import StopStrings
+from oxserve.engine.memory import keep_freed_memory
 from oxserve.engine.threads import choose_threads
 from oxserve.kernels.onednn import choose_linear_kernel
 from oxserve.model.loader import load_model
@@ -74,6 +75,8 @@ class LLMEngine:
             threads, why = choose_threads(config.model.threads)
             torch.set_num_threads(threads)
             log.info("oxserve: %d intra-op thread(s), %s", threads, why)
+            if keep_freed_memory():
+                log.info("oxserve: freed activation memory stays mapped between steps (glibc mallopt)")
         path = Path(config.model.model) if config.model.model else _default_model()
         self.model_path = path
         self.dtype = DTYPES[config.model.dtype]
