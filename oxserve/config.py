@@ -25,8 +25,9 @@ class ModelConfig:
         "quota; logged at start; 1 is steadier on a machine shared with other work)"
     )
     linear_kernel: str = opt(
-        "auto", "matrix products of the projections and LM head: oneDNN pre-packed weights (onednn; CPU fp32), "
-        "F.linear (torch), or auto (onednn where supported)", choices=("auto", "onednn", "torch"),
+        "torch", "matrix products of the projections and LM head: F.linear (torch), oneDNN pre-packed weights "
+        "(onednn; CPU fp32), or auto (onednn where supported). torch is the default until an A/B shows "
+        "onednn faster end to end (docs/performance.md, ledger 4)", choices=("auto", "onednn", "torch"),
     )
 
     def __post_init__(self) -> None:
@@ -56,6 +57,11 @@ class CacheConfig:
 class SchedulerConfig:
     max_num_seqs: int = opt(64, "most requests running at once")
     max_num_batched_tokens: int = opt(2048, "token budget of one engine step (prefill chunks + decodes)")
+    max_stall: float = opt(
+        4.0,
+        "stall-free batching: a step that carries prefill next to decodes may cost at most this many times a "
+        "decode-only step (its prefill tokens are bounded from measured step costs); 0 turns it off",
+    )
     deterministic: bool = opt(
         False,
         "batch-invariant mode: every token runs alone (one token per request per step, one request per "
@@ -65,6 +71,8 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_stall != 0 and self.max_stall <= 1:
+            raise ValueError(f"max_stall must be > 1 (or 0: off), got {self.max_stall}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
 

@@ -13,18 +13,20 @@ from pathlib import Path
 import torch
 
 from oxserve.cache.spec import CacheLayout
+from oxserve.config import ModelConfig
 from oxserve.kernels.onednn import choose_linear_kernel
 from oxserve.model.batch import BatchRequest, make_forward_batch
 from oxserve.model.loader import load_model
 
 BLOCK_SIZE = 32
+DEFAULT_KERNEL = ModelConfig().linear_kernel
 
 
 class ForcedRun:
     """A loaded model that runs any token sequence from an empty cache."""
 
-    def __init__(self, path: Path | str, dtype: torch.dtype = torch.float32, linear_kernel: str = "auto"):
-        """linear_kernel: as the engine option (auto: the engine's default choice)."""
+    def __init__(self, path: Path | str, dtype: torch.dtype = torch.float32, linear_kernel: str = DEFAULT_KERNEL):
+        """linear_kernel: as the engine option (default: the engine's default)."""
         _, transform = choose_linear_kernel(linear_kernel, torch.device("cpu"), dtype)
         self.model = load_model(path, dtype=dtype, transform=transform).model
         self.cfg, self.dtype = self.model.config, dtype

@@ -76,6 +76,12 @@ class RunnerView:
             self.tables[s.request_id] += s.new_block_ids
 
 
+def _step_seconds(out: SchedulerOutput) -> float:
+    """A synthetic cost: fixed overhead, per decode, per prefill token (as a CPU step is)."""
+    decodes = sum(1 for s in out.scheduled if s.is_decode)
+    return 0.02 + 0.002 * decodes + 0.0004 * (out.num_tokens - out.num_decode_tokens)
+
+
 def _check_invariants(scheduler: Scheduler, cache: CacheManager, view: RunnerView) -> None:
     held = [b for r in scheduler.running for b in cache.blocks_of(r.request_id)]
     assert len(held) == len(set(held)), "a block is held twice"
@@ -107,6 +113,7 @@ def _simulate(scheduler: Scheduler, cache: CacheManager, requests: list[Request]
         for s in out.scheduled:
             assert len(view.tables[s.request_id]) * cache.block_size >= s.num_computed_tokens + s.num_new_tokens
             assert s.token_ids == scheduler.requests[s.request_id].token_slice(s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens)
+        scheduler.observe_step(out, _step_seconds(out))
         for update in scheduler.update_from_output(out, _sample_all(out)):
             if update.finished:
                 scheduler.forget(update.request.request_id)
@@ -248,3 +255,57 @@ def test_a_request_aborted_during_the_step_takes_no_tokens():
     scheduler.finish("r0", "abort")
     assert scheduler.update_from_output(out, _sample_all(out)) == []
     assert request.output_token_ids == [] and request.finish_reason == "abort"
+
+
+def test_stall_free_pacing_bounds_the_prefill_that_rides_with_decodes():
+    """Measured costs: a mixed step stays within max_stall decode steps, prompts still advance,
+    and a step with no decodes takes the whole token budget."""
+    cache = CacheManager(num_blocks=256, block_size=16, num_slots=8)
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=2048, max_stall=2.0), cache)
+    first = _request(0, 1000, 200)
+    scheduler.add(first)
+    out = scheduler.schedule()
+    assert out.num_tokens == 1000  # nothing to stall yet: no bound
+    steps = []
+    for i in range(1, 40):
+        scheduler.observe_step(out, _step_seconds(out))
+        scheduler.update_from_output(out, _sample_all(out))
+        if i % 10 == 0:
+            scheduler.add(_request(i, 700, 200))
+        out = scheduler.schedule()
+        steps.append(out)
+    decode_only = [_step_seconds(o) for o in steps if o.num_decode_tokens == o.num_tokens]
+    mixed = [o for o in steps if o.num_decode_tokens and o.num_tokens > o.num_decode_tokens]
+    assert mixed and decode_only
+    for o in mixed[3:]:  # the first mixed steps are the fit's first samples of carrying prefill
+        assert _step_seconds(o) <= 2.0 * max(decode_only) * 1.05
+        assert o.num_tokens - o.num_decode_tokens >= 16
+    # Prompts advance oldest first, in paced chunks.
+    assert scheduler.requests["r10"].output_token_ids and scheduler.requests["r20"].num_computed_tokens > 0
+
+
+def test_pacer_budget_from_measured_costs():
+    from oxserve.engine.pacing import MIN_CHUNK, StepPacer
+
+    def cost(prefill, decodes):  # base 50 ms, 5 ms a decode, 10 ms to carry prefill, 1 ms a token
+        return 0.05 + 0.005 * decodes + (0.01 + 0.001 * prefill if prefill else 0.0)
+
+    pacer = StepPacer(max_stall=3.0)
+    assert pacer.prefill_budget(decodes=4) is None  # nothing measured yet
+    pacer.observe(512, 0, cost(512, 0))
+    rng = random.Random(0)
+    for _ in range(40):  # every step carries prefill, at the budget the pacer sets
+        prefill = pacer.prefill_budget(4) or 512
+        pacer.observe(prefill, 4, cost(prefill, 4) * rng.uniform(0.97, 1.03))
+    # (3 - 1) * (0.05 + 0.02) s of prefill at ~1 ms a token: ~140 tokens, in whole chunks
+    budget = pacer.prefill_budget(decodes=4)
+    assert 96 <= budget <= 160, budget
+    assert cost(budget, 4) <= 3.0 * cost(0, 4) * 1.1
+    assert pacer.prefill_budget(decodes=0) is None
+    for _ in range(20):  # steps that stalled for other reasons cannot drive it below one chunk
+        pacer.observe(600, 4, 100.0)
+    assert pacer.prefill_budget(decodes=4) >= MIN_CHUNK
+    off = StepPacer(max_stall=0)
+    off.observe(512, 0, 0.5)
+    off.observe(0, 4, 0.1)
+    assert off.prefill_budget(decodes=4) is None

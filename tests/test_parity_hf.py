@@ -19,7 +19,7 @@ from hf_reference import (
 )
 from oxserve import LLM, SamplingParams
 from oxserve.llm import run_to_completion
-from oxserve_forward import ForcedRun
+from oxserve_forward import DEFAULT_KERNEL, ForcedRun
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
@@ -40,7 +40,7 @@ def _prompt(rng: random.Random, n: int) -> list[int]:
     [(1, 64, None), (5, 64, None), (37, 16, None), (37, 1, None), (100, 7, None), (200, 64, None), (230, 13, None),
      (700, 700, None), (700, 96, None), (90, 13, 41)],
 )
-def test_prompt_logits_match(reference, length, chunk, decode_from, linear_kernel="auto"):
+def test_prompt_logits_match(reference, length, chunk, decode_from, linear_kernel=DEFAULT_KERNEL):
     rng = random.Random()
     tokens = _prompt(rng, length)
     hf = reference_run(reference, tokens)
@@ -57,7 +57,7 @@ def test_prompt_logits_match(reference, length, chunk, decode_from, linear_kerne
 
 @pytest.mark.parametrize("linear_kernel", ["torch", "onednn"])
 def test_each_linear_kernel_matches_hf(reference, linear_kernel):
-    """auto picks onednn on CPU fp32; both kernels stay selectable and both match."""
+    """Both kernels stay selectable and both match."""
     test_prompt_logits_match(reference, 90, 13, 41, linear_kernel)
 
 

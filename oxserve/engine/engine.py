@@ -152,7 +152,9 @@ class LLMEngine:
         if not scheduled.scheduled:
             self.runner.drop(scheduled.finished_request_ids)
             return []
+        started = time.perf_counter()
         result = self.runner.execute(scheduled)
+        self.scheduler.observe_step(scheduled, time.perf_counter() - started)
         with span(tracer, "postprocess", track="engine"):
             updates = self.scheduler.update_from_output(scheduled, result)
             return [self._output_of(update) for update in updates]

@@ -5,7 +5,8 @@ tokens (1 for a decode, plus its draft tokens if it has any; a chunk for a prefi
 cache cannot hold a request's next tokens, the latest-arrived running request is preempted:
 its blocks and slot are freed and it goes back to the front of the queue, to be recomputed
 from scratch later. Waiting requests are admitted while budget, `max_num_seqs` and cache
-allow, oldest first.
+allow, oldest first. While decodes run, the prefill tokens of a step are bounded so that
+the step costs at most `max_stall` decode steps (stall-free batching, see `pacing`).
 
 The scheduler decides and owns every change of request state; it never touches tensors.
 `schedule()` returns one plain `SchedulerOutput`; `update_from_output()` takes the runner's
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 
 from oxserve.cache.manager import CacheManager
 from oxserve.config import SchedulerConfig
+from oxserve.engine.pacing import StepPacer
 from oxserve.engine.interface import ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput
 from oxserve.engine.request import Request, RequestStatus
 from oxserve.engine.stop import token_stop
@@ -48,6 +50,7 @@ class Scheduler:
         self.num_preemptions = 0
         self._finished_ids: list[str] = []  # retired since the last schedule(): the runner drops them
         self._blocks_sent: dict[str, int] = {}  # blocks of each running request the runner already has
+        self.pacer = StepPacer(config.max_stall)
 
     def add(self, request: Request) -> None:
         if request.request_id in self.requests:
@@ -64,12 +67,21 @@ class Scheduler:
         # Deterministic mode feeds every request token by token: the same computation for a
         # token whatever the chunking or preemption history.
         step_cap = 1 if self.config.deterministic else budget
+        decodes = sum(1 for r in self.running if r.num_uncomputed == 1)
+        paced = None if self.config.deterministic else self.pacer.prefill_budget(decodes)
+        prefill_left = budget if paced is None else paced
         chosen: list[tuple[Request, int]] = []
         preempted = False
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            is_prefill = request.num_uncomputed > 1
             n = min(request.num_uncomputed + len(request.draft_token_ids), budget, step_cap)
+            if is_prefill:
+                n = min(n, prefill_left)
+                if n == 0:
+                    i += 1
+                    continue
             while not self.cache.can_grow(request.request_id, request.num_computed_tokens + n):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -80,10 +92,13 @@ class Scheduler:
                 self.cache.grow(request.request_id, request.num_computed_tokens + n)
                 chosen.append((request, n))
                 budget -= n
+                prefill_left -= n if is_prefill else 0
                 i += 1
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not preempted:
             request = self.waiting[0]
-            n = min(request.num_uncomputed, budget, step_cap)
+            n = min(request.num_uncomputed, budget, step_cap, prefill_left)
+            if n == 0:
+                break
             if not self.cache.can_grow(request.request_id, request.num_computed_tokens + n):
                 break
             self.waiting.popleft()
@@ -92,6 +107,7 @@ class Scheduler:
             self.running.append(request)
             chosen.append((request, n))
             budget -= n
+            prefill_left -= n
         new_requests = [
             NewRequestData(r.request_id, r.prompt_token_ids, r.params) for r, _ in chosen if r.request_id not in self._blocks_sent
         ]
@@ -128,6 +144,11 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     # ---- results ----------------------------------------------------------------------------
+    def observe_step(self, scheduled: SchedulerOutput, seconds: float) -> None:
+        """The wall time a step took, for stall-free pacing."""
+        decodes = sum(1 for s in scheduled.scheduled if s.is_decode)
+        self.pacer.observe(scheduled.num_tokens - scheduled.num_decode_tokens, decodes, seconds)
+
     def update_from_output(self, scheduled: SchedulerOutput, output: ModelRunnerOutput) -> list[RequestUpdate]:
         """Apply one step's results; returns one update per request that produced tokens."""
         by_id = {s.request_id: s for s in scheduled.scheduled}
