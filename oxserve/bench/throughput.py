@@ -74,7 +74,9 @@ def run(args: argparse.Namespace) -> int:
         result["decode_step_ms_by_context"] = decode_steps_by_context(config, contexts)
         for row in result["decode_step_ms_by_context"]:
             print(f"context {row['context']:>6}: decode step {row['step_ms']:.2f} ms, "
-                  f"of which MLA attention+indexer {row['attention_ms']:.2f} ms", file=sys.stderr)
+                  f"of which MLA attention+indexer {row['attention_ms']:.2f} ms; batch-1 floor "
+                  f"{row.get('floor_step_ms', float('nan')):.2f} ms, {100 * row.get('fraction_of_floor', float('nan')):.1f}% of it",
+                  file=sys.stderr)
     if args.json:
         print(json.dumps(result))
     return 0
@@ -196,8 +198,10 @@ def decode_steps_by_context(config, contexts: list[int], steps: int = 16) -> lis
             engine.step()
             times.append((time.perf_counter() - t) * 1e3)
             attention.append(sum(s.dur_us for s in tracer.spans if s.name.endswith((".mla.attention", ".mla.indexer"))) / 1e3)
-        rows.append({"context": context, "step_ms": round(statistics.median(times), 3),
-                     "attention_ms": round(statistics.median(attention), 3)})
+        step_ms = statistics.median(times)
+        floor = decode_floor(engine, 1, context, 1e3 / step_ms)
+        rows.append({"context": context, "step_ms": round(step_ms, 3), "attention_ms": round(statistics.median(attention), 3),
+                     "floor_step_ms": floor["floor_step_ms"], "fraction_of_floor": floor["fraction_of_floor"]})
     return rows
 
 

@@ -60,7 +60,7 @@ def test_mla_projections_read_the_folded_kv_b(params):
 
 
 def test_lm_head_and_every_op_type_is_modelled(params):
-    assert op_cost("lm_head", CFG, NOTHING, 4).bytes == params["lm_head"]
+    assert op_cost("lm_head", CFG, NOTHING, 4).bytes == params["lm_head.weight"]
     assert op_cost("L0.unknown", CFG, NOTHING, 4) is None
     assert set(OP_COSTS) >= {"kda.recurrent", "mla.attention", "moe.experts", "embed", "final_norm"}
 
