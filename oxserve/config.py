@@ -25,9 +25,8 @@ class ModelConfig:
         "quota; logged at start; 1 is steadier on a machine shared with other work)"
     )
     linear_kernel: str = opt(
-        "torch", "matrix products of the projections and LM head: F.linear (torch), oneDNN pre-packed weights "
-        "(onednn; CPU fp32), or auto (onednn where supported). torch is the default until an A/B shows "
-        "onednn faster end to end (docs/performance.md, ledger 4)", choices=("auto", "onednn", "torch"),
+        "auto", "matrix products of the projections and LM head: oneDNN pre-packed weights (onednn; CPU fp32), "
+        "F.linear (torch), or auto (onednn where supported)", choices=("auto", "onednn", "torch"),
     )
 
     def __post_init__(self) -> None:
