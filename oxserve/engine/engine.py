@@ -21,11 +21,11 @@ from oxserve.cache.planner import plan_cache
 from oxserve.cache.spec import CacheLayout
 from oxserve.config import EngineConfig
 from oxserve.engine.interface import SchedulerOutput
+from oxserve.engine.memory import keep_freed_memory
 from oxserve.engine.request import Request
 from oxserve.engine.runner import ModelRunner
 from oxserve.engine.scheduler import RequestUpdate, Scheduler
 from oxserve.engine.stop import StopStrings
-from oxserve.engine.memory import keep_freed_memory
 from oxserve.engine.threads import choose_threads
 from oxserve.kernels.onednn import choose_linear_kernel
 from oxserve.model.loader import load_model

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 from oxserve.cache.manager import CacheManager
 from oxserve.config import SchedulerConfig
-from oxserve.engine.pacing import StepPacer
 from oxserve.engine.interface import ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput
+from oxserve.engine.pacing import StepPacer
 from oxserve.engine.request import Request, RequestStatus
 from oxserve.engine.stop import token_stop
 

@@ -1,10 +1,9 @@
 """Linear layers with oneDNN pre-packed weights, for CPU fp32.
 
 MKL's sgemm (what `F.linear` calls on CPU) handles the few-row products of decode badly:
-with 2-32 rows it runs at a third to a half of the rate it reaches with one row or many,
-and the weight is re-read in MKL's packed order on every call. oneDNN can reorder the
-weight once into its blocked layout for an expected row count; the products that decode
-makes (1-64 rows) then take 0.5-0.8x the time (`oxserve bench kernels --ops linear`).
+on the AVX2 EPYC of docs/performance.md, 2-32 rows ran at a third to a half of its one-row
+rate. oneDNN reorders the weight once into its blocked layout for an expected row count;
+end to end that made decode 9.7% faster per token there (ledger 5, B/A 1.070 [1.017, 1.139]).
 This is the weight prepacking that vLLM's and SGLang's CPU backends do through IPEX.
 
 Results differ from `F.linear` by fp32 rounding only (another summation order).
@@ -67,11 +66,11 @@ def choose_linear_kernel(
 ) -> tuple[str, Callable[[nn.Module], object] | None]:
     """('onednn' or 'torch', the load transform that installs it) for the `linear_kernel`
     option: auto takes onednn where it is supported."""
+    if choice not in ("auto", "onednn", "torch"):
+        raise ValueError(f"linear_kernel must be auto, onednn or torch, got {choice!r}")
     supported = onednn_linear_supported(device, dtype)
     if choice == "onednn" and not supported:
         raise ValueError(f"linear_kernel onednn needs a CPU device and float32 (got {device}, {dtype})")
-    if choice not in ("auto", "onednn", "torch"):
-        raise ValueError(f"linear_kernel must be auto, onednn or torch, got {choice!r}")
     kernel = "onednn" if choice == "onednn" or (choice == "auto" and supported) else "torch"
     return kernel, use_onednn_linears if kernel == "onednn" else None
 
