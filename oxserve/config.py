@@ -28,6 +28,11 @@ class ModelConfig:
         "auto", "matrix products of the projections and LM head: oneDNN pre-packed weights (onednn; CPU fp32), "
         "F.linear (torch), or auto (onednn where supported)", choices=("auto", "onednn", "torch"),
     )
+    quantization: str = opt(
+        "none", "w8a8: quantize weights to int8 on load (per output channel; activations int8 per token at run time), "
+        "all projections and routed experts but the LM head and kv_b_proj. A pre-quantized compressed-tensors "
+        "checkpoint loads as it was quantized without this option", choices=("none", "w8a8"),
+    )
 
     def __post_init__(self) -> None:
         if self.threads is not None and self.threads < 1:

@@ -1,8 +1,7 @@
 """oxserve's model run directly on caller-chosen tokens: logits for every position.
 
-The parity and fidelity tests feed the reference's own tokens (teacher forcing), so they
-need oxserve's logits at every position, prefilled in chunks of any size and then decoded
-token by token, through the same batch metadata and cache paths the engine uses.
+The parity and fidelity tests feed the reference's own tokens (teacher forcing), prefilled
+in chunks of any size and then decoded token by token (`oxserve.model.forced`).
 """
 
 from __future__ import annotations
@@ -12,13 +11,11 @@ from pathlib import Path
 
 import torch
 
-from oxserve.cache.spec import CacheLayout
 from oxserve.config import ModelConfig
 from oxserve.kernels.onednn import choose_linear_kernel
-from oxserve.model.batch import BatchRequest, make_forward_batch
+from oxserve.model.forced import forced_logits as model_forced_logits
 from oxserve.model.loader import load_model
 
-BLOCK_SIZE = 32
 DEFAULT_KERNEL = ModelConfig().linear_kernel
 
 
@@ -39,28 +36,9 @@ class ForcedRun:
         return run
 
     def logits(self, tokens: list[int], chunk: int, decode_from: int | None = None) -> torch.Tensor:
-        """Logits [L, V] (fp32) of every position of `tokens`.
-
-        Positions before `decode_from` (default: all) are prefilled in chunks of `chunk` tokens;
-        the rest are decoded one token per step. The request's blocks are scattered over the
-        cache at random, and it uses state slot 1 of 2: pages and slots need not be in order.
-        """
-        decode_from = len(tokens) if decode_from is None else decode_from
-        block_size = max(BLOCK_SIZE, self.cfg.index_kpool)
-        blocks = -(-len(tokens) // block_size)
-        layout = CacheLayout(num_blocks=blocks + 3, block_size=block_size, num_slots=2)
-        caches = [spec.allocate(layout, "cpu") for spec in self.model.cache_specs(self.dtype)]
-        table = random.sample(range(layout.num_blocks), blocks)
-        spans = [(s, min(s + chunk, decode_from)) for s in range(0, decode_from, chunk)]
-        spans += [(p, p + 1) for p in range(decode_from, len(tokens))]
-        outs = []
-        for start, end in spans:
-            request = BatchRequest(start, end - start, table, state_slot=1, samples=True)
-            batch = make_forward_batch([request], self.cfg, block_size, layout.num_blocks, "cpu")
-            batch.logits_indices = torch.arange(end - start)  # every position, not just the last
-            with torch.inference_mode():
-                outs.append(self.model.compute_logits(self.model(torch.tensor(tokens[start:end]), batch, caches)))
-        return torch.cat(outs).float()
+        """Logits [L, V] (fp32) of every position of `tokens` (`oxserve.model.forced`), the
+        request's blocks scattered over the cache at random."""
+        return model_forced_logits(self.model, tokens, chunk, decode_from, shuffle=random.Random(random.random()))
 
 
 def forced_logits(

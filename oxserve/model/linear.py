@@ -60,6 +60,8 @@ def copy_loader(
                 raise CheckpointError(f"part {shard.part} out of range ({len(part_rows or ())} parts)")
             start = sum(part_rows[: shard.part])
             dest = dest[start : start + part_rows[shard.part]]
+        if dest.is_floating_point() and not tensor.is_floating_point():
+            raise CheckpointError(f"is {tensor.dtype}: a quantized tensor without the weight_scale that would dequantize it")
         if tuple(dest.shape) != tuple(tensor.shape):
             raise CheckpointError(f"has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
         dest.copy_(tensor.to(dest.dtype))
@@ -93,14 +95,20 @@ class Linear(nn.Module):
         return self.weight
 
 
+def swap_modules(model: nn.Module, kind: type[nn.Module], make: Callable[[str, nn.Module], nn.Module]) -> int:
+    """Replace every module of type `kind` in `model` by `make(qualified name, module)`;
+    returns how many."""
+    targets = [(name, module) for name, module in model.named_modules() if isinstance(module, kind)]
+    for name, module in targets:
+        parent_name, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, attr, make(name, module))
+    return len(targets)
+
+
 def swap_linears(model: nn.Module, make: Callable[[str, Linear], nn.Module]) -> int:
     """Replace every `Linear` in `model` by `make(qualified name, linear)`; returns how many.
     Call it before loading (`load_model(..., transform=...)`): the new module keeps the
     checkpoint's parameter name (`weight`), and that parameter's `weight_loader` takes each
     part as the checkpoint holds it and stores it however the new module computes; it
     provides `dense_weight()` too."""
-    targets = [(name, module) for name, module in model.named_modules() if isinstance(module, Linear)]
-    for name, linear in targets:
-        parent_name, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(parent_name) if parent_name else model, attr, make(name, linear))
-    return len(targets)
+    return swap_modules(model, Linear, make)

@@ -29,6 +29,8 @@ from safetensors import safe_open
 from oxserve.model.config import TextModelConfig
 from oxserve.model.glm5_next import Glm5NextForCausalLM
 from oxserve.model.linear import CheckpointError, Shard, copy_loader
+from oxserve.quantization.scheme import read_scheme
+from oxserve.quantization.w8a8 import use_prequantized_w8a8
 
 log = logging.getLogger(__name__)
 
@@ -117,32 +119,28 @@ def load_model(
     transform: Callable[[Glm5NextForCausalLM], object] | None = None,
 ) -> LoadedModel:
     """`transform` runs on the built model before any weight is read: the place to swap in
-    other Linears (`swap_linears`) whose parameters then load the checkpoint themselves."""
+    other Linears (`swap_linears`) whose parameters then load the checkpoint themselves.
+    A pre-quantized checkpoint (compressed-tensors W8A8) gets its int8 modules first."""
     path = Path(path)
     cfg = TextModelConfig.from_file(path)
+    prequantized = read_scheme(json.loads((path / "config.json").read_text()))
     with _default_dtype(dtype), torch.device(device):
         model = Glm5NextForCausalLM(cfg, with_mtp=with_mtp)
+        if prequantized:
+            use_prequantized_w8a8(model, _quantized_modules(path, cfg, with_mtp))
         if transform is not None:
             transform(model)
     load = CheckpointLoad(model)
-    mtp_index = cfg.num_hidden_layers
     for name, read in _checkpoint(path):
         if name.startswith(VISION_PREFIXES):
             continue
-        local = _strip_prefix(name)
-        layer = re.match(r"layers\.(\d+)\.(.+)", local)
-        if layer and int(layer[1]) >= mtp_index:
-            if not with_mtp or int(layer[1]) != mtp_index or _MTP_SHARED.fullmatch(layer[2]):
-                continue  # not read: the MTP layer costs nothing unless a drafter needs it
-            target = _layer_target("mtp.", layer[2])
-        elif layer:
-            target = _layer_target(f"layers.{layer[1]}.", layer[2])
-        else:
-            target = _top_target(local, cfg)
-        if target is None:
-            log.warning("checkpoint tensor %s is not used by oxserve", name)
+        if name.endswith(ZERO_POINT):
+            _check_symmetric(name, read())
             continue
-        if not load.load(target, read(), name):
+        target = _target(_strip_prefix(name), cfg, with_mtp)
+        if target is SKIP:
+            continue
+        if target is None or not load.load(target, read(), name):
             log.warning("checkpoint tensor %s is not used by oxserve", name)
     load.check_complete()
     for module in model.modules():
@@ -150,6 +148,43 @@ def load_model(
             module.after_load()
     model.eval()
     return LoadedModel(model=model, config=cfg)
+
+
+SKIP = Target("")  # a tensor deliberately not read (the MTP layer unless asked for)
+SCALE = "_scale"  # compressed-tensors: `<module>.weight_scale` holds the int8 weight's scales
+ZERO_POINT = "_zero_point"
+
+
+def _target(local: str, cfg: TextModelConfig, with_mtp: bool) -> Target | None:
+    """Where a checkpoint tensor (name without its text-model prefix) goes; None: nowhere."""
+    if local.endswith(".weight" + SCALE):
+        base = _target(local[: -len(SCALE)], cfg, with_mtp)
+        return base if base in (None, SKIP) else Target(base.param + SCALE, base.shard)
+    layer = re.match(r"layers\.(\d+)\.(.+)", local)
+    mtp_index = cfg.num_hidden_layers
+    if layer and int(layer[1]) >= mtp_index:
+        if not with_mtp or int(layer[1]) != mtp_index or _MTP_SHARED.fullmatch(layer[2]):
+            return SKIP  # not read: the MTP layer costs nothing unless a drafter needs it
+        return _layer_target("mtp.", layer[2])
+    if layer:
+        return _layer_target(f"layers.{layer[1]}.", layer[2])
+    return _top_target(local, cfg)
+
+
+def _quantized_modules(path: Path, cfg: TextModelConfig, with_mtp: bool) -> set[str]:
+    """Our modules whose weights the checkpoint holds in int8 (it has their weight_scale)."""
+    modules = set()
+    for name in _tensor_names(path):
+        if name.endswith(".weight" + SCALE) and not name.startswith(VISION_PREFIXES):
+            target = _target(_strip_prefix(name), cfg, with_mtp)
+            if target not in (None, SKIP):
+                modules.add(target.param[: -len(SCALE)].rpartition(".")[0])
+    return modules
+
+
+def _check_symmetric(name: str, zero_point: torch.Tensor) -> None:
+    if zero_point.any():
+        raise CheckpointError(f"tensor {name} has non-zero zero points: asymmetric quantization is not supported")
 
 
 def _top_target(local: str, cfg: TextModelConfig) -> Target | None:
@@ -188,6 +223,12 @@ def _shards(path: Path) -> list[str]:
         if not (path / file).exists():
             raise CheckpointError(f"weight shard {file} listed in the index is missing from {path}")
     return files
+
+
+def _tensor_names(path: Path) -> Iterator[str]:
+    for file in _shards(path):
+        with safe_open(path / file, framework="pt") as f:
+            yield from f.keys()
 
 
 def _checkpoint(path: Path) -> Iterator[tuple[str, Callable[[], torch.Tensor]]]:

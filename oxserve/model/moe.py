@@ -63,11 +63,16 @@ class Experts(nn.Module):
         order = flat.argsort(stable=True)
         offsets = torch.bincount(flat, minlength=self.num_experts).cumsum(0).to(torch.int32)
         token_of = order // top_k
-        hidden, inter = self.down_proj.shape[1], self.down_proj.shape[2]
-        run = grouped_experts if grouped_gemm_supported(x.device, x.dtype, hidden, inter) else looped_experts
         rows, row_weight = x.index_select(0, token_of), weights.flatten().index_select(0, order)[:, None]
-        out = run(rows, row_weight, offsets, self.gate_up_proj, self.down_proj, self.swiglu_limit)
+        out = self.run_sorted(rows, row_weight, offsets)
         return torch.zeros_like(x).index_add_(0, token_of, out)
+
+    def run_sorted(self, rows: torch.Tensor, row_weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """rows [P, H] sorted by expert, row_weight [P, 1], offsets [E] -> [P, H]. Quantized
+        experts replace this (and the parameters), not the routing around it."""
+        hidden, inter = self.down_proj.shape[1], self.down_proj.shape[2]
+        run = grouped_experts if grouped_gemm_supported(rows.device, rows.dtype, hidden, inter) else looped_experts
+        return run(rows, row_weight, offsets, self.gate_up_proj, self.down_proj, self.swiglu_limit)
 
 
 class MoE(nn.Module):

@@ -2,8 +2,8 @@
 
 Each kernel is one C file in this package, compiled on first use with the system C compiler
 (`cc`, or `$CC`) into `$OXSERVE_CACHE_DIR/native` (default `~/.cache/oxserve/native`),
-named by a hash of source and flags so an edit rebuilds it and parallel processes share
-one build. Plain C with no torch headers: it builds in well under a second, and is called
+named by a hash of source, flags and (for `-march=native` builds) the CPU, so an edit
+rebuilds it and parallel processes share one build. Plain C with no torch headers: it builds in well under a second, and is called
 through ctypes on tensors' data pointers. Where no compiler is found, `load` returns None
 and callers run their torch version (which is also what the kernels are tested against).
 """
@@ -23,6 +23,10 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 FLAGS = ("-O2", "-fPIC", "-shared", "-std=c11")
+# Kernels that need vector instructions are built for the CPU they run on.
+NATIVE_ISA = ("-march=native",)
+# OpenMP: libgomp's soname is the one torch loads first, so kernels share torch's threads.
+OPENMP = ("-fopenmp",)
 
 
 def cache_dir() -> Path:
@@ -34,21 +38,33 @@ def compiler() -> str | None:
     return shutil.which(os.environ.get("CC", "cc"))
 
 
+def cpu_identity() -> bytes:
+    """What `-march=native` depends on: the CPU's model and feature flags."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return b""
+    return "\n".join(sorted({ln for ln in lines if ln.startswith(("model name", "flags"))})).encode()
+
+
 @functools.cache
-def load(name: str) -> ctypes.CDLL | None:
-    """The compiled kernel library `name` (from `name.c`), or None without a C compiler."""
+def load(name: str, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+    """The compiled kernel library `name` (from `name.c`) built with FLAGS + extra_flags,
+    or None without a C compiler."""
     cc = compiler()
     if cc is None:
         log.warning("no C compiler (cc / $CC): native kernel %s unavailable, using the torch version", name)
         return None
     source = Path(__file__).with_name(f"{name}.c")
-    digest = hashlib.sha256(source.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
+    flags = (*FLAGS, *extra_flags)
+    machine = cpu_identity() if "-march=native" in flags else b""
+    digest = hashlib.sha256(source.read_bytes() + " ".join(flags).encode() + machine).hexdigest()[:16]
     target = cache_dir() / f"{name}-{digest}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             built = Path(tmp) / target.name
-            result = subprocess.run([cc, *FLAGS, "-o", str(built), str(source), "-lm"], capture_output=True, text=True)
+            result = subprocess.run([cc, *flags, "-o", str(built), str(source), "-lm"], capture_output=True, text=True)
             if result.returncode != 0:
                 raise RuntimeError(f"compiling native kernel {name} failed:\n{result.stderr}")
             os.replace(built, target)  # atomic: a concurrent build just replaces an identical file

@@ -1,0 +1,111 @@
+"""W8A8 arithmetic: symmetric int8 weights (one scale per output channel) times int8
+activations (one scale per token, computed per call), accumulated exactly in integers.
+
+    y[m, n] = float(sum_k xq[m, k] wq[n, k]) * sx[m] * sw[n]
+
+`w8a8_grouped` computes it for rows sorted by expert (a plain linear layer is one expert)
+with the native kernel (`native/w8a8.c`); `w8a8_grouped_reference` is the plain torch
+version it is tested against, bit for bit, and what runs where no C compiler is found.
+On this project's AVX2 CPUs `torch._int_mm` runs 50-300x slower than the fp32 product it
+would replace, so it is not used on CPU.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from oxserve.kernels import native
+
+QMAX = 127  # symmetric: this side never produces -128 (checkpoints may hold it; the kernel takes it)
+MAX_K = 2**31 // (128 * 128)  # longest exact int32 sum
+
+
+def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., N, K] float -> (int8 [..., N, K], fp32 scales [..., N]); each output channel
+    (row) gets the scale max|row| / 127 (1 for an all-zero row)."""
+    w = weight.float()
+    amax = w.abs().amax(dim=-1)
+    scale = torch.where(amax > 0, amax / QMAX, torch.ones_like(amax))
+    q = torch.round(w / scale[..., None]).clamp(-QMAX, QMAX).to(torch.int8)
+    return q, scale
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token dynamic quantization, the same arithmetic as the native kernel:
+    [M, K] float -> (int8 [M, K], fp32 scales [M])."""
+    return quantize_weight(x)
+
+
+def pad_columns(q: torch.Tensor, multiple: int) -> torch.Tensor:
+    """Zero-pad the last axis of int8 weights to a multiple of the kernel's step."""
+    extra = -q.shape[-1] % multiple
+    return F.pad(q, (0, extra)).contiguous() if extra else q.contiguous()
+
+
+def w8a8_grouped_reference(x: torch.Tensor, offsets: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor) -> torch.Tensor:
+    """x [P, K] float sorted by expert; offsets [E] (end of each expert's rows);
+    wq [E, N, Kw] int8 with Kw >= K (zero padded); sw [E, N] -> [P, N] fp32."""
+    xq, sx = quantize_rows(x)
+    out = x.new_empty(x.shape[0], wq.shape[1], dtype=torch.float32)
+    start = 0
+    for expert, end in enumerate(offsets.tolist()):
+        if end > start:
+            # float64 holds every int32 sum exactly: this is the integer product.
+            acc = xq[start:end].double() @ wq[expert, :, : x.shape[1]].double().T
+            out[start:end] = acc.float() * sx[start:end, None] * sw[expert][None, :]
+        start = end
+    return out
+
+
+BUILD_FLAGS = native.NATIVE_ISA + native.OPENMP + ("-O3",)
+
+
+def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+    lib.w8a8_grouped.restype = ctypes.c_int
+    lib.w8a8_grouped.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+                                 ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                                 ctypes.c_int]
+    return lib
+
+
+@functools.cache
+def _kernel() -> ctypes.CDLL | None:
+    lib = native.load("w8a8", BUILD_FLAGS)
+    return bind(lib) if lib is not None else None
+
+
+def native_available() -> bool:
+    return _kernel() is not None
+
+
+def column_multiple() -> int:
+    """The padding of K that packed weights need (the native kernel's step)."""
+    lib = _kernel()
+    return lib.w8a8_kstep() if lib is not None else 1
+
+
+def w8a8_grouped(
+    x: torch.Tensor, offsets: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor, lib: ctypes.CDLL | None = None
+) -> torch.Tensor:
+    """As `w8a8_grouped_reference`; wq padded with `pad_columns(..., column_multiple())`.
+    `lib`: another build of the kernel (tests build the one without vector instructions)."""
+    lib = lib or _kernel()
+    if lib is None or x.device.type != "cpu":
+        return w8a8_grouped_reference(x, offsets, wq, sw)
+    x, sw = x.float().contiguous(), sw.float().contiguous()
+    offsets = offsets.to(torch.int32).contiguous()
+    if wq.dtype != torch.int8 or not wq.is_contiguous():
+        raise ValueError(f"w8a8: weights must be contiguous int8, got {wq.dtype}")
+    (experts, n, kp), (p, k) = wq.shape, x.shape
+    if kp % lib.w8a8_kstep() or kp < k or k > MAX_K or offsets.numel() != experts or sw.shape != (experts, n):
+        raise ValueError(f"w8a8: weights {tuple(wq.shape)} / scales {tuple(sw.shape)} do not fit x {tuple(x.shape)}")
+    out = torch.empty(p, n, dtype=torch.float32)
+    ptr = native.pointer
+    status = lib.w8a8_grouped(ptr(x), p, k, ptr(offsets), experts, ptr(wq), ptr(sw), n, kp, ptr(out), torch.get_num_threads())
+    if status != 0:
+        raise MemoryError(f"w8a8: no scratch memory for {p} x {kp} activations")
+    return out

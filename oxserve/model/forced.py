@@ -1,0 +1,50 @@
+"""A model run on caller-chosen tokens, from an empty cache: logits for every position.
+
+Teacher forcing needs the logits at every position of a given sequence, through the same
+batch metadata and cache paths the engine uses: the parity and fidelity tests feed the
+reference's tokens this way, and quantization measures what a change does to each position's
+distribution (`oxserve.quantization.quality`).
+"""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from oxserve.cache.spec import CacheLayout
+from oxserve.model.batch import BatchRequest, make_forward_batch
+from oxserve.model.glm5_next import Glm5NextForCausalLM
+
+BLOCK_SIZE = 32
+
+
+def forced_logits(
+    model: Glm5NextForCausalLM, tokens: list[int], chunk: int, decode_from: int | None = None,
+    shuffle: random.Random | None = None,
+) -> torch.Tensor:
+    """Logits [L, V] (fp32) of every position of `tokens`.
+
+    Positions before `decode_from` (default: all) are prefilled in chunks of `chunk` tokens;
+    the rest are decoded one token per step. The request uses state slot 1 of 2, and with
+    `shuffle` its blocks are scattered over the cache at random: pages and slots need not be
+    in order.
+    """
+    cfg = model.config
+    dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
+    decode_from = len(tokens) if decode_from is None else decode_from
+    block_size = max(BLOCK_SIZE, cfg.index_kpool)
+    blocks = -(-len(tokens) // block_size)
+    layout = CacheLayout(num_blocks=blocks + 3, block_size=block_size, num_slots=2)
+    caches = [spec.allocate(layout, "cpu") for spec in model.cache_specs(dtype)]
+    table = shuffle.sample(range(layout.num_blocks), blocks) if shuffle else list(range(blocks))
+    spans = [(s, min(s + chunk, decode_from)) for s in range(0, decode_from, chunk)]
+    spans += [(p, p + 1) for p in range(decode_from, len(tokens))]
+    outs = []
+    for start, end in spans:
+        request = BatchRequest(start, end - start, table, state_slot=1, samples=True)
+        batch = make_forward_batch([request], cfg, block_size, layout.num_blocks, "cpu")
+        batch.logits_indices = torch.arange(end - start)  # every position, not just the last
+        with torch.inference_mode():
+            outs.append(model.compute_logits(model(torch.tensor(tokens[start:end]), batch, caches)))
+    return torch.cat(outs).float()

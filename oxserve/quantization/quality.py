@@ -1,0 +1,62 @@
+"""How far a quantized model's next-token distributions are from the unquantized model's.
+
+Teacher-forced: both models score the same token sequences (calibration or held-out text)
+at every position, so one number per position compares whole distributions:
+
+    KL(p_ref || p_quant) = sum_v p_ref(v) (log p_ref(v) - log p_quant(v))     (nats/token)
+
+plus how often the two models' top-1 choices agree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from oxserve.model.forced import forced_logits
+from oxserve.model.glm5_next import Glm5NextForCausalLM
+
+PREFILL_CHUNK = 256
+
+
+@dataclass(frozen=True)
+class Agreement:
+    mean_kl: float  # nats per token
+    max_kl: float
+    top1: float  # fraction of positions where both models' argmax agree
+    positions: int
+
+    def within(self, kl_budget: float, min_top1: float) -> bool:
+        return self.mean_kl <= kl_budget and self.top1 >= min_top1
+
+    def __str__(self) -> str:
+        return f"mean KL {self.mean_kl:.2e} nats/token (max {self.max_kl:.2e}), top-1 agreement {self.top1:.2%} over {self.positions} positions"
+
+
+def sequence_logits(model: Glm5NextForCausalLM, sequences: list[list[int]]) -> list[torch.Tensor]:
+    return [forced_logits(model, seq, PREFILL_CHUNK) for seq in sequences]
+
+
+def agreement(reference: list[torch.Tensor], candidate: list[torch.Tensor]) -> Agreement:
+    ref = torch.cat(reference).float().log_softmax(-1)
+    cand = torch.cat(candidate).float().log_softmax(-1)
+    kl = (ref.exp() * (ref - cand)).sum(-1)
+    top1 = (ref.argmax(-1) == cand.argmax(-1)).float().mean()
+    return Agreement(float(kl.mean()), float(kl.max()), float(top1), int(kl.numel()))
+
+
+def calibration_sequences(tokenizer, text: str, count: int, length: int) -> list[list[int]]:
+    """`count` token sequences of `length` taken from evenly spaced places in `text`."""
+    ids = tokenizer.encode(text)
+    if len(ids) < length:
+        raise ValueError(f"calibration text has {len(ids)} tokens, fewer than one sequence of {length}")
+    stride = max(1, (len(ids) - length) // max(1, count - 1))
+    starts = [min(i * stride, len(ids) - length) for i in range(count)]
+    return [ids[s : s + length] for s in starts]
+
+
+def shipped_calibration_text() -> str:
+    """The embedded default model's corpus (what its tokenizer was trained on)."""
+    return (Path(__file__).parents[1] / "default_model" / "corpus.txt").read_text()

@@ -1,0 +1,183 @@
+"""W8A8 modules: drop-in replacements for `Linear` and the routed `Experts`.
+
+Each holds its weights as per-output-channel int8 plus fp32 scales and multiplies through
+`kernels.int8` (activations quantized per token on every call). Weights arrive either in
+the model's dtype and are quantized once loaded (`--quantization w8a8`), or already int8 with
+their scales, from a compressed-tensors checkpoint (`prequantized=True`): then `weight` is
+an int8 parameter and `weight_scale` (`<param>_scale` for the experts) its scale, each
+filled part by part by the checkpoint loader like any other parameter.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from oxserve.kernels.int8 import column_multiple, pad_columns, quantize_weight, w8a8_grouped
+from oxserve.kernels.moe import clamped_glu
+from oxserve.model.linear import CheckpointError, Linear, Shard, WeightLoader, copy_loader, empty_param, loadable, swap_modules
+from oxserve.model.moe import Experts
+
+# Kept in high precision when quantizing on load: the head (its error reaches every logit
+# directly) and kv_b_proj, which MLA folds into other matrices and never multiplies as a Linear.
+KEEP_ON_LOAD = ("lm_head", "kv_b_proj")
+
+
+def _scale_param(rows: int | tuple[int, ...], parts: tuple[int, ...] | None, leading: tuple[int, ...] = ()) -> nn.Parameter:
+    """The fp32 scales of a pre-quantized weight; checkpoints store them as [rows, 1]."""
+    total = rows if isinstance(rows, int) else sum(rows)
+    return loadable(empty_param(*leading, total, dtype=torch.float32), copy_loader(parts, reshape=lambda t: t.reshape(-1)))
+
+
+def int8_loader(part_rows: tuple[int, ...] | None = None) -> WeightLoader:
+    """Copies int8 tensors only: a float part of a weight whose other parts are int8 is an error."""
+    copy = copy_loader(part_rows)
+
+    def load(param: nn.Parameter, tensor: torch.Tensor, shard: Shard) -> int:
+        if tensor.dtype != torch.int8:
+            raise CheckpointError(f"is {tensor.dtype}, but the checkpoint quantizes this weight (int8, with a weight_scale); "
+                                  "every part of a fused weight must be quantized alike")
+        return copy(param, tensor, shard)
+
+    return load
+
+
+class PackedInt8:
+    """int8 weights [E, N, Kp] (K zero-padded for the kernel) and scales [E, N]."""
+
+    def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, in_features: int):
+        self.qweight = pad_columns(qweight, column_multiple())
+        self.scale = scale.float().contiguous()
+        self.in_features = in_features
+
+    @classmethod
+    def from_weight(cls, weight: torch.Tensor) -> "PackedInt8":
+        q, scale = quantize_weight(weight)
+        return cls(q, scale, weight.shape[-1])
+
+    def matmul(self, rows: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        return w8a8_grouped(rows, offsets, self.qweight, self.scale)
+
+    def dequantized(self) -> torch.Tensor:
+        return self.qweight[..., : self.in_features].float() * self.scale[..., None]
+
+    def nbytes(self) -> int:
+        return self.qweight.numel() + self.scale.numel() * 4
+
+
+class W8A8Linear(nn.Module):
+    def __init__(self, linear: Linear, prequantized: bool = False):
+        super().__init__()
+        self.in_features, self.out_parts = linear.in_features, linear.out_parts
+        self.out_features = sum(linear.out_parts)
+        self.prequantized = prequantized
+        if prequantized:
+            self.weight = loadable(empty_param(self.out_features, self.in_features, dtype=torch.int8), int8_loader(self.out_parts))
+            self.weight_scale = _scale_param(self.out_parts, self.out_parts)
+        else:
+            self.weight = linear.weight
+        self.dtype = linear.weight.dtype  # what the rest of the model computes in
+        self.packed: PackedInt8 | None = None
+
+    def after_load(self) -> None:
+        if self.prequantized:
+            self.packed = PackedInt8(self.weight.detach()[None], self.weight_scale.detach()[None], self.in_features)
+            self.weight_scale.data = self.weight_scale.data.new_empty(0)
+        else:
+            self.packed = PackedInt8.from_weight(self.weight.detach()[None])
+        self.weight.data = self.weight.data.new_empty(0)  # the int8 copy is the weight now
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is None:
+            raise RuntimeError("W8A8Linear used before its weights were loaded")
+        rows = x.reshape(-1, self.in_features)
+        offsets = torch.tensor([rows.shape[0]], dtype=torch.int32)
+        return self.packed.matmul(rows, offsets).to(x.dtype).view(*x.shape[:-1], self.out_features)
+
+    def dense_weight(self) -> torch.Tensor:
+        if self.packed is None:
+            return self.weight
+        return self.packed.dequantized()[0].to(self.dtype)
+
+
+class W8A8Experts(Experts):
+    """The routed experts with int8 gate|up and down stacks; routing is the parent's."""
+
+    def __init__(self, experts: Experts, prequantized: bool = False):
+        nn.Module.__init__(self)
+        self.num_experts, self.swiglu_limit = experts.num_experts, experts.swiglu_limit
+        (e, two_inter, hidden), inter = experts.gate_up_proj.shape, experts.down_proj.shape[2]
+        self.shape = (hidden, inter)
+        self.dtype = experts.gate_up_proj.dtype
+        self.prequantized = prequantized
+        if prequantized:
+            gate_up = empty_param(e, two_inter, hidden, dtype=torch.int8)
+            self.gate_up_proj = loadable(gate_up, int8_loader((inter, inter)))
+            self.gate_up_proj_scale = _scale_param(two_inter, (inter, inter), (e,))
+            self.down_proj = loadable(empty_param(e, hidden, inter, dtype=torch.int8), int8_loader())
+            self.down_proj_scale = _scale_param(hidden, None, (e,))
+        else:
+            self.gate_up_proj, self.down_proj = experts.gate_up_proj, experts.down_proj
+        self.gate_up: PackedInt8 | None = None
+        self.down: PackedInt8 | None = None
+
+    def after_load(self) -> None:
+        hidden, inter = self.shape
+        if self.prequantized:
+            self.gate_up = PackedInt8(self.gate_up_proj.detach(), self.gate_up_proj_scale.detach(), hidden)
+            self.down = PackedInt8(self.down_proj.detach(), self.down_proj_scale.detach(), inter)
+            for scale in (self.gate_up_proj_scale, self.down_proj_scale):
+                scale.data = scale.data.new_empty(0)
+        else:
+            self.gate_up = PackedInt8.from_weight(self.gate_up_proj.detach())
+            self.down = PackedInt8.from_weight(self.down_proj.detach())
+        for param in (self.gate_up_proj, self.down_proj):
+            param.data = param.data.new_empty(0)
+
+    def run_sorted(self, rows: torch.Tensor, row_weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        if self.gate_up is None or self.down is None:
+            raise RuntimeError("W8A8Experts used before its weights were loaded")
+        gate, up = self.gate_up.matmul(rows, offsets).chunk(2, dim=-1)
+        act = clamped_glu(gate, up, self.swiglu_limit) * row_weight
+        return self.down.matmul(act, offsets).to(rows.dtype)
+
+    def dense_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate_up [E, 2I, H], down [E, H, I]) dequantized, for references and sensitivity."""
+        if self.gate_up is None or self.down is None:
+            return self.gate_up_proj, self.down_proj
+        return self.gate_up.dequantized().to(self.dtype), self.down.dequantized().to(self.dtype)
+
+
+def quantize_w8a8_on_load(model: nn.Module, keep: tuple[str, ...] = KEEP_ON_LOAD) -> int:
+    """Swap (before loading) every Linear except those named in `keep` (last name part) and
+    every routed-expert stack for W8A8 modules that quantize the loaded weights."""
+    count = swap_modules(model, Experts, lambda name, experts: W8A8Experts(experts))
+    return count + swap_modules(
+        model, Linear, lambda name, linear: linear if name.rpartition(".")[2] in keep else W8A8Linear(linear)
+    )
+
+
+def use_prequantized_w8a8(model: nn.Module, modules: set[str]) -> None:
+    """Swap the named modules for W8A8 modules that take int8 weights and scales from the
+    checkpoint; a quantized module oxserve can only run in high precision is an error."""
+    for name in sorted(modules):
+        parent_name, _, attr = name.rpartition(".")
+        module = model.get_submodule(name)
+        if isinstance(module, Linear):
+            replacement: nn.Module = W8A8Linear(module, prequantized=True)
+        elif isinstance(module, Experts):
+            replacement = W8A8Experts(module, prequantized=True)
+        else:
+            raise CheckpointError(f"the checkpoint quantizes {name} ({type(module).__name__}), which oxserve runs in high precision")
+        setattr(model.get_submodule(parent_name) if parent_name else model, attr, replacement)
+
+
+def choose_quantization(choice: str, device: torch.device):
+    """The load transform for the `quantization` option (None for none)."""
+    if choice == "none":
+        return None
+    if choice != "w8a8":
+        raise ValueError(f"quantization must be none or w8a8, got {choice!r}")
+    if device.type != "cpu":
+        raise ValueError(f"quantization w8a8 runs on CPU in this build (its int8 kernel is native C), not {device}")
+    return quantize_w8a8_on_load

@@ -1,0 +1,142 @@
+"""W8A8: the int8 kernel against its plain torch reference (bit for bit), the W8A8 modules
+against dequantized maths, and the accuracy loss of `quantization=w8a8` as a number."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from oxserve.kernels import int8, native
+from oxserve.kernels.int8 import (
+    column_multiple,
+    pad_columns,
+    quantize_rows,
+    quantize_weight,
+    w8a8_grouped,
+    w8a8_grouped_reference,
+)
+from oxserve.model.forced import forced_logits
+from oxserve.model.linear import Linear
+from oxserve.model.loader import load_model
+from oxserve.quantization.quality import agreement
+from oxserve.quantization.w8a8 import W8A8Experts, W8A8Linear, quantize_w8a8_on_load
+
+pytestmark = pytest.mark.skipif(not int8.native_available(), reason="needs a C compiler (make install provides one)")
+
+
+def _grouped_case(rows: int, k: int, n: int, experts: int, seed: int, scale: float = 1.0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, k, generator=g) * scale
+    wq = torch.randint(-128, 128, (experts, n, k), generator=g, dtype=torch.int8)
+    sw = torch.rand(experts, n, generator=g) * 0.01 + 1e-4
+    cuts = torch.randint(0, rows + 1, (experts,), generator=g).sort().values
+    cuts[-1] = rows
+    return x, cuts.to(torch.int32), wq, sw
+
+
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(0, 40), k=st.integers(1, 300), n=st.integers(1, 70), experts=st.integers(1, 6),
+       seed=st.integers(0, 2**31), threads=st.sampled_from([1, 2]))
+def test_kernel_equals_reference_bit_for_bit(rows, k, n, experts, seed, threads):
+    x, offsets, wq, sw = _grouped_case(rows, k, n, experts, seed)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = w8a8_grouped(x, offsets, pad_columns(wq, column_multiple()), sw)
+    finally:
+        torch.set_num_threads(old)
+    assert torch.equal(out, w8a8_grouped_reference(x, offsets, wq, sw))
+
+
+def test_portable_build_without_vector_instructions_agrees():
+    lib = native.load("w8a8", ("-O2", "-fopenmp", "-mno-avx2"))
+    assert lib is not None
+    x, offsets, wq, sw = _grouped_case(19, 77, 37, 3, seed=5)
+    out = w8a8_grouped(x, offsets, pad_columns(wq, column_multiple()), sw, lib=int8.bind(lib))
+    assert torch.equal(out, w8a8_grouped_reference(x, offsets, wq, sw))
+
+
+def test_extreme_values_accumulate_exactly():
+    """Every product at its largest (-128 weights, activations at +-127 after quantization):
+    the int32 sums are the exact integers, no int16 saturation anywhere."""
+    k, n = 4096, 8
+    x = torch.full((3, k), -5.0)
+    x[1] = 7.0
+    x[2, ::2] = 3.0
+    wq = torch.full((1, n, k), -128, dtype=torch.int8)
+    wq[0, 1] = 127
+    sw = torch.ones(1, n)
+    out = w8a8_grouped(x, torch.tensor([3], dtype=torch.int32), pad_columns(wq, column_multiple()), sw)
+    xq, sx = quantize_rows(x)
+    assert xq.abs().max() == 127
+    exact = (xq.long() @ wq[0].long().T).double() * sx.double()[:, None]
+    assert torch.allclose(out.double(), exact, rtol=1e-7, atol=0)
+    assert out[0, 0] == pytest.approx(128 * 127 * k * 5 / 127, rel=1e-6)
+
+
+def test_quantization_is_symmetric_and_rounds_to_nearest():
+    w = torch.tensor([[0.0, 0.0], [1.0, -0.5], [-2.0, 0.004]])
+    q, scale = quantize_weight(w)
+    assert scale.tolist() == pytest.approx([1.0, 1 / 127, 2 / 127])
+    assert q.tolist() == [[0, 0], [127, -64], [-127, 0]]  # -63.5 rounds to even
+
+
+def test_w8a8_linear_equals_dequantized_product():
+    torch.manual_seed(0)
+    linear = Linear(48, (20, 12))
+    linear.weight.data.normal_()
+    dense = linear.weight.detach().clone()
+    module = W8A8Linear(linear)
+    module.after_load()
+    x = torch.randn(2, 5, 48)
+    q, scale = quantize_weight(dense)
+    expected = w8a8_grouped_reference(x.reshape(10, 48), torch.tensor([10]), q[None], scale[None]).view(2, 5, 32)
+    assert torch.equal(module(x), expected)
+    assert torch.allclose(module.dense_weight(), dense, atol=float(scale.max()) / 2 + 1e-7)
+    assert module.weight.numel() == 0  # the dense copy is freed
+
+
+def test_w8a8_experts_equal_the_looped_reference(tiny_model_dir):
+    dense = load_model(tiny_model_dir, dtype=torch.float32).model
+    quant = load_model(tiny_model_dir, dtype=torch.float32, transform=quantize_w8a8_on_load).model
+    experts = [m for m in quant.modules() if isinstance(m, W8A8Experts)]
+    assert len(experts) == sum(1 for t in dense.config.mlp_layer_types if t == "sparse")
+    moe = experts[0]
+    gate_up, down = moe.dense_weights()
+    torch.manual_seed(1)
+    rows, offsets = torch.randn(9, gate_up.shape[2]), torch.tensor([2, 2, 7, 9], dtype=torch.int32)
+    weight = torch.rand(9, 1)
+    h = w8a8_grouped_reference(rows, offsets, *quantize_weight(gate_up))
+    gate, up = h.chunk(2, dim=-1)
+    act = torch.nn.functional.silu(gate.clamp(max=moe.swiglu_limit)) * up.clamp(-moe.swiglu_limit, moe.swiglu_limit) * weight
+    expected = w8a8_grouped_reference(act, offsets, *quantize_weight(down))
+    assert torch.equal(moe.run_sorted(rows, weight, offsets), expected)
+
+
+def test_on_load_keeps_head_and_folded_kv_b_in_high_precision(tiny_model_dir):
+    model = load_model(tiny_model_dir, dtype=torch.float32, transform=quantize_w8a8_on_load).model
+    names = {name: type(m).__name__ for name, m in model.named_modules()}
+    assert names["lm_head"] == "Linear"
+    assert all(kind == "Linear" for name, kind in names.items() if name.endswith("kv_b_proj"))
+    assert names["layers.0.self_attn.qkv_proj"] == "W8A8Linear"
+    assert not any(kind == "Linear" for name, kind in names.items() if not name.endswith(("lm_head", "kv_b_proj")))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_accuracy_loss_on_the_default_model(dtype):
+    """Teacher-forced over fresh random token sequences: mean KL(fp | w8a8) per token within
+    the 0.01 nats/token budget of the quantization issue. (Top-1 agreement is printed, not
+    bounded: the default model's weights are random, its distributions nearly flat, and bf16
+    alone agrees with fp32 on about 76% of top-1 choices.)"""
+    from oxserve.default_model import ensure_default_model
+
+    path = ensure_default_model()
+    ref = load_model(path, dtype=torch.float32).model
+    quant = load_model(path, dtype=dtype, transform=quantize_w8a8_on_load).model
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    seqs = [torch.randint(16, ref.config.vocab_size, (96,), generator=g).tolist() for _ in range(3)]
+    result = agreement([forced_logits(ref, s, 64) for s in seqs], [forced_logits(quant, s, 64) for s in seqs])
+    print(f"w8a8 ({dtype}) vs fp32: {result}")
+    assert result.mean_kl <= 0.01
