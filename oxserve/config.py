@@ -34,7 +34,14 @@ class ModelConfig:
         "checkpoint loads as it was quantized without this option", choices=("none", "w8a8"),
     )
 
+    smoothquant_alpha: float = opt(
+        0.5, "w8a8: SmoothQuant migration strength, used for modules whose inputs on calibration text (4 x 128 "
+        "tokens of the shipped corpus) show outlier channels; 0: no calibration, no smoothing",
+    )
+
     def __post_init__(self) -> None:
+        if not 0 <= self.smoothquant_alpha <= 1:
+            raise ValueError(f"smoothquant_alpha must be in [0, 1], got {self.smoothquant_alpha}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
         if self.max_model_len is not None and self.max_model_len < 2:

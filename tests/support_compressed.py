@@ -9,14 +9,19 @@ library's own tensor names and `quantization_config`, not a hand-written imitati
 - input activations: int8, symmetric, dynamic per token (no calibration, no tensors);
 - format "int-quantized"; targets "Linear" minus `ignore`.
 
-Only `nn.Linear` modules are quantized. glm5_next's routed experts are stacked parameters
-(`Glm5NextTextExperts.gate_up_proj` / `down_proj`), not Linear modules, so they stay in high
-precision; so do the router (`mlp.gate`, a `Glm5NextTextTopkRouter`) and everything else that
-is not Linear. An MTP layer in the source is dropped, as transformers does not load it.
+Only `nn.Linear` modules are quantized by the library. glm5_next's routed experts are stacked
+parameters in transformers (`Glm5NextTextExperts`), not Linear modules, so the library leaves
+them in high precision. MoE models whose experts are Linear modules (Qwen-MoE, DeepSeek in
+vLLM's checkpoints) ship them quantized per expert; `quantize_experts=True` writes that form,
+each saved `experts.N.{gate,up,down}_proj.weight` quantized with the library's own
+`calculate_qparams` and `quantize` under the same scheme. The router (`mlp.gate`) and
+everything else that is not Linear stay in high precision. An MTP layer in the source is
+dropped, as transformers does not load it.
 """
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 
@@ -30,7 +35,9 @@ from compressed_tensors.quantization import (
     QuantizationStatus,
     apply_quantization_config,
 )
+from compressed_tensors.quantization.lifecycle.forward import quantize
 from compressed_tensors.quantization.utils import calculate_qparams, is_module_quantized
+from safetensors.torch import load_file, save_file
 from transformers import Glm5NextForConditionalGeneration
 
 # As llm-compressor recipes write it: keep the head, the MoE router and the vision tower dense.
@@ -64,7 +71,7 @@ def _calibrate_weights(model: torch.nn.Module) -> None:
         module.quantization_status = QuantizationStatus.FROZEN
 
 
-def write_w8a8_checkpoint(src: Path, dst: Path, ignore: list[str] | None = None) -> None:
+def write_w8a8_checkpoint(src: Path, dst: Path, ignore: list[str] | None = None, quantize_experts: bool = False) -> None:
     """Quantize the HF glm5_next checkpoint in `src` to compressed-tensors W8A8 into `dst`."""
     src, dst = Path(src), Path(dst)
     model = Glm5NextForConditionalGeneration.from_pretrained(src, dtype=torch.float32)
@@ -78,3 +85,19 @@ def write_w8a8_checkpoint(src: Path, dst: Path, ignore: list[str] | None = None)
     for name in COPIED_FILES:
         if (src / name).exists():
             shutil.copy2(src / name, dst / name)
+    if quantize_experts:
+        _quantize_expert_tensors(dst, w8a8_config([]).config_groups["group_0"].weights)
+
+
+@torch.no_grad()
+def _quantize_expert_tensors(dst: Path, args: QuantizationArgs) -> None:
+    """Each routed expert's saved weight -> int8 `weight` + `weight_scale`, as the library
+    writes a Linear (symmetric: no zero point is kept)."""
+    for file in dst.glob("*.safetensors"):
+        tensors = load_file(file)
+        for name in [n for n in tensors if re.search(r"mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$", n)]:
+            weight = tensors[name].float()
+            scale, zero_point = calculate_qparams(weight.amin(-1, keepdim=True), weight.amax(-1, keepdim=True), args)
+            tensors[name] = quantize(weight, scale, zero_point, args, dtype=torch.int8)
+            tensors[name + "_scale"] = scale
+        save_file(tensors, file, metadata={"format": "pt"})

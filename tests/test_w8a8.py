@@ -140,3 +140,71 @@ def test_accuracy_loss_on_the_default_model(dtype):
     result = agreement([forced_logits(ref, s, 64) for s in seqs], [forced_logits(quant, s, 64) for s in seqs])
     print(f"w8a8 ({dtype}) vs fp32: {result}")
     assert result.mean_kl <= 0.01
+
+
+OUTLIER_CHANNELS, OUTLIER_FACTOR, HEAD_GAIN = [3, 17, 40], 64.0, 8.0  # a power of two: planting is exact
+
+
+@pytest.fixture(scope="module")
+def sharpened_dirs(tmp_path_factory, tiny_model_dir):
+    """(the tiny model sharpened, the same with outliers planted): the same function."""
+    from support_outliers import plant_outliers
+
+    root = tmp_path_factory.mktemp("outliers")
+    plant_outliers(tiny_model_dir, root / "sharp", [], 1.0, HEAD_GAIN)
+    plant_outliers(tiny_model_dir, root / "planted", OUTLIER_CHANNELS, OUTLIER_FACTOR, HEAD_GAIN)
+    return root / "sharp", root / "planted"
+
+
+def _held_out(vocab: int, count: int = 4, length: int = 96) -> list[list[int]]:
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    return [torch.randint(16, vocab, (length,), generator=g).tolist() for _ in range(count)]
+
+
+def test_planted_outliers_need_smoothing_and_smoothing_works(sharpened_dirs):
+    """The planted model computes the original function; naive W8A8 breaks the 0.01
+    nats/token budget on it, W8A8 after SmoothQuant calibration keeps within it."""
+    from oxserve.quantization.smooth import calibrate_and_quantize
+
+    sharp_dir, outlier_model_dir = sharpened_dirs
+    original = load_model(sharp_dir, dtype=torch.float32).model
+    planted = load_model(outlier_model_dir, dtype=torch.float32).model
+    held_out = _held_out(planted.config.vocab_size)
+    ref = [forced_logits(planted, s, 64) for s in held_out]
+    same = agreement([forced_logits(original, s, 64) for s in held_out], ref)
+    assert same.mean_kl == 0, same  # scaling by 64 is exact: the very same function
+
+    naive = load_model(outlier_model_dir, dtype=torch.float32, transform=quantize_w8a8_on_load).model
+    naive_result = agreement(ref, [forced_logits(naive, s, 64) for s in held_out])
+    smooth = load_model(outlier_model_dir, dtype=torch.float32, transform=lambda m: quantize_w8a8_on_load(m, deferred=True)).model
+    calibration = _held_out(planted.config.vocab_size, count=4, length=128)  # other sequences than the held-out ones
+    report = calibrate_and_quantize(smooth, calibration)
+    smooth_result = agreement(ref, [forced_logits(smooth, s, 64) for s in held_out])
+    print(f"planted outliers x{OUTLIER_FACTOR:g}: naive {naive_result}; smoothed {smooth_result}; {report}")
+    assert naive_result.mean_kl > 0.01
+    assert smooth_result.mean_kl <= 0.01
+    assert smooth_result.top1 > naive_result.top1 + 0.3
+    assert report.worst_ratio > 20 and report.smoothed
+    # Without planted outliers the same model quantizes within the budget unsmoothed.
+    plain = load_model(sharp_dir, dtype=torch.float32, transform=quantize_w8a8_on_load).model
+    unplanted = agreement([forced_logits(original, s, 64) for s in held_out], [forced_logits(plain, s, 64) for s in held_out])
+    print(f"sharpened, no outliers: naive {unplanted}")
+    assert unplanted.mean_kl <= 0.01
+
+
+def test_calibration_without_outliers_smooths_nothing(tiny_model_dir):
+    from oxserve.quantization.smooth import calibrate_and_quantize
+
+    model = load_model(tiny_model_dir, dtype=torch.float32, transform=lambda m: quantize_w8a8_on_load(m, deferred=True)).model
+    report = calibrate_and_quantize(model, _held_out(model.config.vocab_size, count=2, length=64))
+    assert report.smoothed == [] and report.modules > 0
+    plain = load_model(tiny_model_dir, dtype=torch.float32, transform=quantize_w8a8_on_load).model
+    seq = _held_out(model.config.vocab_size, count=1)[0]
+    assert torch.equal(forced_logits(model, seq, 32), forced_logits(plain, seq, 32))
+
+
+def test_smoothed_kernel_equals_reference():
+    x, offsets, wq, sw = _grouped_case(21, 50, 24, 3, seed=9)
+    inv = torch.rand(3, 50) * 2 + 0.05
+    out = w8a8_grouped(x, offsets, pad_columns(wq, column_multiple()), sw, inv)
+    assert torch.equal(out, w8a8_grouped_reference(x, offsets, wq, sw, inv))

@@ -30,7 +30,7 @@ from oxserve.engine.threads import choose_threads
 from oxserve.kernels.onednn import choose_linear_kernel
 from oxserve.model.loader import load_model
 from oxserve.outputs import CompletionOutput, RequestOutput
-from oxserve.quantization.w8a8 import choose_quantization
+from oxserve.quantization.on_load import choose_quantization
 from oxserve.sampling_params import SamplingParams
 from oxserve.telemetry import span
 from oxserve.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -81,13 +81,16 @@ class LLMEngine:
         path = Path(config.model.model) if config.model.model else _default_model()
         self.model_path = path
         self.dtype = DTYPES[config.model.dtype]
-        quantize = choose_quantization(config.model.quantization, self.device)
+        quantize = choose_quantization(config.model.quantization, self.device, config.model.smoothquant_alpha)
         self.linear_kernel, kernel = choose_linear_kernel(config.model.linear_kernel, self.device, self.dtype)
-        transforms = [t for t in (quantize, kernel) if t is not None]  # quantize first: the kernel takes the rest
+        # Quantization first: the kernel choice takes the Linears it leaves.
+        transforms = [t for t in (quantize and quantize.transform, kernel) if t is not None]
         loaded = load_model(path, dtype=self.dtype, device=self.device, transform=lambda m: [t(m) for t in transforms])
-        log.info("oxserve: projection and LM head products through %s; quantization %s", self.linear_kernel, config.model.quantization)
+        log.info("oxserve: high-precision projection and LM head products through %s", self.linear_kernel)
         self.model_config = loaded.config
         self.tokenizer = Tokenizer.from_dir(path)
+        if quantize is not None:
+            log.info("oxserve: %s", quantize.finish(loaded.model, self.tokenizer))
         limit = config.model.max_model_len or min(self.model_config.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
         layout = plan_cache(config.cache, config.scheduler, loaded.model.cache_specs(self.dtype), limit)
         self.cache = CacheManager(layout.num_blocks, layout.block_size, layout.num_slots)

@@ -3,6 +3,10 @@ activations (one scale per token, computed per call), accumulated exactly in int
 
     y[m, n] = float(sum_k xq[m, k] wq[n, k]) * sx[m] * sw[n]
 
+With SmoothQuant factors s (per expert and input channel), x is multiplied by 1/s before it
+is quantized and the weights were multiplied by s before theirs: the same product, with an
+activation outlier channel's range moved into the weights (`oxserve.quantization.smooth`).
+
 `w8a8_grouped` computes it for rows sorted by expert (a plain linear layer is one expert)
 with the native kernel (`native/w8a8.c`); `w8a8_grouped_reference` is the plain torch
 version it is tested against, bit for bit, and what runs where no C compiler is found.
@@ -46,17 +50,22 @@ def pad_columns(q: torch.Tensor, multiple: int) -> torch.Tensor:
     return F.pad(q, (0, extra)).contiguous() if extra else q.contiguous()
 
 
-def w8a8_grouped_reference(x: torch.Tensor, offsets: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor) -> torch.Tensor:
+def w8a8_grouped_reference(
+    x: torch.Tensor, offsets: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor, inv_smooth: torch.Tensor | None = None
+) -> torch.Tensor:
     """x [P, K] float sorted by expert; offsets [E] (end of each expert's rows);
-    wq [E, N, Kw] int8 with Kw >= K (zero padded); sw [E, N] -> [P, N] fp32."""
-    xq, sx = quantize_rows(x)
+    wq [E, N, Kw] int8 with Kw >= K (zero padded); sw [E, N]; inv_smooth None or [E, K]
+    -> [P, N] fp32."""
+    x = x.float()
     out = x.new_empty(x.shape[0], wq.shape[1], dtype=torch.float32)
     start = 0
     for expert, end in enumerate(offsets.tolist()):
         if end > start:
+            rows = x[start:end] if inv_smooth is None else x[start:end] * inv_smooth[expert]
+            xq, sx = quantize_rows(rows)
             # float64 holds every int32 sum exactly: this is the integer product.
-            acc = xq[start:end].double() @ wq[expert, :, : x.shape[1]].double().T
-            out[start:end] = acc.float() * sx[start:end, None] * sw[expert][None, :]
+            acc = xq.double() @ wq[expert, :, : x.shape[1]].double().T
+            out[start:end] = acc.float() * sx[:, None] * sw[expert][None, :]
         start = end
     return out
 
@@ -67,8 +76,8 @@ BUILD_FLAGS = native.NATIVE_ISA + native.OPENMP + ("-O3",)
 def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.w8a8_grouped.restype = ctypes.c_int
     lib.w8a8_grouped.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
-                                 ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
-                                 ctypes.c_int]
+                                 ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                                 ctypes.c_void_p, ctypes.c_int]
     return lib
 
 
@@ -89,23 +98,29 @@ def column_multiple() -> int:
 
 
 def w8a8_grouped(
-    x: torch.Tensor, offsets: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor, lib: ctypes.CDLL | None = None
+    x: torch.Tensor, offsets: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor, inv_smooth: torch.Tensor | None = None,
+    lib: ctypes.CDLL | None = None,
 ) -> torch.Tensor:
     """As `w8a8_grouped_reference`; wq padded with `pad_columns(..., column_multiple())`.
     `lib`: another build of the kernel (tests build the one without vector instructions)."""
     lib = lib or _kernel()
     if lib is None or x.device.type != "cpu":
-        return w8a8_grouped_reference(x, offsets, wq, sw)
+        return w8a8_grouped_reference(x, offsets, wq, sw, inv_smooth)
     x, sw = x.float().contiguous(), sw.float().contiguous()
     offsets = offsets.to(torch.int32).contiguous()
     if wq.dtype != torch.int8 or not wq.is_contiguous():
         raise ValueError(f"w8a8: weights must be contiguous int8, got {wq.dtype}")
     (experts, n, kp), (p, k) = wq.shape, x.shape
+    if inv_smooth is not None:
+        inv_smooth = inv_smooth.float().contiguous()
+        if inv_smooth.shape != (experts, k):
+            raise ValueError(f"w8a8: smoothing factors {tuple(inv_smooth.shape)} do not fit {experts} x {k}")
     if kp % lib.w8a8_kstep() or kp < k or k > MAX_K or offsets.numel() != experts or sw.shape != (experts, n):
         raise ValueError(f"w8a8: weights {tuple(wq.shape)} / scales {tuple(sw.shape)} do not fit x {tuple(x.shape)}")
     out = torch.empty(p, n, dtype=torch.float32)
     ptr = native.pointer
-    status = lib.w8a8_grouped(ptr(x), p, k, ptr(offsets), experts, ptr(wq), ptr(sw), n, kp, ptr(out), torch.get_num_threads())
+    smooth = ptr(inv_smooth) if inv_smooth is not None else None
+    status = lib.w8a8_grouped(ptr(x), p, k, ptr(offsets), experts, ptr(wq), ptr(sw), smooth, n, kp, ptr(out), torch.get_num_threads())
     if status != 0:
         raise MemoryError(f"w8a8: no scratch memory for {p} x {kp} activations")
     return out

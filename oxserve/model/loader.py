@@ -17,11 +17,11 @@ from __future__ import annotations
 import json
 import logging
 import re
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Callable, Iterator
 
 import torch
 from safetensors import safe_open
@@ -143,7 +143,7 @@ def load_model(
         if target is None or not load.load(target, read(), name):
             log.warning("checkpoint tensor %s is not used by oxserve", name)
     load.check_complete()
-    for module in model.modules():
+    for module in reversed(list(model.modules())):  # children first: MLA folds its finished kv_b_proj
         if hasattr(module, "after_load"):
             module.after_load()
     model.eval()

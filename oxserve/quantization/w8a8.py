@@ -11,11 +11,26 @@ filled part by part by the checkpoint loader like any other parameter.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from oxserve.kernels.int8 import column_multiple, pad_columns, quantize_weight, w8a8_grouped
+from oxserve.kernels.int8 import (
+    column_multiple,
+    pad_columns,
+    quantize_weight,
+    w8a8_grouped,
+)
 from oxserve.kernels.moe import clamped_glu
-from oxserve.model.linear import CheckpointError, Linear, Shard, WeightLoader, copy_loader, empty_param, loadable, swap_modules
+from oxserve.model.linear import (
+    CheckpointError,
+    Linear,
+    Shard,
+    WeightLoader,
+    copy_loader,
+    empty_param,
+    loadable,
+    swap_modules,
+)
 from oxserve.model.moe import Experts
 
 # Kept in high precision when quantizing on load: the head (its error reaches every logit
@@ -43,34 +58,52 @@ def int8_loader(part_rows: tuple[int, ...] | None = None) -> WeightLoader:
 
 
 class PackedInt8:
-    """int8 weights [E, N, Kp] (K zero-padded for the kernel) and scales [E, N]."""
+    """int8 weights [E, N, Kp] (K zero-padded for the kernel), scales [E, N] and, when the
+    weights were smoothed, the factors [E, K] the activations are multiplied by first."""
 
-    def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, in_features: int):
+    def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, in_features: int, inv_smooth: torch.Tensor | None = None):
         self.qweight = pad_columns(qweight, column_multiple())
         self.scale = scale.float().contiguous()
         self.in_features = in_features
+        self.inv_smooth = inv_smooth
 
     @classmethod
-    def from_weight(cls, weight: torch.Tensor) -> "PackedInt8":
+    def from_weight(cls, weight: torch.Tensor, smooth: torch.Tensor | None = None) -> PackedInt8:
+        """weight [E, N, K]; smooth [E, K]: SmoothQuant factors multiplied into the weight."""
+        if smooth is not None:
+            weight = weight.float() * smooth[:, None, :]
         q, scale = quantize_weight(weight)
-        return cls(q, scale, weight.shape[-1])
+        return cls(q, scale, weight.shape[-1], None if smooth is None else (1.0 / smooth).float())
 
     def matmul(self, rows: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        return w8a8_grouped(rows, offsets, self.qweight, self.scale)
+        return w8a8_grouped(rows, offsets, self.qweight, self.scale, self.inv_smooth)
 
     def dequantized(self) -> torch.Tensor:
-        return self.qweight[..., : self.in_features].float() * self.scale[..., None]
+        """The weight this computes with, [E, N, K] fp32 (smoothing undone)."""
+        w = self.qweight[..., : self.in_features].float() * self.scale[..., None]
+        return w if self.inv_smooth is None else w * self.inv_smooth[:, None, :]
 
-    def nbytes(self) -> int:
-        return self.qweight.numel() + self.scale.numel() * 4
+
+class InputRange:
+    """Per-input-channel max |x| of what a module multiplies, while it is calibrated."""
+
+    def __init__(self, groups: int, channels: int):
+        self.absmax = torch.zeros(groups, channels)
+
+    def observe(self, group: int, x: torch.Tensor) -> None:
+        if x.numel():
+            self.absmax[group] = torch.maximum(self.absmax[group], x.detach().abs().float().reshape(-1, x.shape[-1]).amax(0))
 
 
 class W8A8Linear(nn.Module):
-    def __init__(self, linear: Linear, prequantized: bool = False):
+    """A Linear in int8. Quantized on load, it may be `deferred`: it then computes in high
+    precision and records its input ranges until `quantize()` (SmoothQuant calibration)."""
+
+    def __init__(self, linear: Linear, prequantized: bool = False, deferred: bool = False):
         super().__init__()
         self.in_features, self.out_parts = linear.in_features, linear.out_parts
         self.out_features = sum(linear.out_parts)
-        self.prequantized = prequantized
+        self.prequantized, self.deferred = prequantized, deferred and not prequantized
         if prequantized:
             self.weight = loadable(empty_param(self.out_features, self.in_features, dtype=torch.int8), int8_loader(self.out_parts))
             self.weight_scale = _scale_param(self.out_parts, self.out_parts)
@@ -78,18 +111,28 @@ class W8A8Linear(nn.Module):
             self.weight = linear.weight
         self.dtype = linear.weight.dtype  # what the rest of the model computes in
         self.packed: PackedInt8 | None = None
+        self.inputs = InputRange(1, self.in_features) if self.deferred else None
 
     def after_load(self) -> None:
         if self.prequantized:
             self.packed = PackedInt8(self.weight.detach()[None], self.weight_scale.detach()[None], self.in_features)
             self.weight_scale.data = self.weight_scale.data.new_empty(0)
-        else:
-            self.packed = PackedInt8.from_weight(self.weight.detach()[None])
+            self.weight.data = self.weight.data.new_empty(0)
+        elif not self.deferred:
+            self.quantize()
+
+    def quantize(self, smooth: torch.Tensor | None = None) -> None:
+        """smooth [1, K]: SmoothQuant factors (None: plain per-channel quantization)."""
+        self.packed = PackedInt8.from_weight(self.weight.detach()[None], smooth)
         self.weight.data = self.weight.data.new_empty(0)  # the int8 copy is the weight now
+        self.inputs = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None:
-            raise RuntimeError("W8A8Linear used before its weights were loaded")
+            if self.inputs is None:
+                raise RuntimeError("W8A8Linear used before its weights were loaded")
+            self.inputs.observe(0, x)
+            return F.linear(x, self.weight)
         rows = x.reshape(-1, self.in_features)
         offsets = torch.tensor([rows.shape[0]], dtype=torch.int32)
         return self.packed.matmul(rows, offsets).to(x.dtype).view(*x.shape[:-1], self.out_features)
@@ -101,15 +144,16 @@ class W8A8Linear(nn.Module):
 
 
 class W8A8Experts(Experts):
-    """The routed experts with int8 gate|up and down stacks; routing is the parent's."""
+    """The routed experts with int8 gate|up and down stacks; routing is the parent's. May be
+    `deferred` like W8A8Linear, recording each expert's gate|up and down input ranges."""
 
-    def __init__(self, experts: Experts, prequantized: bool = False):
+    def __init__(self, experts: Experts, prequantized: bool = False, deferred: bool = False):
         nn.Module.__init__(self)
         self.num_experts, self.swiglu_limit = experts.num_experts, experts.swiglu_limit
         (e, two_inter, hidden), inter = experts.gate_up_proj.shape, experts.down_proj.shape[2]
         self.shape = (hidden, inter)
         self.dtype = experts.gate_up_proj.dtype
-        self.prequantized = prequantized
+        self.prequantized, self.deferred = prequantized, deferred and not prequantized
         if prequantized:
             gate_up = empty_param(e, two_inter, hidden, dtype=torch.int8)
             self.gate_up_proj = loadable(gate_up, int8_loader((inter, inter)))
@@ -120,40 +164,61 @@ class W8A8Experts(Experts):
             self.gate_up_proj, self.down_proj = experts.gate_up_proj, experts.down_proj
         self.gate_up: PackedInt8 | None = None
         self.down: PackedInt8 | None = None
+        self.inputs = (InputRange(e, hidden), InputRange(e, inter)) if self.deferred else None
 
     def after_load(self) -> None:
-        hidden, inter = self.shape
         if self.prequantized:
+            hidden, inter = self.shape
             self.gate_up = PackedInt8(self.gate_up_proj.detach(), self.gate_up_proj_scale.detach(), hidden)
             self.down = PackedInt8(self.down_proj.detach(), self.down_proj_scale.detach(), inter)
-            for scale in (self.gate_up_proj_scale, self.down_proj_scale):
-                scale.data = scale.data.new_empty(0)
-        else:
-            self.gate_up = PackedInt8.from_weight(self.gate_up_proj.detach())
-            self.down = PackedInt8.from_weight(self.down_proj.detach())
+            for param in (self.gate_up_proj, self.down_proj, self.gate_up_proj_scale, self.down_proj_scale):
+                param.data = param.data.new_empty(0)
+        elif not self.deferred:
+            self.quantize()
+
+    def quantize(self, smooth_gate_up: torch.Tensor | None = None, smooth_down: torch.Tensor | None = None) -> None:
+        self.gate_up = PackedInt8.from_weight(self.gate_up_proj.detach(), smooth_gate_up)
+        self.down = PackedInt8.from_weight(self.down_proj.detach(), smooth_down)
         for param in (self.gate_up_proj, self.down_proj):
             param.data = param.data.new_empty(0)
+        self.inputs = None
 
     def run_sorted(self, rows: torch.Tensor, row_weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         if self.gate_up is None or self.down is None:
-            raise RuntimeError("W8A8Experts used before its weights were loaded")
+            if self.inputs is None:
+                raise RuntimeError("W8A8Experts used before its weights were loaded")
+            return self._observed_dense(rows, row_weight, offsets)
         gate, up = self.gate_up.matmul(rows, offsets).chunk(2, dim=-1)
         act = clamped_glu(gate, up, self.swiglu_limit) * row_weight
         return self.down.matmul(act, offsets).to(rows.dtype)
 
+    def _observed_dense(self, rows: torch.Tensor, row_weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """The high-precision experts, one at a time, recording what each one multiplies."""
+        out, start = torch.empty_like(rows), 0
+        for expert, end in enumerate(offsets.tolist()):
+            if end > start:
+                self.inputs[0].observe(expert, rows[start:end])
+                gate, up = F.linear(rows[start:end], self.gate_up_proj[expert]).chunk(2, dim=-1)
+                act = (clamped_glu(gate, up, self.swiglu_limit) * row_weight[start:end]).to(rows.dtype)
+                self.inputs[1].observe(expert, act)
+                out[start:end] = F.linear(act, self.down_proj[expert])
+            start = end
+        return out
+
     def dense_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(gate_up [E, 2I, H], down [E, H, I]) dequantized, for references and sensitivity."""
+        """(gate_up [E, 2I, H], down [E, H, I]) as computed with, for references and sensitivity."""
         if self.gate_up is None or self.down is None:
             return self.gate_up_proj, self.down_proj
         return self.gate_up.dequantized().to(self.dtype), self.down.dequantized().to(self.dtype)
 
 
-def quantize_w8a8_on_load(model: nn.Module, keep: tuple[str, ...] = KEEP_ON_LOAD) -> int:
+def quantize_w8a8_on_load(model: nn.Module, keep: tuple[str, ...] = KEEP_ON_LOAD, deferred: bool = False) -> int:
     """Swap (before loading) every Linear except those named in `keep` (last name part) and
-    every routed-expert stack for W8A8 modules that quantize the loaded weights."""
-    count = swap_modules(model, Experts, lambda name, experts: W8A8Experts(experts))
+    every routed-expert stack for W8A8 modules that quantize the loaded weights; `deferred`:
+    only once `smooth.calibrate_and_quantize` has measured their inputs."""
+    count = swap_modules(model, Experts, lambda name, experts: W8A8Experts(experts, deferred=deferred))
     return count + swap_modules(
-        model, Linear, lambda name, linear: linear if name.rpartition(".")[2] in keep else W8A8Linear(linear)
+        model, Linear, lambda name, linear: linear if name.rpartition(".")[2] in keep else W8A8Linear(linear, deferred=deferred)
     )
 
 
@@ -171,13 +236,3 @@ def use_prequantized_w8a8(model: nn.Module, modules: set[str]) -> None:
             raise CheckpointError(f"the checkpoint quantizes {name} ({type(module).__name__}), which oxserve runs in high precision")
         setattr(model.get_submodule(parent_name) if parent_name else model, attr, replacement)
 
-
-def choose_quantization(choice: str, device: torch.device):
-    """The load transform for the `quantization` option (None for none)."""
-    if choice == "none":
-        return None
-    if choice != "w8a8":
-        raise ValueError(f"quantization must be none or w8a8, got {choice!r}")
-    if device.type != "cpu":
-        raise ValueError(f"quantization w8a8 runs on CPU in this build (its int8 kernel is native C), not {device}")
-    return quantize_w8a8_on_load

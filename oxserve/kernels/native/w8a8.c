@@ -32,17 +32,18 @@
 
 int w8a8_kstep(void) { return KSTEP; }
 
-/* Quantize rows [M, K] (row stride K) into int16 values [M, Kp] (zero tail), scales sx. */
-void w8a8_quantize_rows(const float *x, int64_t M, int64_t K, int64_t Kp, int16_t *xq, float *sx) {
+/* Quantize rows [M, K] (row stride K), each first multiplied by inv_smooth [K] when given,
+ * into int16 values [M, Kp] (zero tail) with per-row scales sx. */
+void w8a8_quantize_rows(const float *x, int64_t M, int64_t K, int64_t Kp, const float *inv_smooth, int16_t *xq, float *sx) {
     for (int64_t m = 0; m < M; m++) {
         const float *row = x + m * K;
         float amax = 0.0f;
-        for (int64_t k = 0; k < K; k++) amax = fmaxf(amax, fabsf(row[k]));
+        for (int64_t k = 0; k < K; k++) amax = fmaxf(amax, fabsf(inv_smooth ? row[k] * inv_smooth[k] : row[k]));
         float s = amax > 0.0f ? amax / 127.0f : 1.0f;
         sx[m] = s;
         int16_t *q = xq + m * Kp;
         for (int64_t k = 0; k < K; k++) {
-            float r = nearbyintf(row[k] / s);
+            float r = nearbyintf((inv_smooth ? row[k] * inv_smooth[k] : row[k]) / s);
             q[k] = (int16_t)(r > 127.0f ? 127.0f : (r < -127.0f ? -127.0f : r));
         }
         for (int64_t k = K; k < Kp; k++) q[k] = 0;
@@ -113,14 +114,18 @@ static void block(const int16_t *xq, const float *sx, int64_t start, int64_t end
 }
 
 /* x [P, K] fp32 rows sorted by expert; offsets [E] int32; w [E, N, Kp] int8; sw [E, N];
- * y [P, N] fp32. Returns 0, or -1 if scratch memory could not be had. */
+ * inv_smooth: NULL, or [E, K] per-input-channel factors applied to x before quantizing
+ * (SmoothQuant; the weights carry the inverse); y [P, N] fp32.
+ * Returns 0, or -1 if scratch memory could not be had. */
 int w8a8_grouped(const float *x, int64_t P, int64_t K, const int32_t *offsets, int64_t E, const int8_t *w,
-                 const float *sw, int64_t N, int64_t Kp, float *y, int nthreads) {
+                 const float *sw, const float *inv_smooth, int64_t N, int64_t Kp, float *y, int nthreads) {
     if (P == 0) return 0;
     int16_t *xq = aligned_alloc(64, (size_t)(P * Kp * sizeof(int16_t) + 63) / 64 * 64);
     float *sx = malloc((size_t)P * sizeof(float));
     if (xq == NULL || sx == NULL) { free(xq); free(sx); return -1; }
-    w8a8_quantize_rows(x, P, K, Kp, xq, sx);
+    for (int64_t e = 0, start = 0; e < E; start = offsets[e], e++)
+        w8a8_quantize_rows(x + start * K, offsets[e] - start, K, Kp, inv_smooth ? inv_smooth + e * K : NULL,
+                           xq + start * Kp, sx + start);
     int64_t nblocks = (N + NBLOCK - 1) / NBLOCK;
     #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
     for (int64_t task = 0; task < E * nblocks; task++) {
