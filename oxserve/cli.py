@@ -27,6 +27,7 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("experiment", "list"): ("oxserve.experiment.cli", "list experiments in the ledger"),
     ("experiment", "show"): ("oxserve.experiment.cli", "show one experiment"),
     ("experiment", "plot"): ("oxserve.experiment.cli", "plot a metric across experiments as PNG"),
+    ("quantize", "sensitivity"): ("oxserve.commands.quantize", "per-layer quantization sensitivity and a plan within a KL budget"),
     ("build-default-model",): ("oxserve.commands.build_default_model", "write the embedded random default model"),
 }
 

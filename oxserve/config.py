@@ -34,6 +34,10 @@ class ModelConfig:
         "checkpoint loads as it was quantized without this option", choices=("none", "w8a8"),
     )
 
+    quantization_plan: str | None = opt(
+        None, "YAML file choosing per layer: weights (w8a8 | none) and cache dtypes (latent, index_keys, kda_state); "
+        "`oxserve quantize sensitivity` writes one. Layers and keys it leaves out take the other options",
+    )
     smoothquant_alpha: float = opt(
         0.5, "w8a8: SmoothQuant migration strength, used for modules whose inputs on calibration text (4 x 128 "
         "tokens of the shipped corpus) show outlier channels; 0: no calibration, no smoothing",
@@ -54,6 +58,11 @@ class CacheConfig:
     block_size: int | None = opt(None, "tokens per cache block (default: 64, or a multiple of index_kpool)")
     num_blocks: int | None = opt(None, "override: number of cache blocks (ignores cache_memory_gib for blocks)")
     num_slots: int | None = opt(None, "override: number of KDA state slots (default: max_num_seqs)")
+    kv_cache_dtype: str = opt(
+        "auto", "storage of every MLA latent and DSA indexer key: auto (the model's dtype), bfloat16, float32, "
+        "fp8 (e4m3) or int8, the last two with an fp32 scale per token", choices=("auto", "bfloat16", "float32", "fp8", "int8"),
+    )
+    kda_state_dtype: str = opt("float32", "storage of the KDA recurrent state (computed in fp32 either way)", choices=("float32", "bfloat16"))
 
     def __post_init__(self) -> None:
         if self.cache_memory_gib <= 0:

@@ -2,15 +2,18 @@
 
     MLACache (paged; row = block * block_size + offset, see ForwardBatch)
         latent      [num_blocks * block_size, kv_lora_rank]
-        index_keys  [num_blocks * block_size, 2 * index_head_dim]       indexer key | pool gate score
+        index_keys  [num_blocks * block_size, index_head_dim]           indexer key
+        index_gates [num_blocks * block_size, index_head_dim]           pool gate score
         pool_keys   [num_blocks * block_size / kpool, index_head_dim]   one compressed key per complete pool
     KDACache (per request, row = state slot)
         conv        [num_slots, K-1, 3*H*D]   last K-1 conv inputs, oldest first
         recurrent   [num_slots, H, Dk, Dv]    fp32 delta-rule state
 
-Layers whose indexer is `shared` have no index_keys / pool_keys. Reads and writes go
-through index_select / index_copy_ (2-3x faster than advanced indexing on CPU); the rows a
-step writes are distinct.
+Layers whose indexer is `shared` have no index tensors. Reads and writes go through
+index_select / index_copy_ (2-3x faster than advanced indexing on CPU); the rows a step
+writes are distinct. Any paged table may be a `ScaledRows` instead of a tensor: int8 or fp8
+(e4m3) values with one fp32 scale per row, quantized as they are stored and dequantized as
+the rows a step reads are gathered (never the whole table).
 """
 
 from __future__ import annotations
@@ -19,22 +22,74 @@ from dataclasses import dataclass
 
 import torch
 
+FP8 = torch.float8_e4m3fn
+QMAX = {torch.int8: 127.0, FP8: 448.0}  # the largest magnitude each stores
 
-def gather_rows(table: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+
+@dataclass
+class ScaledRows:
+    """A paged table stored in int8 or fp8 with a per-row fp32 scale (max |row| / QMAX).
+    fp8 values are kept as their bytes (uint8): CPU torch cannot index_copy_ float8."""
+
+    values: torch.Tensor  # [R, W] int8, or uint8 holding float8_e4m3fn bytes
+    scales: torch.Tensor  # [R] fp32
+    dtype: torch.dtype  # int8 or float8_e4m3fn: what the values are
+    read_as: torch.dtype  # what gathers return (the model's dtype)
+
+    @classmethod
+    def zeros(cls, rows: int, width: int, dtype: torch.dtype, read_as: torch.dtype, device) -> ScaledRows:
+        storage = torch.int8 if dtype == torch.int8 else torch.uint8
+        return cls(torch.zeros(rows, width, dtype=storage, device=device), torch.ones(rows, device=device), dtype, read_as)
+
+    def quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [N, W] -> (stored values [N, W], scales [N])."""
+        x = x.float()
+        amax = x.abs().amax(-1)
+        scale = torch.where(amax > 0, amax / QMAX[self.dtype], torch.ones_like(amax))
+        scaled = x / scale[:, None]
+        if self.dtype == torch.int8:
+            return scaled.round().clamp(-127, 127).to(torch.int8), scale
+        return scaled.to(FP8).view(torch.uint8), scale
+
+    def dequantize(self, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        v = values.float() if self.dtype == torch.int8 else values.view(FP8).float()
+        return (v * scales[..., None]).to(self.read_as)
+
+    def store(self, rows: torch.Tensor, x: torch.Tensor) -> None:
+        values, scales = self.quantize(x.reshape(rows.numel(), -1))
+        self.values.index_copy_(0, rows.flatten(), values)
+        self.scales.index_copy_(0, rows.flatten(), scales)
+
+    def gather(self, rows: torch.Tensor) -> torch.Tensor:
+        flat = rows.flatten()
+        values, scales = self.values.index_select(0, flat), self.scales.index_select(0, flat)
+        return self.dequantize(values, scales).view(*rows.shape, self.values.shape[1])
+
+
+Table = torch.Tensor | ScaledRows
+
+
+def gather_rows(table: Table, rows: torch.Tensor) -> torch.Tensor:
     """table[rows] for row indices of any shape."""
+    if isinstance(table, ScaledRows):
+        return table.gather(rows)
     return table.index_select(0, rows.flatten()).view(*rows.shape, *table.shape[1:])
 
 
-def scatter_rows(table: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> None:
+def scatter_rows(table: Table, rows: torch.Tensor, values: torch.Tensor) -> None:
     """table[rows] = values, for distinct row indices of any shape."""
+    if isinstance(table, ScaledRows):
+        table.store(rows, values)
+        return
     table.index_copy_(0, rows.flatten(), values.reshape(rows.numel(), *table.shape[1:]).to(table.dtype))
 
 
 @dataclass
 class MLACache:
-    latent: torch.Tensor
-    index_keys: torch.Tensor | None = None
-    pool_keys: torch.Tensor | None = None
+    latent: Table
+    index_keys: Table | None = None
+    index_gates: torch.Tensor | None = None
+    pool_keys: Table | None = None
 
     def store_latents(self, rows: torch.Tensor, latents: torch.Tensor) -> None:
         scatter_rows(self.latent, rows, latents)
@@ -43,11 +98,12 @@ class MLACache:
         return gather_rows(self.latent, rows)
 
     def store_index_keys(self, rows: torch.Tensor, keys: torch.Tensor, gates: torch.Tensor) -> None:
-        scatter_rows(self.index_keys, rows, torch.cat([keys, gates], dim=-1))
+        scatter_rows(self.index_keys, rows, keys)
+        scatter_rows(self.index_gates, rows, gates)
 
     def index_keys_at(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(keys, pool gate scores) of the tokens in `rows`."""
-        return gather_rows(self.index_keys, rows).chunk(2, dim=-1)
+        return gather_rows(self.index_keys, rows), gather_rows(self.index_gates, rows)
 
     def store_pool_keys(self, pool_rows: torch.Tensor, keys: torch.Tensor) -> None:
         scatter_rows(self.pool_keys, pool_rows, keys)
@@ -68,7 +124,8 @@ class KDACache:
         scatter_rows(self.conv, slots, states)
 
     def recurrent_states(self, slots: torch.Tensor) -> torch.Tensor:
-        return gather_rows(self.recurrent, slots)
+        """fp32 whatever the state is stored in (the recurrence runs in fp32)."""
+        return gather_rows(self.recurrent, slots).float()
 
     def store_recurrent_states(self, slots: torch.Tensor, states: torch.Tensor) -> None:
         scatter_rows(self.recurrent, slots, states)

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import math
 
-from oxserve.cache.spec import CacheLayout, LayerCacheSpec, block_multiple, bytes_per_request, bytes_per_token
+from oxserve.cache.spec import (
+    CacheLayout,
+    LayerCacheSpec,
+    block_multiple,
+    bytes_per_request,
+    bytes_per_token,
+)
 from oxserve.config import CacheConfig, SchedulerConfig
 
 DEFAULT_BLOCK_TOKENS = 64

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from oxserve.cache.layers import KDACache, MLACache
+from oxserve.cache.layers import QMAX, KDACache, MLACache, ScaledRows, Table
 
 
 @dataclass(frozen=True)
@@ -33,18 +33,27 @@ def itemsize(dtype: torch.dtype) -> int:
 
 @dataclass(frozen=True)
 class PagedTensor:
-    """One `width`-wide entry per `tokens_per_entry` tokens, in the request's blocks."""
+    """One `width`-wide entry per `tokens_per_entry` tokens, in the request's blocks. Stored
+    in `dtype`; int8 and fp8 add an fp32 scale per entry and are read back as `read_as`."""
 
     width: int
     dtype: torch.dtype
     tokens_per_entry: int = 1
+    read_as: torch.dtype | None = None  # the model's dtype, for int8 / fp8 storage
+
+    @property
+    def scaled(self) -> bool:
+        return self.dtype in QMAX
 
     @property
     def bytes_per_token(self) -> float:
-        return self.width * itemsize(self.dtype) / self.tokens_per_entry
+        entry = self.width * itemsize(self.dtype) + (4 if self.scaled else 0)
+        return entry / self.tokens_per_entry
 
-    def allocate(self, layout: CacheLayout, device) -> torch.Tensor:
+    def allocate(self, layout: CacheLayout, device) -> Table:
         rows = layout.num_blocks * layout.block_size // self.tokens_per_entry
+        if self.scaled:
+            return ScaledRows.zeros(rows, self.width, self.dtype, self.read_as or torch.float32, device)
         return torch.zeros(rows, self.width, dtype=self.dtype, device=device)
 
 
@@ -70,11 +79,12 @@ class MLACacheSpec:
 
     latent: PagedTensor
     index_keys: PagedTensor | None = None
+    index_gates: PagedTensor | None = None
     pool_keys: PagedTensor | None = None
 
     @property
     def paged(self) -> tuple[PagedTensor, ...]:
-        return tuple(t for t in (self.latent, self.index_keys, self.pool_keys) if t is not None)
+        return tuple(t for t in (self.latent, self.index_keys, self.index_gates, self.pool_keys) if t is not None)
 
     @property
     def states(self) -> tuple[StateTensor, ...]:
@@ -84,7 +94,7 @@ class MLACacheSpec:
         def make(t: PagedTensor | None):
             return None if t is None else t.allocate(layout, device)
 
-        return MLACache(make(self.latent), make(self.index_keys), make(self.pool_keys))
+        return MLACache(make(self.latent), make(self.index_keys), make(self.index_gates), make(self.pool_keys))
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ import torch
 
 from oxserve.cache.manager import CacheManager
 from oxserve.cache.planner import plan_cache
+from oxserve.cache.precision import CachePlan, LayerCachePrecision
 from oxserve.cache.spec import CacheLayout
 from oxserve.config import EngineConfig
 from oxserve.engine.interface import SchedulerOutput
@@ -31,6 +32,7 @@ from oxserve.kernels.onednn import choose_linear_kernel
 from oxserve.model.loader import load_model
 from oxserve.outputs import CompletionOutput, RequestOutput
 from oxserve.quantization.on_load import choose_quantization
+from oxserve.quantization.plan import QuantizationPlan
 from oxserve.sampling_params import SamplingParams
 from oxserve.telemetry import span
 from oxserve.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -63,7 +65,7 @@ class StepShape:
     decode_tokens: int
 
     @staticmethod
-    def of(out: SchedulerOutput) -> "StepShape":
+    def of(out: SchedulerOutput) -> StepShape:
         decode = out.num_decode_tokens
         return StepShape(out.num_tokens - decode, decode)
 
@@ -81,7 +83,9 @@ class LLMEngine:
         path = Path(config.model.model) if config.model.model else _default_model()
         self.model_path = path
         self.dtype = DTYPES[config.model.dtype]
-        quantize = choose_quantization(config.model.quantization, self.device, config.model.smoothquant_alpha)
+        plan_file = config.model.quantization_plan
+        self.quantization_plan = QuantizationPlan.load(plan_file) if plan_file else None
+        quantize = choose_quantization(config.model.quantization, self.device, config.model.smoothquant_alpha, self.quantization_plan)
         self.linear_kernel, kernel = choose_linear_kernel(config.model.linear_kernel, self.device, self.dtype)
         # Quantization first: the kernel choice takes the Linears it leaves.
         transforms = [t for t in (quantize and quantize.transform, kernel) if t is not None]
@@ -92,10 +96,14 @@ class LLMEngine:
         if quantize is not None:
             log.info("oxserve: %s", quantize.finish(loaded.model, self.tokenizer))
         limit = config.model.max_model_len or min(self.model_config.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
-        layout = plan_cache(config.cache, config.scheduler, loaded.model.cache_specs(self.dtype), limit)
+        kv = config.cache.kv_cache_dtype
+        default = LayerCachePrecision(latent=kv, index_keys=kv, kda_state=config.cache.kda_state_dtype)
+        self.cache_plan = self.quantization_plan.cache_plan(default) if self.quantization_plan else CachePlan(default)
+        cache_specs = loaded.model.cache_specs(self.dtype, self.cache_plan)
+        layout = plan_cache(config.cache, config.scheduler, cache_specs, limit)
         self.cache = CacheManager(layout.num_blocks, layout.block_size, layout.num_slots)
         self.scheduler = Scheduler(config.scheduler, self.cache)
-        self.runner = ModelRunner(loaded.model, layout, self.dtype, self.device, deterministic=config.scheduler.deterministic)
+        self.runner = ModelRunner(loaded.model, layout, cache_specs, self.device, deterministic=config.scheduler.deterministic)
         self.max_model_len = _fit_to_cache(limit, layout)
         self.eos_token_ids = frozenset(self._eos_ids(path))
         torch.manual_seed(config.model.seed)  # requests without their own seed draw from this

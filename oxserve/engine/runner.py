@@ -12,8 +12,12 @@ from dataclasses import dataclass
 
 import torch
 
-from oxserve.cache.spec import CacheLayout
-from oxserve.engine.interface import ModelRunnerOutput, SchedulerOutput, ScheduledRequest
+from oxserve.cache.spec import CacheLayout, LayerCacheSpec
+from oxserve.engine.interface import (
+    ModelRunnerOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+)
 from oxserve.engine.sampler import SamplingRow, make_generator, sample
 from oxserve.model.batch import BatchRequest, make_forward_batch
 from oxserve.model.glm5_next import Glm5NextForCausalLM
@@ -35,7 +39,7 @@ class ModelRunner:
         self,
         model: Glm5NextForCausalLM,
         layout: CacheLayout,
-        dtype: torch.dtype,
+        cache_specs: list[LayerCacheSpec],
         device: torch.device,
         deterministic: bool = False,
     ):
@@ -44,7 +48,7 @@ class ModelRunner:
         self.device = device
         self.deterministic = deterministic
         self.tracer: Tracer | None = None  # set by the profiler
-        self.caches = [spec.allocate(layout, device) for spec in model.cache_specs(dtype)]
+        self.caches = [spec.allocate(layout, device) for spec in cache_specs]
         self.requests: dict[str, RequestState] = {}
 
     def drop(self, request_ids: list[str]) -> None:

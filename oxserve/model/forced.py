@@ -12,6 +12,7 @@ import random
 
 import torch
 
+from oxserve.cache.precision import CachePlan
 from oxserve.cache.spec import CacheLayout
 from oxserve.model.batch import BatchRequest, make_forward_batch
 from oxserve.model.glm5_next import Glm5NextForCausalLM
@@ -21,14 +22,14 @@ BLOCK_SIZE = 32
 
 def forced_logits(
     model: Glm5NextForCausalLM, tokens: list[int], chunk: int, decode_from: int | None = None,
-    shuffle: random.Random | None = None,
+    shuffle: random.Random | None = None, cache_plan: CachePlan | None = None,
 ) -> torch.Tensor:
     """Logits [L, V] (fp32) of every position of `tokens`.
 
     Positions before `decode_from` (default: all) are prefilled in chunks of `chunk` tokens;
     the rest are decoded one token per step. The request uses state slot 1 of 2, and with
     `shuffle` its blocks are scattered over the cache at random: pages and slots need not be
-    in order.
+    in order. `cache_plan`: the caches' precision (default: the model's dtype).
     """
     cfg = model.config
     dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
@@ -36,7 +37,7 @@ def forced_logits(
     block_size = max(BLOCK_SIZE, cfg.index_kpool)
     blocks = -(-len(tokens) // block_size)
     layout = CacheLayout(num_blocks=blocks + 3, block_size=block_size, num_slots=2)
-    caches = [spec.allocate(layout, "cpu") for spec in model.cache_specs(dtype)]
+    caches = [spec.allocate(layout, "cpu") for spec in model.cache_specs(dtype, cache_plan)]
     table = shuffle.sample(range(layout.num_blocks), blocks) if shuffle else list(range(blocks))
     spans = [(s, min(s + chunk, decode_from)) for s in range(0, decode_from, chunk)]
     spans += [(p, p + 1) for p in range(decode_from, len(tokens))]

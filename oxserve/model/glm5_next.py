@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from oxserve.cache.layers import LayerCache
+from oxserve.cache.precision import CachePlan
 from oxserve.cache.spec import LayerCacheSpec
 from oxserve.model.activations import activation
 from oxserve.model.batch import ForwardBatch
@@ -84,9 +85,11 @@ class Glm5NextForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens
         self.mtp = MTPLayer(cfg, cfg.num_hidden_layers) if with_mtp else None
 
-    def cache_specs(self, dtype: torch.dtype) -> list[LayerCacheSpec]:
-        """What each decoder layer caches, in layer order."""
-        return [layer.self_attn.cache_spec(dtype) for layer in self.layers]
+    def cache_specs(self, dtype: torch.dtype, plan: CachePlan | None = None) -> list[LayerCacheSpec]:
+        """What each decoder layer caches, in layer order, stored as `plan` says (default:
+        the model's dtype; fp32 KDA states)."""
+        plan = plan or CachePlan()
+        return [layer.self_attn.cache_spec(dtype, plan.for_layer(i)) for i, layer in enumerate(self.layers)]
 
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, caches: list[LayerCache]) -> torch.Tensor:
         """input_ids [T] -> final hidden states of the rows in batch.logits_indices [S, D]."""

@@ -42,9 +42,14 @@ class Indexer(nn.Module):
         self.compress_ape = loadable(empty_param(cfg.index_kpool, cfg.index_head_dim))
         self.compress_gate = loadable(empty_param(cfg.index_head_dim, cfg.hidden_size))
 
-    def cache_tensors(self, dtype: torch.dtype) -> tuple[PagedTensor, PagedTensor]:
-        """(each token's key | pool gate score, one compressed key per complete pool)."""
-        return PagedTensor(2 * self.head_dim, dtype), PagedTensor(self.head_dim, dtype, tokens_per_entry=self.kpool)
+    def cache_tensors(self, dtype: torch.dtype, key_dtype: torch.dtype) -> tuple[PagedTensor, PagedTensor, PagedTensor]:
+        """(each token's key, its pool gate score, one compressed key per complete pool); the
+        keys stored in key_dtype."""
+        return (
+            PagedTensor(self.head_dim, key_dtype, read_as=dtype),
+            PagedTensor(self.head_dim, dtype),
+            PagedTensor(self.head_dim, key_dtype, tokens_per_entry=self.kpool, read_as=dtype),
+        )
 
     def forward(self, x: torch.Tensor, q_resid: torch.Tensor, batch: ForwardBatch, cache: MLACache) -> torch.Tensor:
         self._write_keys(x, batch, cache)

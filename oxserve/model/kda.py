@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from oxserve.cache.layers import KDACache
+from oxserve.cache.precision import LayerCachePrecision
 from oxserve.cache.spec import KDACacheSpec, StateTensor
 from oxserve.kernels.kda import causal_conv, kda_chunked, kda_recurrent_step, l2norm
 from oxserve.model.activations import activation
@@ -55,10 +56,10 @@ class KDAttention(nn.Module):
         self.o_proj = Linear(cfg.kda_dim, cfg.hidden_size)
         self.norm_eps = cfg.rms_norm_eps
 
-    def cache_spec(self, dtype: torch.dtype) -> KDACacheSpec:
+    def cache_spec(self, dtype: torch.dtype, precision: LayerCachePrecision = LayerCachePrecision()) -> KDACacheSpec:
         return KDACacheSpec(
             conv=StateTensor((self.conv_kernel - 1, 3 * self.dim), dtype),
-            recurrent=StateTensor((self.num_heads, self.head_dim, self.head_dim), torch.float32),
+            recurrent=StateTensor((self.num_heads, self.head_dim, self.head_dim), precision.dtype("kda_state", dtype)),
         )
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: KDACache) -> torch.Tensor:

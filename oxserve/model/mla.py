@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from oxserve.cache.layers import MLACache
+from oxserve.cache.precision import LayerCachePrecision
 from oxserve.cache.spec import MLACacheSpec, PagedTensor
 from oxserve.model.batch import ForwardBatch
 from oxserve.model.common import RMSNorm
@@ -54,11 +55,11 @@ class MLAttention(nn.Module):
         w_kv = self.kv_b_proj.dense_weight().view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
         self.w_uk, self.w_uv = w_kv.split([self.nope_dim, self.v_dim], dim=1)
 
-    def cache_spec(self, dtype: torch.dtype) -> MLACacheSpec:
-        latent = PagedTensor(self.kv_lora_rank, dtype)
+    def cache_spec(self, dtype: torch.dtype, precision: LayerCachePrecision = LayerCachePrecision()) -> MLACacheSpec:
+        latent = PagedTensor(self.kv_lora_rank, precision.dtype("latent", dtype), read_as=dtype)
         if self.indexer is None:
             return MLACacheSpec(latent)
-        return MLACacheSpec(latent, *self.indexer.cache_tensors(dtype))
+        return MLACacheSpec(latent, *self.indexer.cache_tensors(dtype, precision.dtype("index_keys", dtype)))
 
     def forward(
         self, x: torch.Tensor, batch: ForwardBatch, cache: MLACache, shared_selection: torch.Tensor | None

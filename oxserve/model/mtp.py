@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from oxserve.cache.layers import MLACache
+from oxserve.cache.precision import LayerCachePrecision
 from oxserve.cache.spec import MLACacheSpec
 from oxserve.model.batch import ForwardBatch
 from oxserve.model.common import RMSNorm
@@ -42,8 +43,8 @@ class MTPLayer(nn.Module):
         self.mlp = MoE(cfg, f"L{index}.moe")
         self.shared_head_norm = RMSNorm(d, eps)
 
-    def cache_spec(self, dtype: torch.dtype) -> MLACacheSpec:
-        return self.self_attn.cache_spec(dtype)
+    def cache_spec(self, dtype: torch.dtype, precision: LayerCachePrecision = LayerCachePrecision()) -> MLACacheSpec:
+        return self.self_attn.cache_spec(dtype, precision)
 
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch, cache: MLACache) -> torch.Tensor:
         """embeds [T, D] of the next tokens, hidden [T, D] of the target (or of the previous

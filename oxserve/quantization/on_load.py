@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from oxserve.quantization.plan import QuantizationPlan
 from oxserve.quantization.quality import calibration_sequences, shipped_calibration_text
 from oxserve.quantization.smooth import calibrate_and_quantize
 from oxserve.quantization.w8a8 import quantize_w8a8_on_load
@@ -22,9 +23,16 @@ CALIBRATION_SEQUENCES, CALIBRATION_LENGTH = 4, 128
 @dataclass(frozen=True)
 class QuantizeOnLoad:
     alpha: float  # SmoothQuant migration strength; 0: no calibration, no smoothing
+    default: str = "w8a8"  # layers the plan does not name
+    plan: QuantizationPlan | None = None
+
+    def quantized(self, layer: int | None) -> bool:
+        if layer is None or self.plan is None:
+            return self.default == "w8a8"
+        return self.plan.weights(layer, self.default) == "w8a8"
 
     def transform(self, model: nn.Module) -> int:
-        return quantize_w8a8_on_load(model, deferred=self.alpha > 0)
+        return quantize_w8a8_on_load(model, deferred=self.alpha > 0, in_layer=self.quantized)
 
     def finish(self, model: nn.Module, tokenizer) -> str:
         """Calibrate and quantize the deferred modules; a line for the start-up log."""
@@ -36,12 +44,15 @@ class QuantizeOnLoad:
         return f"w8a8 after calibration on {len(sequences)} x {CALIBRATION_LENGTH} tokens: {report}"
 
 
-def choose_quantization(choice: str, device: torch.device, alpha: float) -> QuantizeOnLoad | None:
-    """What the `quantization` option installs (None for none)."""
-    if choice == "none":
-        return None
-    if choice != "w8a8":
+def choose_quantization(
+    choice: str, device: torch.device, alpha: float, plan: QuantizationPlan | None = None
+) -> QuantizeOnLoad | None:
+    """What the `quantization` option (and a plan's per-layer weights) install; None: nothing."""
+    if choice not in ("none", "w8a8"):
         raise ValueError(f"quantization must be none or w8a8, got {choice!r}")
+    planned = plan is not None and any(e.get("weights") == "w8a8" for e in plan.layers.values())
+    if choice == "none" and not planned:
+        return None
     if device.type != "cpu":
         raise ValueError(f"quantization w8a8 runs on CPU in this build (its int8 kernel is native C), not {device}")
-    return QuantizeOnLoad(alpha)
+    return QuantizeOnLoad(alpha, choice, plan)

@@ -42,7 +42,7 @@ def sequence_logits(model: Glm5NextForCausalLM, sequences: list[list[int]]) -> l
 def agreement(reference: list[torch.Tensor], candidate: list[torch.Tensor]) -> Agreement:
     ref = torch.cat(reference).float().log_softmax(-1)
     cand = torch.cat(candidate).float().log_softmax(-1)
-    kl = (ref.exp() * (ref - cand)).sum(-1)
+    kl = (ref.exp() * (ref - cand)).sum(-1).clamp(min=0)  # rounding can make a near-zero KL negative
     top1 = (ref.argmax(-1) == cand.argmax(-1)).float().mean()
     return Agreement(float(kl.mean()), float(kl.max()), float(top1), int(kl.numel()))
 

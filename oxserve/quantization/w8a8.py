@@ -10,6 +10,8 @@ filled part by part by the checkpoint loader like any other parameter.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -32,6 +34,7 @@ from oxserve.model.linear import (
     swap_modules,
 )
 from oxserve.model.moe import Experts
+from oxserve.quantization.plan import layer_of
 
 # Kept in high precision when quantizing on load: the head (its error reaches every logit
 # directly) and kv_b_proj, which MLA folds into other matrices and never multiplies as a Linear.
@@ -212,14 +215,24 @@ class W8A8Experts(Experts):
         return self.gate_up.dequantized().to(self.dtype), self.down.dequantized().to(self.dtype)
 
 
-def quantize_w8a8_on_load(model: nn.Module, keep: tuple[str, ...] = KEEP_ON_LOAD, deferred: bool = False) -> int:
-    """Swap (before loading) every Linear except those named in `keep` (last name part) and
-    every routed-expert stack for W8A8 modules that quantize the loaded weights; `deferred`:
-    only once `smooth.calibrate_and_quantize` has measured their inputs."""
-    count = swap_modules(model, Experts, lambda name, experts: W8A8Experts(experts, deferred=deferred))
-    return count + swap_modules(
-        model, Linear, lambda name, linear: linear if name.rpartition(".")[2] in keep else W8A8Linear(linear, deferred=deferred)
-    )
+def quantize_w8a8_on_load(
+    model: nn.Module, keep: tuple[str, ...] = KEEP_ON_LOAD, deferred: bool = False,
+    in_layer: Callable[[int | None], bool] = lambda layer: True,
+) -> int:
+    """Swap (before loading) every routed-expert stack and every Linear except those named in
+    `keep` (last name part), in the decoder layers `in_layer` accepts (None: outside them),
+    for W8A8 modules that quantize the loaded weights; `deferred`: only once
+    `smooth.calibrate_and_quantize` has measured their inputs."""
+
+    def experts(name: str, module: Experts) -> nn.Module:
+        return W8A8Experts(module, deferred=deferred) if in_layer(layer_of(name)) else module
+
+    def linear(name: str, module: Linear) -> nn.Module:
+        if name.rpartition(".")[2] in keep or not in_layer(layer_of(name)):
+            return module
+        return W8A8Linear(module, deferred=deferred)
+
+    return swap_modules(model, Experts, experts) + swap_modules(model, Linear, linear)
 
 
 def use_prequantized_w8a8(model: nn.Module, modules: set[str]) -> None:

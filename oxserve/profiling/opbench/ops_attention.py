@@ -188,7 +188,7 @@ def indexer_candidate(cfg, i):
     with torch.device("meta"):  # _select uses the config values only, not the weights
         indexer = Indexer(cfg)
     batch = _decode_batch(i, BLOCK_SIZE)
-    cache = MLACache(torch.empty(0, device=i["q"].device), None, i["pool_keys"])
+    cache = MLACache(torch.empty(0, device=i["q"].device), pool_keys=i["pool_keys"])
     longest = max(batch.seq_lens)
 
     def run(out):
