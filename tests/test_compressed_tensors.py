@@ -120,26 +120,29 @@ def test_unsupported_schemes_are_named(compressed_dirs, tmp_path, edit, named):
         load_model(tmp_path / "edited", dtype=torch.float32)
 
 
+def _edit_tensor(src, dst, suffix: str, edit) -> None:
+    """A copy of checkpoint `src` in `dst` with the tensor named ...`suffix` edited in place:
+    `edit(tensors, name)`."""
+    shutil.copytree(src, dst)
+    tensors = load_file(dst / "model.safetensors")
+    edit(tensors, next(k for k in tensors if k.endswith(suffix)))
+    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+
+
 def test_partly_quantized_fused_weight_is_an_error(compressed_dirs, tmp_path):
-    path, _ = compressed_dirs
-    broken = tmp_path / "broken"
-    shutil.copytree(path, broken)
-    tensors = load_file(broken / "model.safetensors")
-    name = next(k for k in tensors if k.endswith("layers.0.self_attn.k_proj.weight"))
-    tensors[name] = tensors[name].float() * tensors.pop(name + "_scale").float()
-    save_file(tensors, broken / "model.safetensors", metadata={"format": "pt"})
+    def dequantize_k(tensors, name):
+        tensors[name] = tensors[name].float() * tensors.pop(name + "_scale").float()
+
+    _edit_tensor(compressed_dirs[0], tmp_path / "broken", "layers.0.self_attn.k_proj.weight", dequantize_k)
     with pytest.raises(CheckpointError, match="k_proj.weight is torch.float32, but the checkpoint quantizes"):
-        load_model(broken, dtype=torch.float32)
+        load_model(tmp_path / "broken", dtype=torch.float32)
 
 
 def test_quantized_router_is_an_error(compressed_dirs, tmp_path):
-    path, _ = compressed_dirs
-    broken = tmp_path / "router"
-    shutil.copytree(path, broken)
-    tensors = load_file(broken / "model.safetensors")
-    name = next(k for k in tensors if k.endswith("mlp.gate.weight"))
-    scale = tensors[name].abs().amax(-1, keepdim=True) / 127
-    tensors[name], tensors[name + "_scale"] = torch.round(tensors[name] / scale).to(torch.int8), scale
-    save_file(tensors, broken / "model.safetensors", metadata={"format": "pt"})
+    def quantize_router(tensors, name):
+        scale = tensors[name].abs().amax(-1, keepdim=True) / 127
+        tensors[name], tensors[name + "_scale"] = torch.round(tensors[name] / scale).to(torch.int8), scale
+
+    _edit_tensor(compressed_dirs[0], tmp_path / "router", "mlp.gate.weight", quantize_router)
     with pytest.raises(CheckpointError, match=r"quantizes layers\.\d+\.mlp\.gate \(Router\)"):
-        load_model(broken, dtype=torch.float32)
+        load_model(tmp_path / "router", dtype=torch.float32)
