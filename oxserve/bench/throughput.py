@@ -158,11 +158,12 @@ def run_hf(engine: LLMEngine, prompts: list[list[int]], output_len: int, dtype: 
 def decode_floor(engine: LLMEngine, batch: int, context: int, measured_decode_tok_s: float) -> dict:
     """Bytes one decode step must read (weights touched + cache) over measured bandwidth."""
     from oxserve.feedback.ceilings import load_or_measure_ceilings
-    from oxserve.profiling.costs import decode_step_shape, forward_cost
+    from oxserve.profiling.costs import decode_step_shape, forward_cost, model_storage
 
     ceilings = load_or_measure_ceilings(str(engine.device))
     elem = torch.empty((), dtype=engine.dtype).element_size()
-    cost = forward_cost(engine.model_config, decode_step_shape(batch, context), elem)
+    storage = model_storage(engine.runner.model, engine.dtype, engine.cache_plan)
+    cost = forward_cost(engine.model_config, decode_step_shape(batch, context), elem, storage)
     step_s = ceilings.min_time_s(cost.bytes, cost.flops, cost.precision)
     floor_tok_s = batch / step_s
     return {

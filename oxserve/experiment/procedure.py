@@ -24,19 +24,36 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from oxserve.config import ModelConfig, SchedulerConfig
-from oxserve.experiment.arms import REPO_ROOT, Arm, export_revision, resolve_revision, resolved_options
+import torch
+
+from oxserve.cache.precision import CachePlan, LayerCachePrecision
+from oxserve.cache.spec import itemsize
+from oxserve.config import CacheConfig, ModelConfig, SchedulerConfig
+from oxserve.experiment.arms import (
+    REPO_ROOT,
+    Arm,
+    export_revision,
+    resolve_revision,
+    resolved_options,
+)
 from oxserve.experiment.launch import WorkerResult, run_worker
 from oxserve.experiment.quality import compare_scores, quality_prompts
 from oxserve.feedback.ceilings import Ceilings, load_or_measure_ceilings
 from oxserve.feedback.ledger import ExperimentRecord, Ledger, environment_info
 from oxserve.feedback.machine import cache_bytes
-from oxserve.feedback.stats import ALPHA, NOISE_THRESHOLD, compare, interleaved_order, more_pairs_needed, split_by_arm
+from oxserve.feedback.stats import (
+    ALPHA,
+    NOISE_THRESHOLD,
+    compare,
+    interleaved_order,
+    more_pairs_needed,
+    split_by_arm,
+)
 from oxserve.feedback.workload import Workload
 from oxserve.model.config import TextModelConfig
-from oxserve.profiling.costs import decode_step_shape, forward_cost
+from oxserve.profiling.costs import decode_step_shape, forward_cost, layer_storage
 
-ELEM_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 @dataclass(frozen=True)
@@ -167,7 +184,11 @@ def tokens_per_s_roofline(cfg: TextModelConfig, options: Mapping[str, Any], work
     else:
         batch = min(options.get("max_num_seqs", SchedulerConfig().max_num_seqs), workload.num_requests,
                     workload.arrival.concurrency or workload.num_requests)
-    cost = forward_cost(cfg, decode_step_shape(batch), ELEM_BYTES[options.get("dtype", ModelConfig().dtype)])
+    dtype = DTYPES[options.get("dtype", ModelConfig().dtype)]
+    kv, kda = options.get("kv_cache_dtype", CacheConfig().kv_cache_dtype), options.get("kda_state_dtype", CacheConfig().kda_state_dtype)
+    int8 = set(range(cfg.num_hidden_layers)) if options.get("quantization") == "w8a8" else set()
+    storage = layer_storage(cfg, dtype, int8, CachePlan(LayerCachePrecision(latent=kv, index_keys=kv, kda_state=kda)))
+    cost = forward_cost(cfg, decode_step_shape(batch), itemsize(dtype), storage)
     memory = cost.bytes if cost.bytes > cache_bytes(ceilings.device) else 0.0
     return batch / ceilings.min_time_s(memory, cost.flops, cost.precision)
 

@@ -15,11 +15,12 @@ biggest gap is the report's headline.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from oxserve.feedback.ceilings import Ceilings
 from oxserve.model.config import TextModelConfig
-from oxserve.profiling.costs import op_cost
+from oxserve.profiling.costs import Storage, op_cost
 from oxserve.profiling.spans import Step
 
 PHASES = ("decode", "prefill", "mixed")
@@ -99,8 +100,12 @@ class _StepTotals:
     ops: dict[str, float] = field(default_factory=lambda: defaultdict(float))
 
 
-def analyse(steps: list[Step], cfg: TextModelConfig, elem_bytes: int, ceilings: Ceilings | None) -> dict:
-    """Everything report.json holds except run metadata and the overhead measurement."""
+def analyse(
+    steps: list[Step], cfg: TextModelConfig, elem_bytes: int, ceilings: Ceilings | None,
+    layer_storage: Callable[[int], Storage] | None = None,
+) -> dict:
+    """Everything report.json holds except run metadata and the overhead measurement.
+    `layer_storage`: how each layer is stored (quantized weights, caches; default: dense)."""
     step_us = sum(s.dur_us for s in steps)
     forward_us = sum(f.dur_us for s in steps for f in s.forwards)
     attributed_us = sum(op.dur_us for s in steps for f in s.forwards for op in f.ops)
@@ -122,7 +127,8 @@ def analyse(steps: list[Step], cfg: TextModelConfig, elem_bytes: int, ceilings: 
         phase_batch_us[(phase, batch)] += step.dur_us
         for fwd in step.forwards:
             for op in fwd.ops:
-                cost = op_cost(op.op_type, cfg, fwd.shape, elem_bytes)
+                storage = layer_storage(op.layer) if layer_storage and op.layer is not None else elem_bytes
+                cost = op_cost(op.op_type, cfg, fwd.shape, storage)
                 tokens = fwd.shape.num_tokens
                 for acc in (by_op[op.op_type], by_cond[(op.op_type, phase, batch, context)],
                             by_group[(phase, batch, op.op_type)]):

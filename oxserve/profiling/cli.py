@@ -16,6 +16,7 @@ from oxserve.feedback.drive import PROMPT_MIN_TOKEN_ID, run_workload
 from oxserve.options import changed_options
 from oxserve.feedback.workload import Arrival, load_workload
 from oxserve.profiling.analysis import analyse
+from oxserve.profiling.costs import model_storage
 from oxserve.profiling.overhead import end_to_end_overhead, measure_span_cost, span_overhead
 from oxserve.profiling.report import build_report, write_report
 from oxserve.profiling.spans import group_spans
@@ -54,7 +55,8 @@ def run(args: argparse.Namespace) -> int:
 
     ceilings = None if args.ceilings == "none" else load_or_measure_ceilings(str(engine.device), quick=args.ceilings == "quick")
     elem_bytes = torch.empty((), dtype=engine.dtype).element_size()
-    analysis = analyse(steps, engine.model_config, elem_bytes, ceilings)
+    storage = model_storage(engine.runner.model, engine.dtype, engine.cache_plan)
+    analysis = analyse(steps, engine.model_config, elem_bytes, ceilings, storage)
     step_durations = [s.dur_us for s in steps]
     overhead = {"spans": span_overhead(measure_span_cost(), len(tracer.spans) / len(steps), statistics.median(step_durations))}
     if args.overhead_repeats > 0:

@@ -9,10 +9,16 @@ Notation (all per layer, per forward pass):
 
     T  tokens          R  requests          Rd decodes (1 token each)      Rp = R - Rd
     Tp = T - Rd  prefill tokens             c  context a query sees (tokens, see below)
-    e  bytes per model-dtype element        fp32 state and gates: 4 bytes
+    e  bytes per model-dtype element        fp32 gates: 4 bytes
+    w  bytes per element of the weights W8A8 quantizes (projections, experts); 1 if int8
+    st, lat, key  bytes per element of the KDA state, MLA latent and DSA keys as stored
     h  hidden   n  mHC streams   H, dk, dv  KDA heads and head dims   kd = H*dk
     nH MLA heads   C kv_lora_rank   qr q_lora_rank   P index_kpool
     E  routed experts   k experts per token   I moe_intermediate_size
+
+Every formula takes a `Storage` (b): b.e, b.w, b.st, b.lat, b.key above. int8 weights'
+per-channel scales are not counted (4 bytes per row of K >= 512 elements: < 1%); int8/fp8
+cache entries count their per-token scale, amortized over the entry's width.
 
 Context: the runner records only each step's mean and max sequence length. A decode query
 sees `mean_context` tokens; a prefill query sees half of it on average (causal). Attention
@@ -24,9 +30,34 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+import torch
+
+from oxserve.cache.layers import QMAX
+from oxserve.cache.precision import CachePlan
+from oxserve.cache.spec import itemsize
 from oxserve.model.config import TextModelConfig
 
 FP32 = 4
+
+
+@dataclass(frozen=True)
+class Storage:
+    """Bytes per element of what one layer's ops read (see the notation above)."""
+
+    e: float  # activations and everything kept in the model's dtype
+    w: float  # projection and expert weights (1 when W8A8)
+    st: float  # KDA recurrent state
+    lat: float  # MLA latents
+    key: float  # DSA token and pool keys
+
+    @classmethod
+    def dense(cls, e: float) -> Storage:
+        return cls(e, e, FP32, e, e)
+
+    def precision(self) -> str:
+        # The machine ceilings have no int8 peak: W8A8 products are charged at the model
+        # dtype's (on the AVX2 machines int8 multiply-adds run at about the fp32 FMA rate).
+        return _dtype_precision(self.e)
 
 
 @dataclass(frozen=True)
@@ -74,59 +105,59 @@ class Cost:
         return Cost(self.bytes + other.bytes, self.flops + other.flops, precision)
 
 
-def _dtype_precision(e: int) -> str:
+def _dtype_precision(e: float) -> str:
     return "fp32" if e >= FP32 else "bf16"
 
 
 # ---- per-op formulas -------------------------------------------------------------------
-# Each takes (cfg, shape, e) and returns Cost. Keys are op types: span names without "L{i}.".
+# Each takes (cfg, shape, b: Storage) and returns Cost. Keys are op types: span names without "L{i}.".
 
 
-def _embed(cfg, s, e):
-    return Cost(s.num_tokens * cfg.hidden_size * e * (1 + cfg.hc_mult), 0.0, _dtype_precision(e))
+def _embed(cfg, s, b):
+    return Cost(s.num_tokens * cfg.hidden_size * b.e * (1 + cfg.hc_mult), 0.0, _dtype_precision(b.e))
 
 
-def _hc_collapse(cfg, s, e):
+def _hc_collapse(cfg, s, b):
     # Includes the block's input RMSNorm. Projection of the flattened streams runs in fp32.
     t, n, h = s.num_tokens, cfg.hc_mult, cfg.hidden_size
-    weights = (2 + n) * n * n * h * e + ((2 + n) * n + 3) * FP32 + h * e  # fn, base, scale, norm
-    data = t * n * h * e + t * h * e
+    weights = (2 + n) * n * n * h * b.e + ((2 + n) * n + 3) * FP32 + h * b.e  # fn, base, scale, norm
+    data = t * n * h * b.e + t * h * b.e
     flops = 2 * t * n * h * (2 + n) * n + 2 * t * n * h + t * cfg.hc_sinkhorn_iters * 4 * n * n + 4 * t * h
     return Cost(weights + data, flops, "fp32")
 
 
-def _hc_expand(cfg, s, e):
+def _hc_expand(cfg, s, b):
     t, n, h = s.num_tokens, cfg.hc_mult, cfg.hidden_size
-    return Cost((2 * t * n * h + t * h) * e, t * n * h * (2 * n + 2), _dtype_precision(e))
+    return Cost((2 * t * n * h + t * h) * b.e, t * n * h * (2 * n + 2), _dtype_precision(b.e))
 
 
-def _linear(t: int, d_in: int, d_out: int, e: int) -> tuple[float, float]:
+def _linear(t: int, d_in: int, d_out: int, b: Storage) -> tuple[float, float]:
     """(bytes, flops) of x[t, d_in] @ W[d_out, d_in]^T: weight + input + output once."""
-    return (d_in * d_out + t * d_in + t * d_out) * e, 2.0 * t * d_in * d_out
+    return d_in * d_out * b.w + (t * d_in + t * d_out) * b.e, 2.0 * t * d_in * d_out
 
 
-def _kda_qkv_proj(cfg, s, e):
-    b, f = _linear(s.num_tokens, cfg.hidden_size, 3 * cfg.kda_dim, e)
-    return Cost(b, f, _dtype_precision(e))
+def _kda_qkv_proj(cfg, s, b):
+    nbytes, f = _linear(s.num_tokens, cfg.hidden_size, 3 * cfg.kda_dim, b)
+    return Cost(nbytes, f, b.precision())
 
 
-def _kda_conv(cfg, s, e):
+def _kda_conv(cfg, s, b):
     ch, k = 3 * cfg.kda_dim, cfg.linear_conv_kernel_dim
-    state = 2 * s.num_requests * (k - 1) * ch * e  # read + write the last k-1 inputs
-    return Cost(state + ch * k * FP32 + 2 * s.num_tokens * ch * e, 2.0 * s.num_tokens * ch * k, "fp32")
+    state = 2 * s.num_requests * (k - 1) * ch * b.e  # read + write the last k-1 inputs
+    return Cost(state + ch * k * FP32 + 2 * s.num_tokens * ch * b.e, 2.0 * s.num_tokens * ch * k, "fp32")
 
 
-def _kda_gates(cfg, s, e):
+def _kda_gates(cfg, s, b):
     t, h, dk, kd, heads = s.num_tokens, cfg.hidden_size, cfg.linear_head_dim, cfg.kda_dim, cfg.linear_num_heads
-    weights = (h * dk + dk * kd + h * heads) * e + (kd + heads) * FP32  # + dt_bias, A_log
-    data = t * (3 * kd + h) * e + t * (4 * kd + heads) * FP32  # in: conv out, x; out: q, k, v, g, beta
+    weights = (h * dk + dk * kd + h * heads) * b.w + (kd + heads) * FP32  # + dt_bias, A_log
+    data = t * (3 * kd + h) * b.e + t * (4 * kd + heads) * FP32  # in: conv out, x; out: q, k, v, g, beta
     flops = 2.0 * t * (h * dk + dk * kd + h * heads) + 12.0 * t * kd  # + l2norms, softplus/sigmoid
-    return Cost(weights + data, flops, _dtype_precision(e))
+    return Cost(weights + data, flops, b.precision())
 
 
-def _kda_recurrent(cfg, s, e):
+def _kda_recurrent(cfg, s, b):
     heads, dk, dv = cfg.linear_num_heads, cfg.linear_head_dim, cfg.linear_head_dim
-    state = heads * dk * dv * FP32
+    state = heads * dk * dv * b.st
     data = s.num_tokens * heads * (3 * dk + 2 * dv + 1) * FP32  # q, k, g, v in; o out; beta
     # The delta rule's own work per token and state element: decay (1), k.S (2), rank-1
     # update (2), q.S (2). Chunked prefill does more to run in parallel; that is overhead.
@@ -134,24 +165,26 @@ def _kda_recurrent(cfg, s, e):
     return Cost(2 * s.num_requests * state + data, flops, "fp32")
 
 
-def _kda_out(cfg, s, e):
+def _kda_out(cfg, s, b):
     t, h, dk, kd = s.num_tokens, cfg.hidden_size, cfg.linear_head_dim, cfg.kda_dim
-    weights = (h * dk + dk * kd + kd * h + dk) * e
-    data = t * kd * FP32 + 2 * t * h * e
-    return Cost(weights + data, 2.0 * t * (h * dk + dk * kd + kd * h) + 6.0 * t * kd, _dtype_precision(e))
+    weights = (h * dk + dk * kd + kd * h) * b.w + dk * b.e  # g_a, g_b, o_proj; o_norm
+    data = t * kd * FP32 + 2 * t * h * b.e
+    return Cost(weights + data, 2.0 * t * (h * dk + dk * kd + kd * h) + 6.0 * t * kd, b.precision())
 
 
-def _mla_q_proj(cfg, s, e):
+def _mla_q_proj(cfg, s, b):
     t, h, qr = s.num_tokens, cfg.hidden_size, cfg.q_lora_rank
     nope, heads, c = cfg.qk_nope_head_dim, cfg.num_attention_heads, cfg.kv_lora_rank
-    weights = (h * qr + qr * heads * nope + heads * nope * c + qr) * e  # q_a, q_b, W_uk, norm
-    data = t * (h + heads * c) * e
-    return Cost(weights + data, 2.0 * t * (h * qr + qr * heads * nope + heads * nope * c), _dtype_precision(e))
+    weights = (h * qr + qr * heads * nope) * b.w + (heads * nope * c + qr) * b.e  # q_a, q_b; W_uk (folded), norm
+    data = t * (h + heads * c) * b.e
+    return Cost(weights + data, 2.0 * t * (h * qr + qr * heads * nope + heads * nope * c), b.precision())
 
 
-def _mla_kv_proj(cfg, s, e):
-    b, f = _linear(s.num_tokens, cfg.hidden_size, cfg.kv_lora_rank, e)
-    return Cost(b + cfg.kv_lora_rank * e, f, _dtype_precision(e))
+def _mla_kv_proj(cfg, s, b):
+    nbytes, f = _linear(s.num_tokens, cfg.hidden_size, cfg.kv_lora_rank, b)
+    # The latent is written as the cache stores it.
+    written = s.num_tokens * cfg.kv_lora_rank * (b.lat - b.e)
+    return Cost(nbytes + written + cfg.kv_lora_rank * b.e, f, b.precision())
 
 
 def _query_contexts(s: StepShape) -> tuple[float, float]:
@@ -159,41 +192,42 @@ def _query_contexts(s: StepShape) -> tuple[float, float]:
     return s.mean_context, s.mean_context / 2
 
 
-def _mla_indexer(cfg, s, e):
+def _mla_indexer(cfg, s, b):
     t, h, qr = s.num_tokens, cfg.hidden_size, cfg.q_lora_rank
     ih, nih, pool = cfg.index_head_dim, cfg.index_n_heads, cfg.index_kpool
-    weights = (2 * h * ih + qr * nih * ih + h * nih + 2 * ih + pool * ih) * e
-    keys_written = t * 2 * ih * e
+    projections = (h * ih + qr * nih * ih + h * nih) * b.w  # wk, wq_b, weights_proj
+    weights = projections + (h * ih + 2 * ih + pool * ih) * b.e  # pool gate, k_norm, ape
+    keys_written = t * ih * (b.key + b.e)  # key (as stored) and pool gate score
     c_dec, c_pre = _query_contexts(s)
     # Decodes read their own pool keys; a prompt's queries share one read of its pool keys.
-    pool_reads = (s.num_decodes * c_dec + s.num_prefills * s.max_context) / pool * ih * e
+    pool_reads = (s.num_decodes * c_dec + s.num_prefills * s.max_context) / pool * ih * b.key
     scored = (s.num_decodes * c_dec + s.prefill_tokens * c_pre) / pool  # pools scored, all queries
     flops = 2.0 * t * (2 * h * ih + qr * nih * ih + h * nih) + scored * nih * (2 * ih + 2)
-    return Cost(weights + keys_written + pool_reads + t * (h + qr) * e, flops, _dtype_precision(e))
+    return Cost(weights + keys_written + pool_reads + t * (h + qr) * b.e, flops, b.precision())
 
 
-def _mla_attention(cfg, s, e):
+def _mla_attention(cfg, s, b):
     c, heads = cfg.kv_lora_rank, cfg.num_attention_heads
     cap = cfg.index_topk + cfg.index_kpool - 1  # DSA bound on positions per query
     c_dec, c_pre = _query_contexts(s)
     k_dec, k_pre = min(c_dec, cap), min(c_pre, cap)
     # Decodes gather their selected latents; a prompt reads each of its latents once.
-    latents = (s.num_decodes * k_dec + s.num_prefills * min(s.max_context, s.mean_context)) * c * e
-    data = 2 * s.num_tokens * heads * c * e  # q_latent in, latent output out
+    latents = (s.num_decodes * k_dec + s.num_prefills * min(s.max_context, s.mean_context)) * c * b.lat
+    data = 2 * s.num_tokens * heads * c * b.e  # q_latent in, latent output out
     flops = 4.0 * heads * c * (s.num_decodes * k_dec + s.prefill_tokens * k_pre)
-    return Cost(latents + data, flops, _dtype_precision(e))
+    return Cost(latents + data, flops, _dtype_precision(b.e))
 
 
-def _mla_o_proj(cfg, s, e):
+def _mla_o_proj(cfg, s, b):
     t, heads, v, c, h = s.num_tokens, cfg.num_attention_heads, cfg.v_head_dim, cfg.kv_lora_rank, cfg.hidden_size
-    weights = (heads * v * c + heads * v * h) * e  # W_uv, o_proj
-    data = t * (heads * c + h) * e
-    return Cost(weights + data, 2.0 * t * (heads * v * c + heads * v * h), _dtype_precision(e))
+    weights = heads * v * c * b.e + heads * v * h * b.w  # W_uv (folded), o_proj
+    data = t * (heads * c + h) * b.e
+    return Cost(weights + data, 2.0 * t * (heads * v * c + heads * v * h), b.precision())
 
 
-def _moe_router(cfg, s, e):
+def _moe_router(cfg, s, b):
     t, h, n_exp = s.num_tokens, cfg.hidden_size, cfg.n_routed_experts
-    data = n_exp * h * e + n_exp * FP32 + t * h * e + t * cfg.num_experts_per_tok * 2 * FP32
+    data = n_exp * h * b.e + n_exp * FP32 + t * h * b.e + t * cfg.num_experts_per_tok * 2 * FP32
     return Cost(data, 2.0 * t * h * n_exp, "fp32")
 
 
@@ -203,39 +237,39 @@ def experts_touched(cfg: TextModelConfig, tokens: int) -> float:
     return n_exp * (1.0 - (1.0 - k / n_exp) ** tokens)
 
 
-def _moe_experts(cfg, s, e):
+def _moe_experts(cfg, s, b):
     t, h, inter, k = s.num_tokens, cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok
-    weights = experts_touched(cfg, t) * 3 * h * inter * e
-    data = 2 * t * h * e + t * k * FP32
-    return Cost(weights + data, 2.0 * t * k * 3 * h * inter, _dtype_precision(e))
+    weights = experts_touched(cfg, t) * 3 * h * inter * b.w
+    data = 2 * t * h * b.e + t * k * FP32
+    return Cost(weights + data, 2.0 * t * k * 3 * h * inter, b.precision())
 
 
-def _dense_mlp(t: int, h: int, inter: int, e: int) -> tuple[float, float]:
-    return (3 * h * inter + 2 * t * h) * e, 2.0 * t * 3 * h * inter
+def _dense_mlp(t: int, h: int, inter: int, b: Storage) -> tuple[float, float]:
+    return 3 * h * inter * b.w + 2 * t * h * b.e, 2.0 * t * 3 * h * inter
 
 
-def _moe_shared(cfg, s, e):
-    b, f = _dense_mlp(s.num_tokens, cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, e)
-    return Cost(b, f, _dtype_precision(e))
+def _moe_shared(cfg, s, b):
+    nbytes, f = _dense_mlp(s.num_tokens, cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, b)
+    return Cost(nbytes, f, b.precision())
 
 
-def _mlp_dense(cfg, s, e):
-    b, f = _dense_mlp(s.num_tokens, cfg.hidden_size, cfg.intermediate_size, e)
-    return Cost(b, f, _dtype_precision(e))
+def _mlp_dense(cfg, s, b):
+    nbytes, f = _dense_mlp(s.num_tokens, cfg.hidden_size, cfg.intermediate_size, b)
+    return Cost(nbytes, f, b.precision())
 
 
-def _final_norm(cfg, s, e):
+def _final_norm(cfg, s, b):
     # Rows with logits: about one per request (a prompt chunk that does not finish has none).
     rows = s.num_requests
-    return Cost(rows * cfg.hidden_size * (cfg.hc_mult + 1) * e, 4.0 * rows * cfg.hidden_size * cfg.hc_mult, _dtype_precision(e))
+    return Cost(rows * cfg.hidden_size * (cfg.hc_mult + 1) * b.e, 4.0 * rows * cfg.hidden_size * cfg.hc_mult, _dtype_precision(b.e))
 
 
-def _lm_head(cfg, s, e):
+def _lm_head(cfg, s, b):
     rows, h, v = s.num_requests, cfg.hidden_size, cfg.vocab_size
-    return Cost(v * h * e + rows * h * e + rows * v * FP32, 2.0 * rows * h * v, _dtype_precision(e))
+    return Cost(v * h * b.e + rows * h * b.e + rows * v * FP32, 2.0 * rows * h * v, _dtype_precision(b.e))
 
 
-OP_COSTS: dict[str, Callable[[TextModelConfig, StepShape, int], Cost]] = {
+OP_COSTS: dict[str, Callable[[TextModelConfig, StepShape, Storage], Cost]] = {
     "embed": _embed,
     "hc.collapse": _hc_collapse,
     "hc.expand": _hc_expand,
@@ -258,10 +292,15 @@ OP_COSTS: dict[str, Callable[[TextModelConfig, StepShape, int], Cost]] = {
 }
 
 
-def op_cost(op: str, cfg: TextModelConfig, shape: StepShape, elem_bytes: int) -> Cost | None:
-    """Cost of one call of op type `op` (e.g. "kda.recurrent"); None for ops not modelled."""
+def op_cost(op: str, cfg: TextModelConfig, shape: StepShape, storage: float | Storage) -> Cost | None:
+    """Cost of one call of op type `op` (e.g. "kda.recurrent"); None for ops not modelled.
+    `storage`: a layer's Storage, or the model dtype's element size (nothing quantized)."""
     fn = OP_COSTS.get(op)
-    return None if fn is None else fn(cfg, shape, elem_bytes)
+    return None if fn is None else fn(cfg, shape, _storage(storage))
+
+
+def _storage(storage: float | Storage) -> Storage:
+    return storage if isinstance(storage, Storage) else Storage.dense(storage)
 
 
 def layer_ops(cfg: TextModelConfig, index: int) -> list[str]:
@@ -274,15 +313,45 @@ def layer_ops(cfg: TextModelConfig, index: int) -> list[str]:
     return ["hc.collapse", "hc.expand"] * 2 + attn + ffn
 
 
-def forward_cost(cfg: TextModelConfig, shape: StepShape, elem_bytes: int) -> Cost:
-    """Minimum cost of a whole forward pass (embedding to logits)."""
-    ops = ["embed", "final_norm", "lm_head"]
-    for i in range(cfg.num_hidden_layers):
-        ops += layer_ops(cfg, i)
+def forward_cost(
+    cfg: TextModelConfig, shape: StepShape, elem_bytes: float, layer_storage: Callable[[int], Storage] | None = None
+) -> Cost:
+    """Minimum cost of a whole forward pass (embedding to logits); `layer_storage(i)` says
+    how layer i is stored (default: all in the model dtype, fp32 KDA states)."""
+    dense = Storage.dense(elem_bytes)
     total = Cost(0.0, 0.0, _dtype_precision(elem_bytes))
-    for op in ops:
-        total = total + OP_COSTS[op](cfg, shape, elem_bytes)
+    for op in ("embed", "final_norm", "lm_head"):
+        total = total + OP_COSTS[op](cfg, shape, dense)
+    for i in range(cfg.num_hidden_layers):
+        storage = layer_storage(i) if layer_storage else dense
+        for op in layer_ops(cfg, i):
+            total = total + OP_COSTS[op](cfg, shape, storage)
     return total
+
+
+def layer_storage(cfg: TextModelConfig, dtype: torch.dtype, int8_layers: set[int], cache_plan: CachePlan) -> Callable[[int], Storage]:
+    """How each layer is stored: W8A8 weights in `int8_layers`, caches as `cache_plan` says
+    (int8/fp8 entries with their per-token scale)."""
+    e = itemsize(dtype)
+
+    def entry(component: str, layer: int, width: int) -> float:
+        stored = cache_plan.for_layer(layer).dtype(component, dtype)
+        return itemsize(stored) + (FP32 / width if stored in QMAX else 0.0)
+
+    def of(i: int) -> Storage:
+        state = itemsize(cache_plan.for_layer(i).dtype("kda_state", dtype))
+        return Storage(e, 1.0 if i in int8_layers else e, state, entry("latent", i, cfg.kv_lora_rank),
+                       entry("index_keys", i, cfg.index_head_dim))
+
+    return of
+
+
+def model_storage(model, dtype: torch.dtype, cache_plan: CachePlan | None = None) -> Callable[[int], Storage]:
+    """`layer_storage` of a loaded model: its int8 layers are those with W8A8 modules."""
+    from oxserve.quantization.w8a8 import W8A8Experts, W8A8Linear
+
+    int8 = {i for i, layer in enumerate(model.layers) if any(isinstance(m, (W8A8Linear, W8A8Experts)) for m in layer.modules())}
+    return layer_storage(model.config, dtype, int8, cache_plan or CachePlan())
 
 
 def decode_step_shape(batch: int, context: int = 1) -> StepShape:

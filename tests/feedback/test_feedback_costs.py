@@ -77,3 +77,26 @@ def test_recurrent_state_traffic_is_read_and_write_per_request():
     one, two = (op_cost("kda.recurrent", CFG, decode_step_shape(b), 2) for b in (1, 2))
     per_request_state = 2 * h * d * d * 4
     assert two.bytes - one.bytes == pytest.approx(per_request_state + h * (5 * d + 1) * 4)
+
+
+def test_quantized_storage_counts_int8_weights_and_caches():
+    """W8A8 layers read their projection and expert weights in 1 byte; int8/fp8 caches read
+    their entries with a per-token scale; the head, router and folded kv_b stay dense."""
+    from oxserve.cache.precision import CachePlan, LayerCachePrecision
+    from oxserve.profiling.costs import layer_storage
+
+    dense = layer_storage(CFG, torch.float32, set(), CachePlan())
+    int8 = layer_storage(CFG, torch.float32, set(range(CFG.num_hidden_layers)),
+                         CachePlan(LayerCachePrecision(latent="int8", index_keys="fp8", kda_state="bfloat16")))
+    assert op_cost("moe.experts", CFG, NOTHING, int8(1)).bytes * 4 == op_cost("moe.experts", CFG, NOTHING, dense(1)).bytes
+    assert op_cost("lm_head", CFG, NOTHING, int8(1)).bytes == op_cost("lm_head", CFG, NOTHING, dense(1)).bytes
+    assert op_cost("moe.router", CFG, NOTHING, int8(1)).bytes == op_cost("moe.router", CFG, NOTHING, dense(1)).bytes
+    step = decode_step_shape(4, context=64)
+    c = CFG.kv_lora_rank
+    gathered = 4 * min(64, CFG.index_topk + CFG.index_kpool - 1) * c  # latents the 4 decodes gather
+    attn = op_cost("mla.attention", CFG, step, dense(3)).bytes - op_cost("mla.attention", CFG, step, int8(3)).bytes
+    assert attn == pytest.approx(gathered * (4 - (1 + 4 / c)))
+    h, d = CFG.linear_num_heads, CFG.linear_head_dim
+    state = op_cost("kda.recurrent", CFG, step, dense(0)).bytes - op_cost("kda.recurrent", CFG, step, int8(0)).bytes
+    assert state == pytest.approx(2 * 4 * h * d * d * 2)
+    assert forward_cost(CFG, step, 4, int8).bytes < forward_cost(CFG, step, 4).bytes  # the tiny head dominates
