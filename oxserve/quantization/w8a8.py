@@ -151,7 +151,7 @@ class W8A8Experts(Experts):
     `deferred` like W8A8Linear, recording each expert's gate|up and down input ranges."""
 
     def __init__(self, experts: Experts, prequantized: bool = False, deferred: bool = False):
-        nn.Module.__init__(self)
+        nn.Module.__init__(self)  # not Experts.__init__: the parameters are built here, from `experts`
         self.num_experts, self.swiglu_limit = experts.num_experts, experts.swiglu_limit
         (e, two_inter, hidden), inter = experts.gate_up_proj.shape, experts.down_proj.shape[2]
         self.shape = (hidden, inter)
