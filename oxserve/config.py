@@ -35,7 +35,7 @@ class ModelConfig:
     )
 
     quantization_plan: str | None = opt(
-        None, "YAML file choosing per layer: weights (w8a8 | none) and cache dtypes (latent, index_keys, kda_state); "
+        None, "YAML file choosing per layer: weights (w8a8 | none) and cache dtypes (latent, index_keys, kda_state, kda_conv); "
         "`oxserve quantize sensitivity` writes one. Layers and keys it leaves out take the other options",
     )
     smoothquant_alpha: float = opt(
@@ -63,6 +63,8 @@ class CacheConfig:
         "fp8 (e4m3) or int8, the last two with an fp32 scale per token", choices=("auto", "bfloat16", "float32", "fp8", "int8"),
     )
     kda_state_dtype: str = opt("float32", "storage of the KDA recurrent state (computed in fp32 either way)", choices=("float32", "bfloat16"))
+    kda_conv_dtype: str = opt("auto", "storage of the KDA conv state (the last K-1 inputs): auto (the model's dtype), "
+                              "bfloat16 or float32", choices=("auto", "bfloat16", "float32"))
 
     def __post_init__(self) -> None:
         if self.cache_memory_gib <= 0:

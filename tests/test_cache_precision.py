@@ -54,7 +54,8 @@ def _sequences(vocab: int, count: int = 3, length: int = 160) -> list[list[int]]
     LayerCachePrecision(latent="int8", index_keys="int8"),
     LayerCachePrecision(latent="fp8", index_keys="fp8"),
     LayerCachePrecision(kda_state="bfloat16"),
-], ids=["int8", "fp8", "kda-bf16"])
+    LayerCachePrecision(kda_conv="bfloat16"),
+], ids=["int8", "fp8", "kda-bf16", "conv-bf16"])
 def test_quantized_caches_stay_within_the_budget(precision):
     """Teacher-forced on the default model, prefilled in chunks and then decoded, so that
     attention and the indexer read what earlier steps stored: mean KL within 0.01 nats/token."""
@@ -98,6 +99,7 @@ def test_plan_file_sets_layers_and_is_validated(tmp_path):
         QuantizationPlan({1: {"weights": "int4"}})
 
 
+@pytest.mark.slow
 def test_sensitivity_command_writes_a_plan_the_engine_serves(tiny_model_dir, tmp_path, capsys):
     """The whole command on the tiny model: per-layer table, a plan whose verified KL is within
     the budget, and an engine started from that plan has exactly its modules and caches."""

@@ -5,6 +5,7 @@ to end, and write it (`--quantization-plan` reads it) with a table and a bar cha
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 from pathlib import Path
 
@@ -96,7 +97,7 @@ def _verify(dense, quantized, taken, sequences, reference):
 
 
 def _fields(p: LayerCachePrecision | None) -> dict:
-    return {} if p is None else {"latent": p.latent, "index_keys": p.index_keys, "kda_state": p.kda_state}
+    return {} if p is None else dataclasses.asdict(p)
 
 
 def _memory_lines(model, plan, dtype, taken, args) -> list[str]:

@@ -97,7 +97,8 @@ class LLMEngine:
             log.info("oxserve: %s", quantize.finish(loaded.model, self.tokenizer))
         limit = config.model.max_model_len or min(self.model_config.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
         kv = config.cache.kv_cache_dtype
-        default = LayerCachePrecision(latent=kv, index_keys=kv, kda_state=config.cache.kda_state_dtype)
+        default = LayerCachePrecision(latent=kv, index_keys=kv, kda_state=config.cache.kda_state_dtype,
+                                      kda_conv=config.cache.kda_conv_dtype)
         self.cache_plan = self.quantization_plan.cache_plan(default) if self.quantization_plan else CachePlan(default)
         cache_specs = loaded.model.cache_specs(self.dtype, self.cache_plan)
         layout = plan_cache(config.cache, config.scheduler, cache_specs, limit)

@@ -187,7 +187,9 @@ def tokens_per_s_roofline(cfg: TextModelConfig, options: Mapping[str, Any], work
     dtype = DTYPES[options.get("dtype", ModelConfig().dtype)]
     kv, kda = options.get("kv_cache_dtype", CacheConfig().kv_cache_dtype), options.get("kda_state_dtype", CacheConfig().kda_state_dtype)
     int8 = set(range(cfg.num_hidden_layers)) if options.get("quantization") == "w8a8" else set()
-    storage = layer_storage(cfg, dtype, int8, CachePlan(LayerCachePrecision(latent=kv, index_keys=kv, kda_state=kda)))
+    conv = options.get("kda_conv_dtype", CacheConfig().kda_conv_dtype)
+    plan = CachePlan(LayerCachePrecision(latent=kv, index_keys=kv, kda_state=kda, kda_conv=conv))
+    storage = layer_storage(cfg, dtype, int8, plan)
     cost = forward_cost(cfg, decode_step_shape(batch), itemsize(dtype), storage)
     memory = cost.bytes if cost.bytes > cache_bytes(ceilings.device) else 0.0
     return batch / ceilings.min_time_s(memory, cost.flops, cost.precision)

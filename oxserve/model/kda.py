@@ -58,7 +58,7 @@ class KDAttention(nn.Module):
 
     def cache_spec(self, dtype: torch.dtype, precision: LayerCachePrecision = LayerCachePrecision()) -> KDACacheSpec:
         return KDACacheSpec(
-            conv=StateTensor((self.conv_kernel - 1, 3 * self.dim), dtype),
+            conv=StateTensor((self.conv_kernel - 1, 3 * self.dim), precision.dtype("kda_conv", dtype)),
             recurrent=StateTensor((self.num_heads, self.head_dim, self.head_dim), precision.dtype("kda_state", dtype)),
         )
 
@@ -67,7 +67,7 @@ class KDAttention(nn.Module):
         with span(tracer, f"{self.name}.qkv_proj"):
             mixed = self.qkv_proj(x)
         with span(tracer, f"{self.name}.conv"):
-            states = _initial(cache.conv_states(batch.state_slots), batch.has_initial_state)
+            states = _initial(cache.conv_states(batch.state_slots).to(mixed.dtype), batch.has_initial_state)
             mixed, states = causal_conv(mixed, states, self.conv_weight, batch.conv, self.conv_act)
             cache.store_conv_states(batch.state_slots, states)
         with span(tracer, f"{self.name}.gates"):

@@ -11,12 +11,12 @@ Notation (all per layer, per forward pass):
     Tp = T - Rd  prefill tokens             c  context a query sees (tokens, see below)
     e  bytes per model-dtype element        fp32 gates: 4 bytes
     w  bytes per element of the weights W8A8 quantizes (projections, experts); 1 if int8
-    st, lat, key  bytes per element of the KDA state, MLA latent and DSA keys as stored
+    st, lat, key, conv  bytes per element of the KDA state, MLA latent, DSA keys, KDA conv state as stored
     h  hidden   n  mHC streams   H, dk, dv  KDA heads and head dims   kd = H*dk
     nH MLA heads   C kv_lora_rank   qr q_lora_rank   P index_kpool
     E  routed experts   k experts per token   I moe_intermediate_size
 
-Every formula takes a `Storage` (b): b.e, b.w, b.st, b.lat, b.key above. int8 weights'
+Every formula takes a `Storage` (b): b.e, b.w, b.st, b.lat, b.key, b.conv above. int8 weights'
 per-channel scales are not counted (4 bytes per row of K >= 512 elements: < 1%); int8/fp8
 cache entries count their per-token scale, amortized over the entry's width.
 
@@ -49,10 +49,11 @@ class Storage:
     st: float  # KDA recurrent state
     lat: float  # MLA latents
     key: float  # DSA token and pool keys
+    conv: float  # KDA conv state
 
     @classmethod
     def dense(cls, e: float) -> Storage:
-        return cls(e, e, FP32, e, e)
+        return cls(e, e, FP32, e, e, e)
 
     def precision(self) -> str:
         # The machine ceilings have no int8 peak: W8A8 products are charged at the model
@@ -143,7 +144,7 @@ def _kda_qkv_proj(cfg, s, b):
 
 def _kda_conv(cfg, s, b):
     ch, k = 3 * cfg.kda_dim, cfg.linear_conv_kernel_dim
-    state = 2 * s.num_requests * (k - 1) * ch * b.e  # read + write the last k-1 inputs
+    state = 2 * s.num_requests * (k - 1) * ch * b.conv  # read + write the last k-1 inputs
     return Cost(state + ch * k * FP32 + 2 * s.num_tokens * ch * b.e, 2.0 * s.num_tokens * ch * k, "fp32")
 
 
@@ -340,8 +341,9 @@ def layer_storage(cfg: TextModelConfig, dtype: torch.dtype, int8_layers: set[int
 
     def of(i: int) -> Storage:
         state = itemsize(cache_plan.for_layer(i).dtype("kda_state", dtype))
+        conv = itemsize(cache_plan.for_layer(i).dtype("kda_conv", dtype))
         return Storage(e, 1.0 if i in int8_layers else e, state, entry("latent", i, cfg.kv_lora_rank),
-                       entry("index_keys", i, cfg.index_head_dim))
+                       entry("index_keys", i, cfg.index_head_dim), conv)
 
     return of
 

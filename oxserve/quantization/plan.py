@@ -2,11 +2,12 @@
 
     # written by `oxserve quantize sensitivity` (or by hand)
     layers:
-      0: {weights: w8a8, kda_state: bfloat16}
+      0: {weights: w8a8, kda_state: bfloat16, kda_conv: bfloat16}
       3: {weights: none, latent: int8, index_keys: fp8}
 
 Layers and keys a plan leaves out take the engine options (`--quantization`,
-`--kv-cache-dtype`, `--kda-state-dtype`). `--quantization-plan FILE` loads one.
+`--kv-cache-dtype`, `--kda-state-dtype`, `--kda-conv-dtype`). `--quantization-plan FILE`
+loads one.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import yaml
 from oxserve.cache.precision import CachePlan, LayerCachePrecision
 
 WEIGHT_CHOICES = ("w8a8", "none")
-CACHE_KEYS = ("latent", "index_keys", "kda_state")
+CACHE_KEYS = ("latent", "index_keys", "kda_state", "kda_conv")
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ each variant is scored teacher-forced against the unquantized model (`quality.ag
     latent      an MLA layer's latent cache in int8 / fp8
     index_keys  a full-indexer layer's DSA keys in int8 / fp8
     kda_state   a KDA layer's recurrent state in bf16
+    kda_conv    a KDA layer's conv state in bf16 (when the model is not bf16 already)
 
 KL divergences of small independent perturbations add, so the plan takes components in
 order of increasing measured KL while their sum stays within the budget; the combined plan
@@ -35,9 +36,9 @@ DECODED = 16  # the last positions of each sequence are decoded one by one: cach
 @dataclass(frozen=True)
 class Choice:
     layer: int
-    component: str  # weights | latent | index_keys | kda_state
+    component: str  # weights | latent | index_keys | kda_state | kda_conv
     value: str  # w8a8 | int8 | fp8 | bfloat16
-    bytes_saved: float  # per model (weights), per token (latent, index_keys) or per request (kda_state)
+    bytes_saved: float  # per model (weights), per token (latent, index_keys) or per request (kda_*)
     result: Agreement
 
 
@@ -96,6 +97,8 @@ def measure(
                 candidates += [("index_keys", v) for v in ("int8", "fp8")]
         else:
             candidates.append(("kda_state", "bfloat16"))
+            if dtype != torch.bfloat16:
+                candidates.append(("kda_conv", "bfloat16"))
         for component, value in candidates:
             precision = LayerCachePrecision(**{component: value})
             plan = CachePlan(LayerCachePrecision(), {i: precision})
@@ -109,8 +112,8 @@ def _cache_bytes_saved(model: Glm5NextForCausalLM, layer: int, component: str, p
                        dtype: torch.dtype) -> float:
     before = model.layers[layer].self_attn.cache_spec(dtype)
     after = model.layers[layer].self_attn.cache_spec(dtype, precision)
-    if component == "kda_state":
-        return float(before.recurrent.bytes - after.recurrent.bytes)
+    if component in ("kda_state", "kda_conv"):
+        return float(sum(t.bytes for t in before.states) - sum(t.bytes for t in after.states))
     return sum(t.bytes_per_token for t in before.paged) - sum(t.bytes_per_token for t in after.paged)
 
 
