@@ -45,10 +45,9 @@ def run(args: argparse.Namespace) -> int:
     dtype = DTYPES[args.dtype]
     tokenizer = Tokenizer.from_dir(path)
     text = args.calibration_file.read_text() if args.calibration_file else shipped_calibration_text()
+    # Evenly spaced over the text: the held-out sequences come from its last part.
     seqs = calibration_sequences(tokenizer, text, args.sequences + args.held_out, args.length)
-    calibration, held_out = seqs[0::2][: args.sequences], seqs[1::2][: args.held_out]
-    if len(held_out) < args.held_out or len(calibration) < args.sequences:
-        calibration, held_out = seqs[: args.sequences], seqs[args.sequences :]
+    calibration, held_out = seqs[: args.sequences], seqs[args.sequences :]
     started = time.monotonic()
     dense = load_model(path, dtype=dtype).model
     quantized = load_model(path, dtype=dtype, transform=lambda m: quantize_w8a8_on_load(m, deferred=True)).model

@@ -10,8 +10,8 @@ activation outlier channel's range moved into the weights (`oxserve.quantization
 `w8a8_grouped` computes it for rows sorted by expert (a plain linear layer is one expert)
 with the native kernel (`native/w8a8.c`); `w8a8_grouped_reference` is the plain torch
 version it is tested against, bit for bit, and what runs where no C compiler is found.
-On this project's AVX2 CPUs `torch._int_mm` runs 50-300x slower than the fp32 product it
-would replace, so it is not used on CPU.
+On this project's AVX2 CPUs `torch._int_mm` runs 15-110x slower than the fp32 product it
+would replace (docs/bench/w8a8_matmul.py), so it is not used on CPU.
 """
 
 from __future__ import annotations

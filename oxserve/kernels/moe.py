@@ -36,14 +36,19 @@ def grouped_experts(
 
 
 def looped_experts(
-    rows: torch.Tensor, row_weight: torch.Tensor, offsets: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, limit: float
+    rows: torch.Tensor, row_weight: torch.Tensor, offsets: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, limit: float,
+    observe: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None,
 ) -> torch.Tensor:
+    """`observe(expert, its rows, its down_proj input)`: sees what each expert multiplies
+    (quantization calibration)."""
     out = torch.empty_like(rows)
     start = 0
     for expert, end in enumerate(offsets.tolist()):
         if end > start:
             gate, up = F.linear(rows[start:end], gate_up[expert]).chunk(2, dim=-1)
             act = (clamped_glu(gate, up, limit) * row_weight[start:end]).to(rows.dtype)
+            if observe is not None:
+                observe(expert, rows[start:end], act)
             out[start:end] = F.linear(act, down[expert])
         start = end
     return out

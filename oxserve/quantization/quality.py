@@ -15,11 +15,6 @@ from pathlib import Path
 
 import torch
 
-from oxserve.model.forced import forced_logits
-from oxserve.model.glm5_next import Glm5NextForCausalLM
-
-PREFILL_CHUNK = 256
-
 
 @dataclass(frozen=True)
 class Agreement:
@@ -28,15 +23,8 @@ class Agreement:
     top1: float  # fraction of positions where both models' argmax agree
     positions: int
 
-    def within(self, kl_budget: float, min_top1: float) -> bool:
-        return self.mean_kl <= kl_budget and self.top1 >= min_top1
-
     def __str__(self) -> str:
         return f"mean KL {self.mean_kl:.2e} nats/token (max {self.max_kl:.2e}), top-1 agreement {self.top1:.2%} over {self.positions} positions"
-
-
-def sequence_logits(model: Glm5NextForCausalLM, sequences: list[list[int]]) -> list[torch.Tensor]:
-    return [forced_logits(model, seq, PREFILL_CHUNK) for seq in sequences]
 
 
 def agreement(reference: list[torch.Tensor], candidate: list[torch.Tensor]) -> Agreement:

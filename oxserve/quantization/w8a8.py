@@ -22,7 +22,7 @@ from oxserve.kernels.int8 import (
     quantize_weight,
     w8a8_grouped,
 )
-from oxserve.kernels.moe import clamped_glu
+from oxserve.kernels.moe import clamped_glu, looped_experts
 from oxserve.model.linear import (
     CheckpointError,
     Linear,
@@ -197,16 +197,13 @@ class W8A8Experts(Experts):
 
     def _observed_dense(self, rows: torch.Tensor, row_weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """The high-precision experts, one at a time, recording what each one multiplies."""
-        out, start = torch.empty_like(rows), 0
-        for expert, end in enumerate(offsets.tolist()):
-            if end > start:
-                self.inputs[0].observe(expert, rows[start:end])
-                gate, up = F.linear(rows[start:end], self.gate_up_proj[expert]).chunk(2, dim=-1)
-                act = (clamped_glu(gate, up, self.swiglu_limit) * row_weight[start:end]).to(rows.dtype)
-                self.inputs[1].observe(expert, act)
-                out[start:end] = F.linear(act, self.down_proj[expert])
-            start = end
-        return out
+        gate_up_inputs, down_inputs = self.inputs
+
+        def observe(expert: int, expert_rows: torch.Tensor, act: torch.Tensor) -> None:
+            gate_up_inputs.observe(expert, expert_rows)
+            down_inputs.observe(expert, act)
+
+        return looped_experts(rows, row_weight, offsets, self.gate_up_proj, self.down_proj, self.swiglu_limit, observe)
 
     def dense_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(gate_up [E, 2I, H], down [E, H, I]) as computed with, for references and sensitivity."""

@@ -192,7 +192,6 @@ def test_environment_info_describes_the_machine():
 
 
 def test_plot_metric_writes_a_png(tmp_path):
-    pytest.importorskip("matplotlib")
     with Ledger(tmp_path / "l.sqlite") as ledger:
         outcomes = [(1.1, B_FASTER), (1.0, NO_DIFFERENCE), (1.2, B_FASTER)]
         for k, (speedup, verdict) in enumerate(outcomes):
