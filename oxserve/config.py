@@ -65,10 +65,18 @@ class CacheConfig:
     kda_state_dtype: str = opt("float32", "storage of the KDA recurrent state (computed in fp32 either way)", choices=("float32", "bfloat16"))
     kda_conv_dtype: str = opt("auto", "storage of the KDA conv state (the last K-1 inputs): auto (the model's dtype), "
                               "bfloat16 or float32", choices=("auto", "bfloat16", "float32"))
+    kda_decode: str = opt(
+        "write-back", "how KDA decode keeps its state: write-back (read and write the whole state each step) or "
+        "replay (ReplaySSM: read a checkpoint, write one ring entry, fold the ring when it is full)",
+        choices=("write-back", "replay"),
+    )
+    kda_replay_len: int = opt(16, "replay: ring length, the steps kept between folds (SGLang's --linear-replayssm-cache-len)")
 
     def __post_init__(self) -> None:
         if self.cache_memory_gib <= 0:
             raise ValueError(f"cache_memory_gib must be > 0, got {self.cache_memory_gib}")
+        if self.kda_replay_len < 1:
+            raise ValueError(f"kda_replay_len must be >= 1, got {self.kda_replay_len}")
         for name in ("block_size", "num_blocks", "num_slots"):
             value = getattr(self, name)
             if value is not None and value < 1:

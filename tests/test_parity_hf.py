@@ -34,19 +34,21 @@ def _prompt(rng: random.Random, n: int) -> list[int]:
 
 
 # Chunks of 1, 7 and 13 put pool boundaries (k-pool 4 and 16) and KDA chunk boundaries in the
-# middle of a prefill chunk; decode_from switches to one-token decode steps part way.
+# middle of a prefill chunk; decode_from switches to one-token decode steps part way. Steps of
+# one token on a cached context are decodes: with `replay` (a ReplaySSM ring length), their
+# KDA layers replay from checkpoints, folding every `replay` steps.
 @pytest.mark.parametrize(
-    "length,chunk,decode_from",
-    [(1, 64, None), (5, 64, None), (37, 16, None), (37, 1, None), (100, 7, None), (200, 64, None), (230, 13, None),
-     (700, 700, None), (700, 96, None), (90, 13, 41)],
+    "length,chunk,decode_from,replay",
+    [(1, 64, None, 0), (5, 64, None, 0), (37, 16, None, 0), (37, 1, None, 0), (100, 7, None, 0), (200, 64, None, 0),
+     (230, 13, None, 0), (700, 700, None, 0), (700, 96, None, 0), (90, 13, 41, 0), (37, 1, None, 16), (90, 13, 41, 3)],
 )
-def test_prompt_logits_match(reference, length, chunk, decode_from, linear_kernel=DEFAULT_KERNEL):
+def test_prompt_logits_match(reference, length, chunk, decode_from, replay, linear_kernel=DEFAULT_KERNEL):
     rng = random.Random()
     tokens = _prompt(rng, length)
     hf = reference_run(reference, tokens)
     run = ForcedRun(reference.path, linear_kernel=linear_kernel)
     choices = OxserveChoices(run.model, forced={"0": near_ties(hf)})
-    ours = run.logits(tokens, chunk, decode_from)
+    ours = run.logits(tokens, chunk, decode_from, kda_replay=replay)
     n, _ = choices.first_divergence("0", hf, length)  # fails on a pick that differs with a clear margin
     assert n == length
     record_comparison(n, length, choices.num_forced)
@@ -58,7 +60,7 @@ def test_prompt_logits_match(reference, length, chunk, decode_from, linear_kerne
 @pytest.mark.parametrize("linear_kernel", ["torch", "onednn"])
 def test_each_linear_kernel_matches_hf(reference, linear_kernel):
     """Both kernels stay selectable and both match."""
-    test_prompt_logits_match(reference, 90, 13, 41, linear_kernel)
+    test_prompt_logits_match(reference, 90, 13, 41, 0, linear_kernel)
 
 
 @pytest.mark.parametrize("options", [dict(linear_conv_kernel_dim=1, index_kpool=1, index_topk=8), dict(n_shared_experts=0)])
@@ -103,12 +105,17 @@ def _check(reference, prompts, generate) -> None:
     check_generation(reference, lambda forced: generate(reference, prompts, forced), dict(zip(_IDS, prompts)))
 
 
+# The engine-level runs split between the two ways of decoding KDA (ReplaySSM rings short
+# enough to fold many times in 64 tokens); the forced-logits cases above cover both too.
+REPLAY = dict(kda_decode="replay", kda_replay_len=5)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("budget", [2048, 64], ids=["whole_prefill", "chunked_64"])
-def test_batched_greedy_matches_hf(reference, budget):
+@pytest.mark.parametrize("budget,options", [(2048, {}), (64, REPLAY)], ids=["whole_prefill", "chunked_64_replay"])
+def test_batched_greedy_matches_hf(reference, budget, options):
     rng = random.Random()
     prompts = [_prompt(rng, n) for n in LENGTHS]
-    _check(reference, prompts, _generate(max_num_batched_tokens=budget))
+    _check(reference, prompts, _generate(max_num_batched_tokens=budget, **options))
 
 
 @pytest.mark.slow
@@ -118,7 +125,7 @@ def test_arrivals_during_decode_match_hf(reference):
     arrivals = random.Random().randrange(2**31)  # the same arrival pattern in every round
 
     def generate(reference, prompts, forced):
-        llm, choices = _engine(reference, forced, max_num_batched_tokens=96)
+        llm, choices = _engine(reference, forced, max_num_batched_tokens=96, **REPLAY)
         engine, pattern = llm.engine, random.Random(arrivals)
         finished = {}
         pending = list(zip(_IDS, prompts))
@@ -143,7 +150,8 @@ def test_preempted_requests_match_hf(reference):
 
     def generate(reference, prompts, forced):
         # 12 blocks of 32 tokens cannot hold all eight requests: some are preempted and recomputed.
-        llm, choices = _engine(reference, forced, max_num_batched_tokens=128, block_size=32, num_blocks=12)
+        llm, choices = _engine(reference, forced, max_num_batched_tokens=128, block_size=32, num_blocks=12,
+                               kda_decode="replay")
         for rid, prompt in zip(_IDS, prompts):
             llm.engine.add_request(rid, prompt, GREEDY)
         outputs = run_to_completion(llm.engine, set(_IDS))

@@ -162,7 +162,7 @@ def decode_floor(engine: LLMEngine, batch: int, context: int, measured_decode_to
 
     ceilings = load_or_measure_ceilings(str(engine.device))
     elem = torch.empty((), dtype=engine.dtype).element_size()
-    storage = model_storage(engine.runner.model, engine.dtype, engine.cache_plan)
+    storage = model_storage(engine.runner.model, engine.dtype, engine.cache_plan, engine.kda_replay)
     cost = forward_cost(engine.model_config, decode_step_shape(batch, context), elem, storage)
     step_s = ceilings.min_time_s(cost.bytes, cost.flops, cost.precision)
     floor_tok_s = batch / step_s

@@ -7,7 +7,8 @@
         pool_keys   [num_blocks * block_size / kpool, index_head_dim]   one compressed key per complete pool
     KDACache (per request, row = state slot)
         conv        [num_slots, K-1, 3*H*D]   last K-1 conv inputs, oldest first
-        recurrent   [num_slots, H, Dk, Dv]    fp32 delta-rule state
+        recurrent   [num_slots, H, Dk, Dv]    fp32 delta-rule state (with a ring: the checkpoint)
+        ring        ReplayRing or None        ReplaySSM: per slot, R steps since the checkpoint
 
 Layers whose indexer is `shared` have no index tensors. Reads and writes go through
 index_select / index_copy_ (2-3x faster than advanced indexing on CPU); the rows a step
@@ -21,6 +22,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from oxserve.cache.replay import RingCounts
+from oxserve.kernels import kda_decode
 
 FP8 = torch.float8_e4m3fn
 QMAX = {torch.int8: 127.0, FP8: 448.0}  # the largest magnitude each stores
@@ -113,9 +117,26 @@ class MLACache:
 
 
 @dataclass
+class ReplayRing:
+    """ReplaySSM's ring, per state slot: for each step since the checkpoint, the key (times
+    exp(-G) unless `exact`), the cumulative log-decay G from the checkpoint, and the
+    delta-rule update (`oxserve.kernels.kda_decode`). fp32."""
+
+    keys: torch.Tensor  # [num_slots, H, R, Dk]
+    decays: torch.Tensor  # [num_slots, H, R, Dk]
+    deltas: torch.Tensor  # [num_slots, H, R, Dv]
+    exact: bool
+
+    @property
+    def length(self) -> int:
+        return self.keys.shape[2]
+
+
+@dataclass
 class KDACache:
     conv: torch.Tensor
     recurrent: torch.Tensor
+    ring: ReplayRing | None = None
 
     def conv_states(self, slots: torch.Tensor) -> torch.Tensor:
         return gather_rows(self.conv, slots)
@@ -129,6 +150,19 @@ class KDACache:
 
     def store_recurrent_states(self, slots: torch.Tensor, states: torch.Tensor) -> None:
         scatter_rows(self.recurrent, slots, states)
+
+    def decode(self, slots: torch.Tensor, rings: RingCounts | None, q, k, v, g, beta) -> torch.Tensor:
+        """One delta-rule step for each request in `slots`, on the state table in place:
+        write-back, or ReplaySSM when this cache has a ring (`rings`: the step's ring counts)."""
+        if self.ring is None:
+            return kda_decode.writeback_step(self.recurrent, slots, q, k, v, g, beta)
+        return kda_decode.replay_step(self.recurrent, self.ring, slots, rings.decodes, rings.decode_counts, q, k, v, g, beta)
+
+    def settle(self, slots: torch.Tensor, rings: RingCounts | None) -> None:
+        """Fold ring entries still pending into the checkpoints of `slots`, so that the
+        table holds their full states (before a prefill chunk reads them)."""
+        if self.ring is not None:
+            kda_decode.replay_fold(self.recurrent, self.ring, slots, rings.prefills, rings.prefill_counts)
 
 
 LayerCache = MLACache | KDACache

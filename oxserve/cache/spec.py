@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from oxserve.cache.layers import QMAX, KDACache, MLACache, ScaledRows, Table
+from oxserve.cache.layers import QMAX, KDACache, MLACache, ReplayRing, ScaledRows, Table
 
 
 @dataclass(frozen=True)
@@ -98,11 +98,34 @@ class MLACacheSpec:
 
 
 @dataclass(frozen=True)
+class ReplayRingSpec:
+    """ReplaySSM's ring: `length` steps of (key, cumulative log-decay, update) per request."""
+
+    length: int
+    heads: int
+    key_dim: int
+    value_dim: int
+    exact: bool  # keep plain keys (any decay) rather than keys times exp(-G)
+
+    @property
+    def tensors(self) -> tuple[StateTensor, ...]:
+        keys = StateTensor((self.heads, self.length, self.key_dim), torch.float32)
+        deltas = StateTensor((self.heads, self.length, self.value_dim), torch.float32)
+        return keys, keys, deltas  # keys, log-decays, deltas
+
+    def allocate(self, layout: CacheLayout, device) -> ReplayRing:
+        keys, decays, deltas = (t.allocate(layout, device) for t in self.tensors)
+        return ReplayRing(keys, decays, deltas, self.exact)
+
+
+@dataclass(frozen=True)
 class KDACacheSpec:
-    """A KDA layer: the last K-1 conv inputs and the fp32 delta-rule state, per request."""
+    """A KDA layer: the last K-1 conv inputs and the fp32 delta-rule state, per request;
+    with ReplaySSM, the state is a checkpoint and a ring holds the steps since."""
 
     conv: StateTensor
     recurrent: StateTensor
+    ring: ReplayRingSpec | None = None
 
     @property
     def paged(self) -> tuple[PagedTensor, ...]:
@@ -110,13 +133,19 @@ class KDACacheSpec:
 
     @property
     def states(self) -> tuple[StateTensor, ...]:
-        return (self.conv, self.recurrent)
+        return (self.conv, self.recurrent) + (self.ring.tensors if self.ring else ())
 
     def allocate(self, layout: CacheLayout, device) -> KDACache:
-        return KDACache(self.conv.allocate(layout, device), self.recurrent.allocate(layout, device))
+        ring = self.ring.allocate(layout, device) if self.ring else None
+        return KDACache(self.conv.allocate(layout, device), self.recurrent.allocate(layout, device), ring)
 
 
 LayerCacheSpec = MLACacheSpec | KDACacheSpec
+
+
+def replay_length(specs: list[LayerCacheSpec]) -> int:
+    """The ReplaySSM ring length of these layers (0: they write their states back)."""
+    return max((spec.ring.length for spec in specs if isinstance(spec, KDACacheSpec) and spec.ring), default=0)
 
 
 def bytes_per_token(specs: list[LayerCacheSpec]) -> float:

@@ -56,10 +56,11 @@ def _is_built(path: Path) -> bool:
     return (path / "config.json").is_file() and (path / "tokenizer.json").is_file()
 
 
-def ensure_default_model(path: str | Path | None = None, *, force: bool = False) -> Path:
+def ensure_default_model(path: str | Path | None = None, *, force: bool = False, overrides: dict | None = None) -> Path:
     """Builds the default model at `path` (default: `default_model_dir()`) unless it is there.
 
-    With `force`, an existing model is replaced by a fresh build.
+    With `force`, an existing model is replaced by a fresh build; `overrides` change fields
+    of its text config (a variant of its shape).
     """
     path = Path(path) if path is not None else default_model_dir()
     if _is_built(path) and not force:
@@ -68,7 +69,7 @@ def ensure_default_model(path: str | Path | None = None, *, force: bool = False)
     staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.building-", dir=path.parent))
     try:
         staging.chmod(0o755)  # mkdtemp makes it private; the published model is not
-        build_checkpoint(staging)
+        build_checkpoint(staging, make_text_config(**(overrides or {})))
         if force:
             _remove(path)
         _publish(staging, path)

@@ -100,7 +100,8 @@ class LLMEngine:
         default = LayerCachePrecision(latent=kv, index_keys=kv, kda_state=config.cache.kda_state_dtype,
                                       kda_conv=config.cache.kda_conv_dtype)
         self.cache_plan = self.quantization_plan.cache_plan(default) if self.quantization_plan else CachePlan(default)
-        cache_specs = loaded.model.cache_specs(self.dtype, self.cache_plan)
+        self.kda_replay = config.cache.kda_replay_len if config.cache.kda_decode == "replay" else 0  # ring length
+        cache_specs = loaded.model.cache_specs(self.dtype, self.cache_plan, kda_replay=self.kda_replay)
         layout = plan_cache(config.cache, config.scheduler, cache_specs, limit)
         self.cache = CacheManager(layout.num_blocks, layout.block_size, layout.num_slots)
         self.scheduler = Scheduler(config.scheduler, self.cache)

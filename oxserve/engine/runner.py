@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from oxserve.cache.spec import CacheLayout, LayerCacheSpec
+from oxserve.cache.replay import ReplayBook
+from oxserve.cache.spec import CacheLayout, LayerCacheSpec, replay_length
 from oxserve.engine.interface import (
     ModelRunnerOutput,
     ScheduledRequest,
@@ -49,6 +50,8 @@ class ModelRunner:
         self.deterministic = deterministic
         self.tracer: Tracer | None = None  # set by the profiler
         self.caches = [spec.allocate(layout, device) for spec in cache_specs]
+        ring = replay_length(cache_specs)
+        self.rings = ReplayBook(layout.num_slots, ring) if ring else None  # KDA ReplaySSM ring counts
         self.requests: dict[str, RequestState] = {}
 
     def drop(self, request_ids: list[str]) -> None:
@@ -96,7 +99,8 @@ class ModelRunner:
                 BatchRequest(s.num_computed_tokens, s.num_new_tokens, self.requests[s.request_id].block_ids, s.state_slot, s.samples)
                 for s in scheduled
             ]
-            batch = make_forward_batch(requests, self.model.config, self.layout.block_size, self.layout.num_blocks, self.device)
+            batch = make_forward_batch(requests, self.model.config, self.layout.block_size, self.layout.num_blocks, self.device,
+                                       self.rings)
             input_ids = torch.tensor([t for s in scheduled for t in s.token_ids], dtype=torch.long, device=self.device)
         batch.tracer = self.tracer
         with span(self.tracer, "forward", track="engine", **step_conditions(batch)):

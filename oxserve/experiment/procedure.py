@@ -189,7 +189,9 @@ def tokens_per_s_roofline(cfg: TextModelConfig, options: Mapping[str, Any], work
     int8 = set(range(cfg.num_hidden_layers)) if options.get("quantization") == "w8a8" else set()
     conv = options.get("kda_conv_dtype", CacheConfig().kda_conv_dtype)
     plan = CachePlan(LayerCachePrecision(latent=kv, index_keys=kv, kda_state=kda, kda_conv=conv))
-    storage = layer_storage(cfg, dtype, int8, plan)
+    cache = CacheConfig()
+    replay = options.get("kda_replay_len", cache.kda_replay_len) if options.get("kda_decode", cache.kda_decode) == "replay" else 0
+    storage = layer_storage(cfg, dtype, int8, plan, replay)
     cost = forward_cost(cfg, decode_step_shape(batch), itemsize(dtype), storage)
     memory = cost.bytes if cost.bytes > cache_bytes(ceilings.device) else 0.0
     return batch / ceilings.min_time_s(memory, cost.flops, cost.precision)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from oxserve.cache.replay import ReplayBook, RingCounts
 from oxserve.kernels.kda import ChunkLayout, ConvLayout, chunk_layout, chunk_plan, conv_layout
 from oxserve.model.config import TextModelConfig
 from oxserve.telemetry import Tracer
@@ -62,6 +63,7 @@ class ForwardBatch:
     conv: ConvLayout | None = None  # KDA conv over all requests
     chunks: ChunkLayout | None = None  # KDA chunked delta rule over the prefill requests
     pools: PoolCompletions | None = None  # indexer pools completed this step
+    rings: RingCounts | None = None  # KDA ReplaySSM ring counts (None: states are written back)
     tracer: Tracer | None = None  # telemetry: per-op spans when profiling
 
     @property
@@ -103,8 +105,10 @@ def make_forward_batch(
     block_size: int,
     num_blocks: int,
     device: torch.device | str,
+    rings: ReplayBook | None = None,
 ) -> ForwardBatch:
-    """Every piece of step metadata, from host-side lists, in one pass."""
+    """Every piece of step metadata, from host-side lists, in one pass. With ReplaySSM,
+    `rings` is the host's book of ring counts, advanced past this step."""
     positions: list[int] = []
     request_index: list[int] = []
     cache_rows: list[int] = []
@@ -145,6 +149,9 @@ def make_forward_batch(
         size, exact = chunk_plan(cfg.linear_lower_bound)
         batch.conv = conv_layout(query_lens, cfg.linear_conv_kernel_dim, device)
         batch.chunks = chunk_layout(query_lens[num_decodes:], size, exact, device)
+    if rings is not None:
+        has_context = [req.num_computed_tokens > 0 for req in requests]
+        batch.rings = rings.advance([req.state_slot for req in requests], has_context, num_decodes, device)
     if cfg.full_indexer_layers:
         batch.pools = _pool_completions(requests, tables, cfg.index_kpool, block_size, device)
     return batch

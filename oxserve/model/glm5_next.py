@@ -85,11 +85,18 @@ class Glm5NextForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens
         self.mtp = MTPLayer(cfg, cfg.num_hidden_layers) if with_mtp else None
 
-    def cache_specs(self, dtype: torch.dtype, plan: CachePlan | None = None) -> list[LayerCacheSpec]:
+    def cache_specs(self, dtype: torch.dtype, plan: CachePlan | None = None, kda_replay: int = 0) -> list[LayerCacheSpec]:
         """What each decoder layer caches, in layer order, stored as `plan` says (default:
-        the model's dtype; fp32 KDA states)."""
+        the model's dtype; fp32 KDA states). `kda_replay`: KDA layers' ReplaySSM ring
+        length (0: write-back decode)."""
         plan = plan or CachePlan()
-        return [layer.self_attn.cache_spec(dtype, plan.for_layer(i)) for i, layer in enumerate(self.layers)]
+
+        def spec(i: int, attn: nn.Module) -> LayerCacheSpec:
+            if isinstance(attn, KDAttention):
+                return attn.cache_spec(dtype, plan.for_layer(i), kda_replay)
+            return attn.cache_spec(dtype, plan.for_layer(i))
+
+        return [spec(i, layer.self_attn) for i, layer in enumerate(self.layers)]
 
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, caches: list[LayerCache]) -> torch.Tensor:
         """input_ids [T] -> final hidden states of the rows in batch.logits_indices [S, D]."""

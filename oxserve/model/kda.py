@@ -8,8 +8,9 @@ from torch import nn
 
 from oxserve.cache.layers import KDACache
 from oxserve.cache.precision import LayerCachePrecision
-from oxserve.cache.spec import KDACacheSpec, StateTensor
-from oxserve.kernels.kda import causal_conv, kda_chunked, kda_recurrent_step, l2norm
+from oxserve.cache.spec import KDACacheSpec, ReplayRingSpec, StateTensor
+from oxserve.kernels.kda import causal_conv, kda_chunked, l2norm
+from oxserve.kernels.kda_decode import replay_exact
 from oxserve.model.activations import activation
 from oxserve.model.batch import ForwardBatch
 from oxserve.model.config import TextModelConfig
@@ -55,11 +56,18 @@ class KDAttention(nn.Module):
         self.o_norm_weight = loadable(empty_param(cfg.linear_head_dim))
         self.o_proj = Linear(cfg.kda_dim, cfg.hidden_size)
         self.norm_eps = cfg.rms_norm_eps
+        self.lower_bound = cfg.linear_lower_bound
 
-    def cache_spec(self, dtype: torch.dtype, precision: LayerCachePrecision = LayerCachePrecision()) -> KDACacheSpec:
+    def cache_spec(
+        self, dtype: torch.dtype, precision: LayerCachePrecision = LayerCachePrecision(), replay: int = 0
+    ) -> KDACacheSpec:
+        """`replay`: the ReplaySSM ring length (0: decode writes the state back)."""
+        h, d = self.num_heads, self.head_dim
+        ring = ReplayRingSpec(replay, h, d, d, replay_exact(self.lower_bound, replay)) if replay else None
         return KDACacheSpec(
             conv=StateTensor((self.conv_kernel - 1, 3 * self.dim), precision.dtype("kda_conv", dtype)),
-            recurrent=StateTensor((self.num_heads, self.head_dim, self.head_dim), precision.dtype("kda_state", dtype)),
+            recurrent=StateTensor((h, d, d), precision.dtype("kda_state", dtype)),
+            ring=ring,
         )
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: KDACache) -> torch.Tensor:
@@ -83,16 +91,15 @@ class KDAttention(nn.Module):
             return self.o_proj(self._gated_norm(core, gate).to(x.dtype).view(tokens, self.dim))
 
     def _delta_rule(self, q, k, v, g, beta, batch: ForwardBatch, cache: KDACache) -> torch.Tensor:
-        """Decodes take one recurrent step each; prefill chunks run chunk-parallel, all at once."""
+        """Decodes take one recurrent step each, on the cached states in place; prefill chunks
+        run chunk-parallel, all at once, from their full states."""
         nd = batch.num_decodes
         parts = []
         if nd:
-            slots = batch.state_slots[:nd]
-            out, states = kda_recurrent_step(q[:nd], k[:nd], v[:nd], g[:nd], beta[:nd], cache.recurrent_states(slots))
-            cache.store_recurrent_states(slots, states)
-            parts.append(out)
+            parts.append(cache.decode(batch.state_slots[:nd], batch.rings, q[:nd], k[:nd], v[:nd], g[:nd], beta[:nd]))
         if nd < batch.num_requests:
             slots = batch.state_slots[nd:]
+            cache.settle(slots, batch.rings)
             initial = _initial(cache.recurrent_states(slots), batch.has_initial_state[nd:])
             out, states = kda_chunked(q[nd:], k[nd:], v[nd:], g[nd:], beta[nd:], initial, batch.chunks)
             cache.store_recurrent_states(slots, states)

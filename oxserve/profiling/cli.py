@@ -55,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
 
     ceilings = None if args.ceilings == "none" else load_or_measure_ceilings(str(engine.device), quick=args.ceilings == "quick")
     elem_bytes = torch.empty((), dtype=engine.dtype).element_size()
-    storage = model_storage(engine.runner.model, engine.dtype, engine.cache_plan)
+    storage = model_storage(engine.runner.model, engine.dtype, engine.cache_plan, engine.kda_replay)
     analysis = analyse(steps, engine.model_config, elem_bytes, ceilings, storage)
     step_durations = [s.dur_us for s in steps]
     overhead = {"spans": span_overhead(measure_span_cost(), len(tracer.spans) / len(steps), statistics.median(step_durations))}

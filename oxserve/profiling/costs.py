@@ -50,6 +50,7 @@ class Storage:
     lat: float  # MLA latents
     key: float  # DSA token and pool keys
     conv: float  # KDA conv state
+    replay: int = 0  # KDA decode: ReplaySSM ring length (0: write-back)
 
     @classmethod
     def dense(cls, e: float) -> Storage:
@@ -163,7 +164,15 @@ def _kda_recurrent(cfg, s, b):
     # The delta rule's own work per token and state element: decay (1), k.S (2), rank-1
     # update (2), q.S (2). Chunked prefill does more to run in parallel; that is overhead.
     flops = 7.0 * s.num_tokens * heads * dk * dv
-    return Cost(2 * s.num_requests * state + data, flops, "fp32")
+    states = 2 * s.num_requests * state  # read and written back
+    if b.replay:
+        # ReplaySSM decodes read the checkpoint once and a fold (read + write) every R steps;
+        # the ring: on average (R-1)/2 live entries' keys and deltas read, one entry written,
+        # and each entry read once more by its fold.
+        ring = b.replay
+        per_decode = state * (1 + 2 / ring) + heads * FP32 * ((ring - 1) / 2 * (dk + dv) + (2 * dk + dv) + (dk + dv))
+        states += s.num_decodes * (per_decode - 2 * state)
+    return Cost(states + data, flops, "fp32")
 
 
 def _kda_out(cfg, s, b):
@@ -330,9 +339,12 @@ def forward_cost(
     return total
 
 
-def layer_storage(cfg: TextModelConfig, dtype: torch.dtype, int8_layers: set[int], cache_plan: CachePlan) -> Callable[[int], Storage]:
+def layer_storage(
+    cfg: TextModelConfig, dtype: torch.dtype, int8_layers: set[int], cache_plan: CachePlan, replay: int = 0
+) -> Callable[[int], Storage]:
     """How each layer is stored: W8A8 weights in `int8_layers`, caches as `cache_plan` says
-    (int8/fp8 entries with their per-token scale)."""
+    (int8/fp8 entries with their per-token scale), KDA decode with a ReplaySSM ring of
+    `replay` steps (0: write-back)."""
     e = itemsize(dtype)
 
     def entry(component: str, layer: int, width: int) -> float:
@@ -343,17 +355,17 @@ def layer_storage(cfg: TextModelConfig, dtype: torch.dtype, int8_layers: set[int
         state = itemsize(cache_plan.for_layer(i).dtype("kda_state", dtype))
         conv = itemsize(cache_plan.for_layer(i).dtype("kda_conv", dtype))
         return Storage(e, 1.0 if i in int8_layers else e, state, entry("latent", i, cfg.kv_lora_rank),
-                       entry("index_keys", i, cfg.index_head_dim), conv)
+                       entry("index_keys", i, cfg.index_head_dim), conv, replay)
 
     return of
 
 
-def model_storage(model, dtype: torch.dtype, cache_plan: CachePlan | None = None) -> Callable[[int], Storage]:
+def model_storage(model, dtype: torch.dtype, cache_plan: CachePlan | None = None, replay: int = 0) -> Callable[[int], Storage]:
     """`layer_storage` of a loaded model: its int8 layers are those with W8A8 modules."""
     from oxserve.quantization.w8a8 import W8A8Experts, W8A8Linear
 
     int8 = {i for i, layer in enumerate(model.layers) if any(isinstance(m, (W8A8Linear, W8A8Experts)) for m in layer.modules())}
-    return layer_storage(model.config, dtype, int8, cache_plan or CachePlan())
+    return layer_storage(model.config, dtype, int8, cache_plan or CachePlan(), replay)
 
 
 def decode_step_shape(batch: int, context: int = 1) -> StepShape:

@@ -1,4 +1,4 @@
-"""KDA ops: the delta rule (decode step, chunked prefill) and the short causal conv."""
+"""KDA ops: the delta rule (decode step: write-back and ReplaySSM; chunked prefill) and the short causal conv."""
 
 from __future__ import annotations
 
@@ -6,7 +6,10 @@ import torch
 import torch.nn.functional as F
 
 from oxserve.kernels import reference
+from oxserve.cache.layers import ReplayRing
+from oxserve.cache.spec import CacheLayout, ReplayRingSpec
 from oxserve.kernels.kda import causal_conv, chunk_layout, chunk_plan, conv_layout, kda_chunked, kda_recurrent_step
+from oxserve.kernels.kda_decode import replay_exact, replay_step, replay_step_torch, writeback_step
 from oxserve.model.activations import activation
 from oxserve.profiling.opbench.checks import TOLERANCE, close, close_for, randn
 from oxserve.profiling.opbench.registry import Case, Op, register_op, returning
@@ -79,8 +82,87 @@ def _chunked_cases(cfg, shapes, dtype, device):
     ]
 
 
+def native_recurrent_candidate(cfg, i):
+    """The engine's write-back decode: the step in place on a state table (here the output
+    buffer, loaded with the input states: the copy a table-less call also makes)."""
+    slots = torch.arange(i["state"].shape[0], device=i["state"].device)
+
+    def run(out):
+        out[1].copy_(i["state"])
+        out[0].copy_(writeback_step(out[1], slots, i["q"], i["k"], i["v"], i["g"], i["beta"]))
+    return run
+
+
 register_op(Op("kda.recurrent_step", _recurrent_cases, reference_recurrent_step, close(TOLERANCE[FP32]),
-               {"torch": returning(kda_recurrent_step)}))
+               {"torch": returning(kda_recurrent_step), "native": native_recurrent_candidate}))
+
+
+# ---- ReplaySSM decode step -------------------------------------------------------------------
+# A decode step from a checkpoint with a half-full ring (the mean over a ring's life): the
+# inputs carry the steps since the checkpoint as tokens (for the reference) and as the ring
+# they left (for the candidate), built by replaying them when the inputs are made.
+
+REPLAY_RING = 16
+
+
+def _replay_inputs(cfg, batch: int, device, gen) -> dict:
+    i = _delta_inputs(cfg, 1, batch, device, gen)
+    steps = REPLAY_RING // 2
+    prev = [_delta_inputs(cfg, 1, batch, device, gen) for _ in range(steps)]
+    for name in ("k", "v", "g", "beta"):
+        i[f"prev_{name}"] = torch.stack([p[name] for p in prev])
+    h, d = cfg.linear_num_heads, cfg.linear_head_dim
+    spec = ReplayRingSpec(REPLAY_RING, h, d, d, replay_exact(cfg.linear_lower_bound, REPLAY_RING))
+    ring = spec.allocate(CacheLayout(1, 1, batch), device)
+    table, slots = i["state"].clone(), torch.arange(batch, device=device)
+    for n, p in enumerate(prev):
+        replay_step_torch(table, ring, slots, [n] * batch, p["q"], p["k"], p["v"], p["g"], p["beta"])
+    i.update(ring_keys=ring.keys, ring_decays=ring.decays, ring_deltas=ring.deltas)
+    return i
+
+
+def reference_replay_step(cfg, i):
+    state = i["state"].double()
+    for n in range(i["prev_k"].shape[0]):
+        _, state = reference.delta_rule_step(i["q"].double(), *(i[f"prev_{x}"][n].double() for x in ("k", "v", "g", "beta")), state)
+    return (reference.delta_rule_step(*(i[n].double() for n in ("q", "k", "v", "g", "beta")), state)[0],)
+
+
+def replay_candidate(cfg, i, step=replay_step):
+    batch, steps = i["q"].shape[0], i["prev_k"].shape[0]
+    ring = ReplayRing(i["ring_keys"], i["ring_decays"], i["ring_deltas"], replay_exact(cfg.linear_lower_bound, REPLAY_RING))
+    slots = torch.arange(batch, device=i["q"].device)
+    counts = [steps] * batch
+    count_tensor = torch.tensor(counts, device=i["q"].device)
+
+    def run(out):
+        out[0].copy_(step(i["state"], ring, slots, counts, count_tensor, i["q"], i["k"], i["v"], i["g"], i["beta"]))
+    return run
+
+
+def _replay_cost(i) -> tuple[float, float]:
+    b, h, dk = i["q"].shape
+    dv, steps = i["v"].shape[-1], i["prev_k"].shape[0]
+    current = sum(i[n].numel() for n in ("q", "k", "v", "g", "beta")) + b * h * dv  # in, o out
+    ring = b * h * (steps * (dk + dv) + 2 * dk + dv)  # live keys and deltas read, one entry written
+    return (current + i["state"].numel() + ring) * 4, b * h * (4.0 * dk * dv + steps * 2 * (dk + dv))
+
+
+def _replay_cases(cfg, shapes, dtype, device):
+    h, d = cfg.linear_num_heads, cfg.linear_head_dim
+    return [
+        Case(f"B={b}", lambda gen, b=b: _replay_inputs(cfg, b, device, gen),
+             lambda i, b=b: (torch.empty(b, h, d, device=device),), _replay_cost, "fp32")
+        for b in shapes.batches
+    ]
+
+
+register_op(Op("kda.replay_step", _replay_cases, reference_replay_step, close(TOLERANCE[FP32]),
+               {"native": replay_candidate, "torch": lambda cfg, i: replay_candidate(cfg, i, _replay_step_torch)}))
+
+
+def _replay_step_torch(states, ring, slots, counts, count_tensor, q, k, v, g, beta):
+    return replay_step_torch(states, ring, slots, counts, q, k, v, g, beta)
 # The chunked form reorders a long fp32 recurrence: allow more rounding than a single step.
 register_op(Op("kda.chunked", _chunked_cases, reference_chunked, close(1e-3), {"torch": chunked_candidate}))
 

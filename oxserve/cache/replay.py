@@ -1,0 +1,51 @@
+"""ReplaySSM bookkeeping on the host: how many entries each state slot's ring holds.
+
+Every KDA layer's ring advances in step (one entry per decode token), so one count per slot
+serves them all, and the kernels are told the counts rather than reading them back:
+
+    decode token      count c -> c + 1; a full ring (c == R) is folded first: R -> 1
+    prefill chunk     pending entries are folded before it reads the state; it writes the
+                      full state, so the ring is empty after it: c -> 0
+    rejected tokens   (speculative decoding) the count moves back; nothing else changes
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class RingCounts:
+    """One step's ring counts, before the step, in batch order."""
+
+    decodes: list[int]  # entries before each decode's token (the ring length: fold first)
+    prefills: list[int]  # entries to fold before each prefill chunk reads its state
+    decode_counts: torch.Tensor  # `decodes` as int64, on the device
+    prefill_counts: torch.Tensor  # `prefills` as int64, on the device
+
+
+class ReplayBook:
+    def __init__(self, num_slots: int, length: int):
+        if length < 1:
+            raise ValueError(f"the replay ring needs at least one entry, got {length}")
+        self.length = length
+        self.counts = [0] * num_slots
+
+    def advance(self, slots: list[int], has_context: list[bool], num_decodes: int, device) -> RingCounts:
+        """Counts for a step whose first `num_decodes` requests decode one token each, and
+        the book after it."""
+        decodes, prefills = [], []
+        for slot in slots[:num_decodes]:
+            before = self.counts[slot]
+            decodes.append(before)
+            self.counts[slot] = (0 if before == self.length else before) + 1
+        for slot, context in zip(slots[num_decodes:], has_context[num_decodes:]):
+            prefills.append(self.counts[slot] if context else 0)
+            self.counts[slot] = 0
+
+        def as_long(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long, device=device)
+
+        return RingCounts(decodes, prefills, as_long(decodes), as_long(prefills))

@@ -1,0 +1,205 @@
+/* KDA decode: one token for each of a batch of requests, on the cache's state table in
+ * place (no gathered copy, no scattered write-back of a copy). Two ways to keep the state:
+ *
+ * write-back: S <- diag(a) S + k d^T with a = exp(g), d = beta (v - (k*a)^T S); o = q^T S.
+ *   One pass reads S for both (q*a)^T S and (k*a)^T S, since q^T S_new = (q*a)^T S + (q.k) d;
+ *   a second pass writes S_new.
+ * replay (ReplaySSM): S stays the checkpoint S0 of the request's last fold; a ring keeps, per
+ *   step j since then, the key, the cumulative log-decay G_j from S0, and the update d_j.
+ *   With A = exp(G_t) and the ring's keys decayed to step t, w_j = k_j * exp(G_t - G_j),
+ *       (k_t)^T S_{t-1} decayed = (k_t*A)^T S0 + sum_j (k_t . w_j) d_j
+ *       o_t                     = (q_t*A)^T S0 + sum_j (q_t . w_j) d_j + (q_t . k_t) d_t
+ *   so a step reads S0 once and writes only its ring entry. A full ring is folded first:
+ *       S0 <- diag(exp(G_n)) S0 + sum_j (k_j * exp(G_n - G_j)) d_j^T       (exact, one pass)
+ *   Stored keys: `exact` = 0 keeps k_j * exp(-G_j), so w_j = A * key_j needs no exp per
+ *   entry (valid while |G| stays a normal fp32 exponent: the caller checks the gate's bound);
+ *   `exact` = 1 keeps k_j and forms exp(G_t - G_j) for any decay.
+ *
+ * Layouts (fp32, contiguous): q, k, g [B, H, Dk]; v [B, H, Dv]; beta [B, H]; out [B, H, Dv];
+ * states [slots, H, Dk, Dv]; ring keys and log-decays [slots, H, R, Dk], deltas [slots, H, R, Dv]
+ * (a request's head's entries side by side: a step streams them);
+ * slots [B]; counts [B]: ring entries before this step (R: fold first). The host keeps counts. */
+#include <math.h>
+#include <stdint.h>
+
+#define MAX_D 256
+
+typedef struct {
+    float *keys, *decays, *deltas;
+    int len, heads, dk, dv, exact;
+} Ring;
+
+static inline float *entry(const Ring *r, float *base, int64_t slot, int j, int h, int width) {
+    return base + ((slot * r->heads + h) * r->len + j) * (int64_t)width;
+}
+
+/* S0 <- fold of the first n ring entries of (slot, h). */
+static void fold(float *restrict S, const Ring *r, int64_t slot, int h, int n) {
+    const int dk = r->dk, dv = r->dv;
+    const float *last = entry(r, r->decays, slot, n - 1, h, dk);
+    for (int d = 0; d < dk; d++) {
+        const float scale = expf(last[d]);
+        float *restrict row = S + (int64_t)d * dv;
+        for (int e = 0; e < dv; e++) row[e] *= scale;
+        for (int j = 0; j < n; j++) {
+            const float key = entry(r, r->keys, slot, j, h, dk)[d];
+            const float w = r->exact ? key * expf(last[d] - entry(r, r->decays, slot, j, h, dk)[d]) : key * scale;
+            const float *restrict delta = entry(r, r->deltas, slot, j, h, dv);
+            for (int e = 0; e < dv; e++) row[e] += w * delta[e];
+        }
+    }
+}
+
+/* p = x^T S and r = y^T S in one pass over S [dk, dv]. */
+static void two_products(const float *restrict S, const float *x, const float *y, int dk, int dv, float *restrict p,
+                         float *restrict r) {
+    for (int e = 0; e < dv; e++) p[e] = r[e] = 0.0f;
+    for (int d = 0; d < dk; d++) {
+        const float *restrict row = S + (int64_t)d * dv;
+        const float xd = x[d], yd = y[d];
+        for (int e = 0; e < dv; e++) {
+            p[e] += xd * row[e];
+            r[e] += yd * row[e];
+        }
+    }
+}
+
+/* Eight partial sums, so that the loop vectorises without reordering licence (no fast-math). */
+static float dot(const float *restrict a, const float *restrict b, int n) {
+    float lanes[8] = {0};
+    int i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int l = 0; l < 8; l++) lanes[l] += a[i + l] * b[i + l];
+    float s = 0.0f;
+    for (; i < n; i++) s += a[i] * b[i];
+    for (int l = 0; l < 8; l++) s += lanes[l];
+    return s;
+}
+
+/* (a . c, b . c) in one pass over c. */
+static void dot2(const float *restrict a, const float *restrict b, const float *restrict c, int n, float *ac, float *bc) {
+    float la[8] = {0}, lb[8] = {0};
+    int i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int l = 0; l < 8; l++) {
+            la[l] += a[i + l] * c[i + l];
+            lb[l] += b[i + l] * c[i + l];
+        }
+    float sa = 0.0f, sb = 0.0f;
+    for (; i < n; i++) {
+        sa += a[i] * c[i];
+        sb += b[i] * c[i];
+    }
+    for (int l = 0; l < 8; l++) {
+        sa += la[l];
+        sb += lb[l];
+    }
+    *ac = sa;
+    *bc = sb;
+}
+
+int kda_decode_max_dim(void) { return MAX_D; }
+
+int kda_writeback_step(const float *q, const float *k, const float *v, const float *g, const float *beta,
+                       float *states, const int64_t *slots, int64_t batch, int heads, int dk, int dv, float *out,
+                       int threads) {
+    if (dk > MAX_D || dv > MAX_D) return -1;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t bh = 0; bh < batch * heads; bh++) {
+        const int64_t b = bh / heads;
+        const int h = (int)(bh % heads);
+        float *S = states + (slots[b] * heads + h) * (int64_t)dk * dv;
+        const float *qh = q + bh * dk, *kh = k + bh * dk, *gh = g + bh * dk, *vh = v + bh * dv;
+        float a[MAX_D], x[MAX_D], y[MAX_D], p[MAX_D], r[MAX_D], delta[MAX_D];
+        for (int d = 0; d < dk; d++) {
+            a[d] = expf(gh[d]);
+            x[d] = qh[d] * a[d];
+            y[d] = kh[d] * a[d];
+        }
+        two_products(S, x, y, dk, dv, p, r);
+        const float qk = dot(qh, kh, dk);
+        float *o = out + bh * dv;
+        for (int e = 0; e < dv; e++) {
+            delta[e] = beta[bh] * (vh[e] - r[e]);
+            o[e] = p[e] + qk * delta[e];
+        }
+        for (int d = 0; d < dk; d++) {
+            float *restrict row = S + (int64_t)d * dv;
+            for (int e = 0; e < dv; e++) row[e] = a[d] * row[e] + kh[d] * delta[e];
+        }
+    }
+    return 0;
+}
+
+int kda_replay_step(const float *q, const float *k, const float *v, const float *g, const float *beta, float *states,
+                    float *ring_keys, float *ring_decays, float *ring_deltas, const int64_t *slots,
+                    const int64_t *counts, int64_t batch, int heads, int dk, int dv, int ring_len, int exact,
+                    float *out, int threads) {
+    if (dk > MAX_D || dv > MAX_D) return -1;
+    const Ring ring = {ring_keys, ring_decays, ring_deltas, ring_len, heads, dk, dv, exact};
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t bh = 0; bh < batch * heads; bh++) {
+        const int64_t b = bh / heads, slot = slots[b];
+        const int h = (int)(bh % heads);
+        float *S = states + (slot * heads + h) * (int64_t)dk * dv;
+        const float *qh = q + bh * dk, *kh = k + bh * dk, *gh = g + bh * dk, *vh = v + bh * dv;
+        int n = (int)counts[b];
+        if (n == ring_len) {
+            fold(S, &ring, slot, h, n);
+            n = 0;
+        }
+        const float *prev = n ? entry(&ring, ring.decays, slot, n - 1, h, dk) : 0;
+        float *G = entry(&ring, ring.decays, slot, n, h, dk), *key = entry(&ring, ring.keys, slot, n, h, dk);
+        float A[MAX_D], x[MAX_D], y[MAX_D], p[MAX_D], r[MAX_D];
+        for (int d = 0; d < dk; d++) {
+            G[d] = (prev ? prev[d] : 0.0f) + gh[d];
+            A[d] = expf(G[d]);
+            x[d] = qh[d] * A[d];
+            y[d] = kh[d] * A[d];
+        }
+        two_products(S, x, y, dk, dv, p, r);
+        for (int j = 0; j < n; j++) {
+            const float *kj = entry(&ring, ring.keys, slot, j, h, dk);
+            float c = 0.0f, s = 0.0f;
+            if (exact) {
+                const float *Gj = entry(&ring, ring.decays, slot, j, h, dk);
+                for (int d = 0; d < dk; d++) {
+                    const float w = kj[d] * expf(G[d] - Gj[d]);
+                    c += kh[d] * w;
+                    s += qh[d] * w;
+                }
+            } else {
+                dot2(y, x, kj, dk, &c, &s);
+            }
+            const float *restrict dj = entry(&ring, ring.deltas, slot, j, h, dv);
+            for (int e = 0; e < dv; e++) {
+                r[e] += c * dj[e];
+                p[e] += s * dj[e];
+            }
+        }
+        const float qk = dot(qh, kh, dk);
+        float *o = out + bh * dv, *delta = entry(&ring, ring.deltas, slot, n, h, dv);
+        for (int e = 0; e < dv; e++) {
+            delta[e] = beta[bh] * (vh[e] - r[e]);
+            o[e] = p[e] + qk * delta[e];
+        }
+        for (int d = 0; d < dk; d++) key[d] = exact ? kh[d] : kh[d] / A[d];  // A >= e^-80 here: a normal fp32
+    }
+    return 0;
+}
+
+/* Fold each request's first counts[b] ring entries into its checkpoint (before a prefill
+ * chunk reads the state). */
+int kda_replay_fold(float *states, float *ring_keys, float *ring_decays, float *ring_deltas, const int64_t *slots,
+                    const int64_t *counts, int64_t batch, int heads, int dk, int dv, int ring_len, int exact,
+                    int threads) {
+    const Ring ring = {ring_keys, ring_decays, ring_deltas, ring_len, heads, dk, dv, exact};
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t bh = 0; bh < batch * heads; bh++) {
+        const int64_t b = bh / heads;
+        const int h = (int)(bh % heads);
+        if (counts[b] > 0)
+            fold(states + (slots[b] * heads + h) * (int64_t)dk * dv, &ring, slots[b], h, (int)counts[b]);
+    }
+    return 0;
+}
