@@ -314,3 +314,18 @@ def test_cli_prints_the_path(tmp_path, fake_builds, capsys):
     main(["--out", str(tmp_path / "m"), "--force"])
     assert capsys.readouterr().out.split() == [str(tmp_path / "m")] * 2
     assert len(fake_builds) == 2
+
+
+def test_build_command_writes_a_shape_variant(tmp_path):
+    """`oxserve build-default-model --set` changes text-config fields; a variant never
+    replaces the default model, so it needs its own --out."""
+    out = tmp_path / "variant"
+    cmd = [sys.executable, "-m", "oxserve.cli", "build-default-model", "--out", str(out),
+           "--set", "linear_head_dim=32", "--set", "num_hidden_layers=4", "--set", "linear_lower_bound=null"]
+    subprocess.run(cmd, check=True, capture_output=True)
+    text = json.loads((out / "config.json").read_text())["text_config"]
+    assert (text["linear_head_dim"], text["num_hidden_layers"], text["linear_lower_bound"]) == (32, 4, None)
+    assert len(text["layer_types"]) == 4  # schedules follow the new layer count
+    refused = subprocess.run([sys.executable, "-m", "oxserve.cli", "build-default-model", "--set", "hidden_size=64"],
+                             capture_output=True, text=True)
+    assert refused.returncode != 0 and "--out" in refused.stderr
