@@ -92,6 +92,11 @@ class SchedulerConfig:
         "stall-free batching: a step that carries prefill next to decodes may cost at most this many times a "
         "decode-only step (its prefill tokens are bounded from measured step costs); 0 turns it off",
     )
+    speculative_config: str | None = opt(
+        None, 'speculative decoding, as vLLM spells it: JSON {"method": "ngram", "num_speculative_tokens": k, '
+        '"prompt_lookup_max": 4, "prompt_lookup_min": 1}; drafts are verified in one pass and KDA layers run '
+        "with ReplaySSM rings of at least k + 1 (a rejection is a ring-count move)",
+    )
     deterministic: bool = opt(
         False,
         "batch-invariant mode: every token runs alone (one token per request per step, one request per "
@@ -105,6 +110,10 @@ class SchedulerConfig:
             raise ValueError(f"max_stall must be > 1 (or 0: off), got {self.max_stall}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        from oxserve.engine.speculative import SpeculativeConfig  # the engine's own parser checks it
+
+        if SpeculativeConfig.parse(self.speculative_config) and self.deterministic:
+            raise ValueError("deterministic mode feeds one token per step: it cannot verify draft tokens")
 
 
 @dataclass(frozen=True)

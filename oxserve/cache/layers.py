@@ -137,6 +137,9 @@ class KDACache:
     conv: torch.Tensor
     recurrent: torch.Tensor
     ring: ReplayRing | None = None
+    # A step verifying drafts: (their slots, the conv state after each of their tokens),
+    # until `accept` keeps the states of the tokens that were kept.
+    staged_conv: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def conv_states(self, slots: torch.Tensor) -> torch.Tensor:
         return gather_rows(self.conv, slots)
@@ -157,6 +160,24 @@ class KDACache:
         if self.ring is None:
             return kda_decode.writeback_step(self.recurrent, slots, q, k, v, g, beta)
         return kda_decode.replay_step(self.recurrent, self.ring, slots, rings.decodes, rings.decode_counts, q, k, v, g, beta)
+
+    def verify(self, slots: torch.Tensor, rings: RingCounts, lens: list[int], q, k, v, g, beta) -> torch.Tensor:
+        """Runs of lens[b] decode steps (a token and its drafts) for each request in `slots`,
+        appended to its ReplaySSM ring: rejecting some later moves the ring's count back."""
+        if self.ring is None:
+            raise ValueError("verifying draft tokens needs ReplaySSM rings (--kda-decode replay)")
+        return kda_decode.replay_verify(self.recurrent, self.ring, slots, rings.verifies, lens, q, k, v, g, beta)
+
+    def stage_conv(self, slots: torch.Tensor, windows: torch.Tensor) -> None:
+        self.staged_conv = (slots, windows)
+
+    def accept(self, kept: list[int]) -> None:
+        """Per verifying request of the last step, the index of its last kept token: its conv
+        state becomes the one after that token."""
+        slots, windows = self.staged_conv
+        index = torch.tensor(kept, device=windows.device)
+        scatter_rows(self.conv, slots, windows[torch.arange(len(kept), device=windows.device), index])
+        self.staged_conv = None
 
     def settle(self, slots: torch.Tensor, rings: RingCounts | None) -> None:
         """Fold ring entries still pending into the checkpoints of `slots`, so that the

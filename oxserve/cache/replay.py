@@ -6,6 +6,8 @@ serves them all, and the kernels are told the counts rather than reading them ba
     decode token      count c -> c + 1; a full ring (c == R) is folded first: R -> 1
     prefill chunk     pending entries are folded before it reads the state; it writes the
                       full state, so the ring is empty after it: c -> 0
+    verified tokens   a token and its drafts append one entry each (a ring that would
+                      overflow is folded first)
     rejected tokens   (speculative decoding) the count moves back; nothing else changes
 """
 
@@ -24,6 +26,7 @@ class RingCounts:
     prefills: list[int]  # entries to fold before each prefill chunk reads its state
     decode_counts: torch.Tensor  # `decodes` as int64, on the device
     prefill_counts: torch.Tensor  # `prefills` as int64, on the device
+    verifies: list[int] = ()  # entries before each verified run of tokens (fold first if it would overflow)
 
 
 class ReplayBook:
@@ -33,19 +36,34 @@ class ReplayBook:
         self.length = length
         self.counts = [0] * num_slots
 
-    def advance(self, slots: list[int], has_context: list[bool], num_decodes: int, device) -> RingCounts:
-        """Counts for a step whose first `num_decodes` requests decode one token each, and
-        the book after it."""
-        decodes, prefills = [], []
+    def advance(self, slots: list[int], has_context: list[bool], num_decodes: int, device,
+                verify_lens: tuple[int, ...] = ()) -> RingCounts:
+        """Counts for a step whose first `num_decodes` requests decode one token each and
+        whose next len(verify_lens) requests run that many tokens each as decode steps (a
+        token and its drafts), and the book after it. A run that would overflow its ring
+        folds it first."""
+        decodes, verifies, prefills = [], [], []
         for slot in slots[:num_decodes]:
             before = self.counts[slot]
             decodes.append(before)
             self.counts[slot] = (0 if before == self.length else before) + 1
-        for slot, context in zip(slots[num_decodes:], has_context[num_decodes:]):
+        verify_slots = slots[num_decodes : num_decodes + len(verify_lens)]
+        for slot, n in zip(verify_slots, verify_lens):
+            if n > self.length:
+                raise ValueError(f"{n} tokens to verify do not fit a replay ring of {self.length}")
+            before = self.counts[slot]
+            verifies.append(before)
+            self.counts[slot] = (0 if before + n > self.length else before) + n
+        rest = num_decodes + len(verify_lens)
+        for slot, context in zip(slots[rest:], has_context[rest:]):
             prefills.append(self.counts[slot] if context else 0)
             self.counts[slot] = 0
 
         def as_long(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.long, device=device)
 
-        return RingCounts(decodes, prefills, as_long(decodes), as_long(prefills))
+        return RingCounts(decodes, prefills, as_long(decodes), as_long(prefills), verifies)
+
+    def rollback(self, slot: int, rejected: int) -> None:
+        """Forget the last `rejected` entries of a slot's ring (rejected draft tokens)."""
+        self.counts[slot] -= rejected

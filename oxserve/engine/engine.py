@@ -26,6 +26,7 @@ from oxserve.engine.memory import keep_freed_memory
 from oxserve.engine.request import Request
 from oxserve.engine.runner import ModelRunner
 from oxserve.engine.scheduler import RequestUpdate, Scheduler
+from oxserve.engine.speculative import SpeculativeConfig, make_proposer
 from oxserve.engine.stop import StopStrings
 from oxserve.engine.threads import choose_threads
 from oxserve.kernels.onednn import choose_linear_kernel
@@ -55,6 +56,9 @@ class EngineStats:
     num_preemptions: int
     prompt_tokens: int  # prompt tokens of requests that produced their first token
     generation_tokens: int
+    spec_drafts: int = 0  # speculative decoding: verifying steps (per request)
+    spec_draft_tokens: int = 0  # draft tokens verified
+    spec_accepted_tokens: int = 0  # ... and accepted; mean accept length = 1 + accepted / drafts
 
 
 @dataclass(frozen=True)
@@ -100,7 +104,11 @@ class LLMEngine:
         default = LayerCachePrecision(latent=kv, index_keys=kv, kda_state=config.cache.kda_state_dtype,
                                       kda_conv=config.cache.kda_conv_dtype)
         self.cache_plan = self.quantization_plan.cache_plan(default) if self.quantization_plan else CachePlan(default)
+        self.speculative = SpeculativeConfig.parse(config.scheduler.speculative_config)
+        self.proposer = make_proposer(self.speculative) if self.speculative else None
         self.kda_replay = config.cache.kda_replay_len if config.cache.kda_decode == "replay" else 0  # ring length
+        if self.speculative:  # drafts are undone by moving ring counts: rings that hold a token and its drafts
+            self.kda_replay = max(self.kda_replay, self.speculative.num_speculative_tokens + 1)
         cache_specs = loaded.model.cache_specs(self.dtype, self.cache_plan, kda_replay=self.kda_replay)
         layout = plan_cache(config.cache, config.scheduler, cache_specs, limit)
         self.cache = CacheManager(layout.num_blocks, layout.block_size, layout.num_slots)
@@ -154,6 +162,9 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             prompt_tokens=self._prompt_tokens,
             generation_tokens=self._generation_tokens,
+            spec_drafts=self.scheduler.num_drafts,
+            spec_draft_tokens=self.scheduler.num_draft_tokens,
+            spec_accepted_tokens=self.scheduler.num_accepted_tokens,
         )
 
     def running_request_ids(self) -> list[str]:
@@ -173,7 +184,10 @@ class LLMEngine:
         self.scheduler.observe_step(scheduled, time.perf_counter() - started)
         with span(tracer, "postprocess", track="engine"):
             updates = self.scheduler.update_from_output(scheduled, result)
-            return [self._output_of(update) for update in updates]
+            outputs = [self._output_of(update) for update in updates]
+            if self.proposer is not None:
+                self.scheduler.propose_drafts(self.proposer, self.speculative.num_speculative_tokens)
+            return outputs
 
     def _output_of(self, update: RequestUpdate) -> RequestOutput:
         request = update.request

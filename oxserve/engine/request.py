@@ -34,6 +34,8 @@ class Request:
     # Proposed next tokens (speculative decoding): scheduled after the request's last token
     # and kept only as far as the model's own samples agree with them.
     draft_token_ids: list[int] = field(default_factory=list)
+    draft_limit: int | None = None  # adaptive draft length (None: the configured k)
+    decodes_without_drafts: int = 0  # since drafting was switched off for it
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
     num_preemptions: int = 0

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from oxserve.cache.layers import KDACache
 from oxserve.cache.replay import ReplayBook
 from oxserve.cache.spec import CacheLayout, LayerCacheSpec, replay_length
 from oxserve.engine.interface import (
@@ -20,6 +21,7 @@ from oxserve.engine.interface import (
     SchedulerOutput,
 )
 from oxserve.engine.sampler import SamplingRow, make_generator, sample
+from oxserve.engine.speculative import verify
 from oxserve.model.batch import BatchRequest, make_forward_batch
 from oxserve.model.glm5_next import Glm5NextForCausalLM
 from oxserve.sampling_params import SamplingParams
@@ -61,22 +63,50 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(out)
+        scheduled = sorted(out.scheduled, key=_batch_order)
         if self.deterministic:
             # One request per forward pass: kernels see the same shapes whoever else is running.
-            logits = torch.cat([self._forward([s]) for s in out.scheduled])
+            logits = torch.cat([self._forward([s]) for s in scheduled])
         else:
-            logits = self._forward(out.scheduled)
-        sampling = [s for s in out.scheduled if s.samples]
-        if any(s.num_draft_tokens for s in sampling):
-            raise ValueError("draft tokens were scheduled, but this runner has no speculative verifier")
+            logits = self._forward(scheduled)
+        sampling = [s for s in scheduled if s.samples]
         with span(self.tracer, "sample", track="engine"):
-            rows = [self._sampling_row(s.request_id) for s in sampling]
-            sampled = sample(logits, rows)
-        return ModelRunnerOutput(
-            request_ids=[s.request_id for s in sampling],
-            sampled_token_ids=[[token] for token in sampled.token_ids],
-            logprobs=[None if lp is None else [lp] for lp in sampled.logprobs],
-        )
+            tokens, logprobs = self._sample(sampling, logits)
+        return ModelRunnerOutput(request_ids=[s.request_id for s in sampling], sampled_token_ids=tokens, logprobs=logprobs)
+
+    def _sample(self, sampling: list[ScheduledRequest], logits: torch.Tensor) -> tuple[list[list[int]], list]:
+        """One token per plain request; for a request verifying drafts, the drafts it keeps
+        and one more. The rows of `logits` follow `sampling` (a verify has one per token)."""
+        sizes = [s.num_new_tokens if _verifies(s) else 1 for s in sampling]
+        per_request = logits.split(sizes)
+        plain = [i for i, s in enumerate(sampling) if not _verifies(s)]
+        tokens: list[list[int]] = [[] for _ in sampling]
+        logprobs: list = [None] * len(sampling)
+        if plain:
+            rows = [self._sampling_row(sampling[i].request_id) for i in plain]
+            sampled = sample(torch.cat([per_request[i] for i in plain]), rows)
+            for i, token, lp in zip(plain, sampled.token_ids, sampled.logprobs):
+                tokens[i], logprobs[i] = [token], None if lp is None else [lp]
+        kept = []
+        for i, s in enumerate(sampling):
+            if _verifies(s):
+                verified = verify(per_request[i], s.token_ids[-s.num_draft_tokens :], self._sampling_row(s.request_id))
+                tokens[i], logprobs[i] = verified.token_ids, verified.logprobs
+                kept.append((s, len(verified.token_ids) - 1))
+        if kept:
+            self._undo_rejected(kept)
+        return tokens, logprobs
+
+    def _undo_rejected(self, kept: list[tuple[ScheduledRequest, int]]) -> None:
+        """After verifying: each KDA layer keeps the conv state after the last kept token,
+        and the rings forget the entries of rejected drafts. (MLA entries of rejected
+        positions are simply overwritten when those positions are computed again.)"""
+        for cache in self.caches:
+            if isinstance(cache, KDACache):
+                cache.accept([n for _, n in kept])
+        if self.rings is not None:
+            for s, n in kept:
+                self.rings.rollback(s.state_slot, s.num_draft_tokens - n)
 
     def _update_states(self, out: SchedulerOutput) -> None:
         self.drop(out.finished_request_ids)
@@ -96,7 +126,8 @@ class ModelRunner:
     def _forward(self, scheduled: list[ScheduledRequest]) -> torch.Tensor:
         with span(self.tracer, "prepare_inputs", track="engine"):
             requests = [
-                BatchRequest(s.num_computed_tokens, s.num_new_tokens, self.requests[s.request_id].block_ids, s.state_slot, s.samples)
+                BatchRequest(s.num_computed_tokens, s.num_new_tokens, self.requests[s.request_id].block_ids, s.state_slot,
+                             s.samples, s.num_draft_tokens)
                 for s in scheduled
             ]
             batch = make_forward_batch(requests, self.model.config, self.layout.block_size, self.layout.num_blocks, self.device,
@@ -110,6 +141,15 @@ class ModelRunner:
     def _sampling_row(self, request_id: str) -> SamplingRow:
         state = self.requests[request_id]
         return SamplingRow(state.params, state.prompt_token_ids, state.output_token_ids, state.generator)
+
+
+def _verifies(s: ScheduledRequest) -> bool:
+    return s.num_computed_tokens > 0 and s.num_draft_tokens > 0
+
+
+def _batch_order(s: ScheduledRequest) -> int:
+    """Decodes, then requests verifying drafts, then prefill chunks (as ForwardBatch wants)."""
+    return 1 if _verifies(s) else 0 if s.is_decode else 2
 
 
 def step_conditions(batch) -> dict:

@@ -60,7 +60,7 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         tokens[index] = _inverse_cdf(probs, [rows[i].generator for i in random_rows])
 
     token_ids = tokens.tolist()
-    return SamplerOutput(token_ids, _logprob_dicts(raw_logprobs, tokens, token_ids, rows))
+    return SamplerOutput(token_ids, _logprob_dicts(raw_logprobs, token_ids, rows))
 
 
 def _is_plain_greedy(params: SamplingParams) -> bool:
@@ -185,26 +185,26 @@ def _raw_logprobs(x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor | No
 
 
 def _logprob_dicts(
-    raw_logprobs: torch.Tensor | None,
-    tokens: torch.Tensor,
-    token_ids: list[int],
-    rows: list[SamplingRow],
+    raw_logprobs: torch.Tensor | None, token_ids: list[int], rows: list[SamplingRow]
 ) -> list[dict[int, float] | None]:
     if raw_logprobs is None:
         return [None] * len(rows)
-    top_n = max(row.params.logprobs or 0 for row in rows)
-    top_values, top_ids = raw_logprobs.topk(top_n, dim=-1)
-    sampled = raw_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
-    top_values, top_ids = top_values.tolist(), top_ids.tolist()
+    return logprob_entries(raw_logprobs, token_ids, [row.params.logprobs for row in rows])
 
+
+def logprob_entries(raw_logprobs: torch.Tensor, token_ids: list[int], top: list[int | None]) -> list[dict[int, float] | None]:
+    """Per row of raw logprobs [R, V]: None where top[r] is None, else {token: logprob} with
+    the chosen token first (as vLLM), then the top[r] most likely."""
+    top_n = max((n or 0 for n in top), default=0)
+    top_values, top_ids = raw_logprobs.topk(top_n, dim=-1)
+    chosen = raw_logprobs.gather(1, torch.tensor(token_ids, device=raw_logprobs.device).unsqueeze(1)).squeeze(1).tolist()
+    top_values, top_ids = top_values.tolist(), top_ids.tolist()
     result: list[dict[int, float] | None] = []
-    for i, row in enumerate(rows):
-        n = row.params.logprobs
+    for i, n in enumerate(top):
         if n is None:
             result.append(None)
             continue
-        # Sampled token first (as vLLM), then the top-n by raw logprob.
-        entry = {token_ids[i]: sampled[i]}
+        entry = {token_ids[i]: chosen[i]}
         entry.update(zip(top_ids[i][:n], top_values[i][:n]))
         result.append(entry)
     return result

@@ -27,6 +27,21 @@ from oxserve.engine.request import Request, RequestStatus
 from oxserve.engine.stop import token_stop
 
 
+# Speculation guard: a request whose drafts are all rejected drafts half as many next time,
+# down to none; one whose drafts are all kept drafts one more, up to k. A request with
+# drafting off tries one draft again after this many plain decodes.
+DRAFT_PROBE_INTERVAL = 16
+
+
+def _adapt_draft_limit(request: Request, drafted: int, accepted: int) -> None:
+    if accepted == 0:
+        request.draft_limit = drafted // 2
+    elif accepted == drafted:
+        request.draft_limit = drafted + 1
+    else:
+        request.draft_limit = max(accepted, 1)
+
+
 @dataclass
 class RequestUpdate:
     """What one step did to one request: the tokens (and logprobs) it accepted."""
@@ -48,6 +63,9 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.num_drafts = 0  # speculative decoding: steps that verified drafts for a request
+        self.num_draft_tokens = 0  # draft tokens verified
+        self.num_accepted_tokens = 0  # ... and kept
         self._finished_ids: list[str] = []  # retired since the last schedule(): the runner drops them
         self._blocks_sent: dict[str, int] = {}  # blocks of each running request the runner already has
         self.pacer = StepPacer(config.max_stall)
@@ -165,9 +183,34 @@ class Scheduler:
             # Drafts past the first disagreement were computed on a wrong token: their
             # cache entries get overwritten later, the request recomputes from there.
             request.num_computed_tokens -= s.num_draft_tokens - (len(tokens) - 1)
+            if s.num_draft_tokens:
+                self.num_drafts += 1
+                self.num_draft_tokens += s.num_draft_tokens
+                self.num_accepted_tokens += len(tokens) - 1
+                _adapt_draft_limit(request, s.num_draft_tokens, len(tokens) - 1)
             request.draft_token_ids = []
             updates.append(self._append(request, tokens, logprobs))
         return updates
+
+    def propose_drafts(self, proposer, max_drafts: int) -> None:
+        """Draft tokens from `proposer` (`propose(history, k) -> tokens`) for every running
+        request whose next step is a decode: at most `max_drafts`, and at most as many as it
+        may still generate beyond the one token the step yields anyway."""
+        for request in self.running:
+            if request.num_uncomputed != 1:
+                continue
+            room = request.max_total_tokens - request.num_tokens
+            if request.params.max_tokens is not None:
+                room = min(room, request.params.max_tokens - len(request.output_token_ids))
+            limit = max_drafts if request.draft_limit is None else request.draft_limit
+            if limit == 0:  # drafting is off for this request: probe again after a while
+                request.decodes_without_drafts += 1
+                if request.decodes_without_drafts < DRAFT_PROBE_INTERVAL:
+                    continue
+                request.draft_limit, request.decodes_without_drafts, limit = 1, 0, 1
+            k = min(limit, max_drafts, room - 1)
+            if k > 0:
+                request.draft_token_ids = proposer.propose(request.prompt_token_ids + request.output_token_ids, k)[:k]
 
     def _append(self, request: Request, tokens: list[int], logprobs: list[dict[int, float]] | None) -> RequestUpdate:
         accepted = []

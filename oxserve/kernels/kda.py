@@ -222,17 +222,24 @@ class ConvLayout:
         final[0]:     [2, 6, 7]            its last K-1 inputs: the new conv state
 
     A token's output is sum_k w[:, k] * source[taps[k]]: K gathers and K multiply-adds for any
-    mix of decodes and prefill chunks."""
+    mix of decodes and prefill chunks. Requests verifying drafts also get `windows`: the conv
+    state after each of their tokens, so that rejected drafts can be undone."""
 
     taps: torch.Tensor  # [K, T]
     final: torch.Tensor  # [R, K-1]
+    windows: torch.Tensor | None = None  # [V, max tokens, K-1]: the last K-1 inputs after each token
 
 
-def conv_layout(query_lens: list[int], kernel: int, device: torch.device | str) -> ConvLayout:
+def conv_layout(
+    query_lens: list[int], kernel: int, device: torch.device | str, windows_from: int = 0, num_windowed: int = 0
+) -> ConvLayout:
+    """`num_windowed` requests from `windows_from` on get their `windows`."""
     keep = kernel - 1
     tokens_start = keep * len(query_lens)
     taps: list[list[int]] = [[] for _ in range(kernel)]
     final: list[list[int]] = []
+    windows: list[list[list[int]]] = []
+    widest = max(query_lens[windows_from : windows_from + num_windowed], default=0)
     start = 0
     for r, n in enumerate(query_lens):
 
@@ -243,12 +250,23 @@ def conv_layout(query_lens: list[int], kernel: int, device: torch.device | str) 
             for k in range(kernel):
                 taps[k].append(row(i - keep + k))
         final.append([row(n - keep + j) for j in range(keep)])
+        if windows_from <= r < windows_from + num_windowed:
+            ends = [[row(i + 1 - keep + j) for j in range(keep)] for i in range(n)]
+            windows.append(ends + [ends[-1]] * (widest - n))
         start += n
 
     def as_long(values, shape):
         return torch.tensor(values, dtype=torch.long, device=device).reshape(shape)
 
-    return ConvLayout(as_long(taps, (kernel, sum(query_lens))), as_long(final, (len(query_lens), keep)))
+    layout_windows = as_long(windows, (num_windowed, widest, keep)) if num_windowed else None
+    return ConvLayout(as_long(taps, (kernel, sum(query_lens))), as_long(final, (len(query_lens), keep)), layout_windows)
+
+
+def conv_windows(x: torch.Tensor, states: torch.Tensor, layout: ConvLayout) -> torch.Tensor:
+    """The conv states after each token of the windowed requests: [V, max tokens, K-1, C],
+    from the same x [T, C] and states [R, K-1, C] that `causal_conv` took."""
+    source = torch.cat([states.flatten(0, 1), x])
+    return source.index_select(0, layout.windows.flatten()).view(*layout.windows.shape, x.shape[-1])
 
 
 def causal_conv(

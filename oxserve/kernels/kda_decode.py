@@ -126,6 +126,27 @@ def replay_fold(states: torch.Tensor, ring: ReplayRing, slots: torch.Tensor, cou
                         slots.numel(), h, dk, dv, ring.length, int(ring.exact), torch.get_num_threads())
 
 
+def replay_verify(states: torch.Tensor, ring: ReplayRing, slots: torch.Tensor, counts: list[int], lens: list[int],
+                  q, k, v, g, beta) -> torch.Tensor:
+    """Runs of lens[b] consecutive decode steps per request (tokens packed request after
+    request), each step's entry appended to the ring after counts[b]; a ring that cannot take
+    them all is folded first. Returns o [sum(lens), H, Dv]."""
+    full = [b for b, (c, n) in enumerate(zip(counts, lens)) if c + n > ring.length]
+    if full:
+        pending = [counts[b] for b in full]
+        replay_fold(states, ring, slots[full], pending, torch.tensor(pending, device=slots.device))
+        counts = [0 if b in full else c for b, c in enumerate(counts)]
+    starts = [sum(lens[:b]) for b in range(len(lens))]
+    out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1], dtype=torch.float32)
+    for i in range(max(lens)):
+        rows = [b for b, n in enumerate(lens) if n > i]
+        tokens = torch.tensor([starts[b] + i for b in rows], device=q.device)
+        step_counts = [counts[b] + i for b in rows]
+        step = (t.index_select(0, tokens) for t in (q, k, v, g, beta))
+        out[tokens] = replay_step(states, ring, slots[rows], step_counts, torch.tensor(step_counts, device=q.device), *step)
+    return out
+
+
 class _Gathered:
     """The rings of a batch of requests, [B, H, R, ...], and which entries are live."""
 

@@ -5,9 +5,12 @@ reads it, and nothing in the model reads a tensor back to the host to find its w
 Requests are ordered with decodes (one new token on top of a cached context) first, then
 prefill chunks:
 
-    tokens:   | d0 | d1 | d2 | p0 p0 p0 p0 p0 | p1 p1 p1 |
-    requests:   0    1    2    3               4
-    num_decodes = 3, query_lens = [1, 1, 1, 5, 3]
+    tokens:   | d0 | d1 | d2 | v0 v0 v0 | p0 p0 p0 p0 p0 | p1 p1 p1 |
+    requests:   0    1    2    3          4               5
+    num_decodes = 3, num_verifies = 1, query_lens = [1, 1, 1, 3, 5, 3]
+
+A verify (speculative decoding) is a decode with drafts: its last real token and the drafts
+after it, run as consecutive decode steps, with logits at every position.
 
 Paged cache layout (MLA latents, indexer keys): a cache row is `block * block_size + offset`;
 request r's token at position p lives in row `block_tables[r, p // block_size] * block_size
@@ -36,6 +39,12 @@ class BatchRequest:
     block_ids: list[int]
     state_slot: int
     samples: bool
+    num_draft_tokens: int = 0  # speculative tokens at the end, verified this step
+
+    @property
+    def verifies(self) -> bool:
+        """A token on a cached context plus drafts: decode steps, with logits at every one."""
+        return self.num_computed_tokens > 0 and self.num_draft_tokens > 0
 
 
 @dataclass(frozen=True)
@@ -64,6 +73,7 @@ class ForwardBatch:
     chunks: ChunkLayout | None = None  # KDA chunked delta rule over the prefill requests
     pools: PoolCompletions | None = None  # indexer pools completed this step
     rings: RingCounts | None = None  # KDA ReplaySSM ring counts (None: states are written back)
+    num_verifies: int = 0  # after the decodes: requests verifying drafts (decode steps over several tokens)
     tracer: Tracer | None = None  # telemetry: per-op spans when profiling
 
     @property
@@ -113,17 +123,24 @@ def make_forward_batch(
     request_index: list[int] = []
     cache_rows: list[int] = []
     logits_indices: list[int] = []
-    num_decodes = 0
+    num_decodes = num_verifies = 0
     for r, req in enumerate(requests):
         start, end = req.num_computed_tokens, req.num_computed_tokens + req.num_new_tokens
-        if start > 0 and req.num_new_tokens == 1:
+        if req.verifies:
+            if num_decodes + num_verifies != r:
+                raise ValueError("verifies must come right after the decodes in a batch")
+            num_verifies += 1
+        elif start > 0 and req.num_new_tokens == 1:
             if num_decodes != r:
-                raise ValueError("decodes must come before prefill chunks in a batch")
+                raise ValueError("decodes must come before verifies and prefill chunks in a batch")
             num_decodes += 1
+        first = len(positions)
         positions += range(start, end)
         request_index += [r] * req.num_new_tokens
         cache_rows += [req.block_ids[p // block_size] * block_size + p % block_size for p in range(start, end)]
-        if req.samples:
+        if req.verifies:
+            logits_indices += range(first, len(positions))
+        elif req.samples:
             logits_indices.append(len(positions) - 1)
     width = max(len(req.block_ids) for req in requests)
     tables = [req.block_ids + [num_blocks] * (width - len(req.block_ids)) for req in requests]
@@ -144,14 +161,19 @@ def make_forward_batch(
         has_initial_state=torch.tensor([req.num_computed_tokens > 0 for req in requests], device=device),
         block_size=block_size,
         logits_indices=as_long(logits_indices),
+        num_verifies=num_verifies,
     )
+    verify_lens = query_lens[num_decodes : num_decodes + num_verifies]
     if cfg.kda_layers:
         size, exact = chunk_plan(cfg.linear_lower_bound)
-        batch.conv = conv_layout(query_lens, cfg.linear_conv_kernel_dim, device)
-        batch.chunks = chunk_layout(query_lens[num_decodes:], size, exact, device)
+        batch.conv = conv_layout(query_lens, cfg.linear_conv_kernel_dim, device, windows_from=num_decodes,
+                                 num_windowed=num_verifies)
+        batch.chunks = chunk_layout(query_lens[num_decodes + num_verifies :], size, exact, device)
     if rings is not None:
         has_context = [req.num_computed_tokens > 0 for req in requests]
-        batch.rings = rings.advance([req.state_slot for req in requests], has_context, num_decodes, device)
+        batch.rings = rings.advance([req.state_slot for req in requests], has_context, num_decodes, device, verify_lens)
+    elif num_verifies and cfg.kda_layers:
+        raise ValueError("verifying draft tokens needs ReplaySSM rings for the KDA layers (--kda-decode replay)")
     if cfg.full_indexer_layers:
         batch.pools = _pool_completions(requests, tables, cfg.index_kpool, block_size, device)
     return batch

@@ -9,7 +9,7 @@ from torch import nn
 from oxserve.cache.layers import KDACache
 from oxserve.cache.precision import LayerCachePrecision
 from oxserve.cache.spec import KDACacheSpec, ReplayRingSpec, StateTensor
-from oxserve.kernels.kda import causal_conv, kda_chunked, l2norm
+from oxserve.kernels.kda import causal_conv, conv_windows, kda_chunked, l2norm
 from oxserve.kernels.kda_decode import replay_exact
 from oxserve.model.activations import activation
 from oxserve.model.batch import ForwardBatch
@@ -76,6 +76,9 @@ class KDAttention(nn.Module):
             mixed = self.qkv_proj(x)
         with span(tracer, f"{self.name}.conv"):
             states = _initial(cache.conv_states(batch.state_slots).to(mixed.dtype), batch.has_initial_state)
+            if batch.num_verifies:  # the conv state after each verified token, for when drafts are rejected
+                nd, nv = batch.num_decodes, batch.num_verifies
+                cache.stage_conv(batch.state_slots[nd : nd + nv], conv_windows(mixed, states, batch.conv))
             mixed, states = causal_conv(mixed, states, self.conv_weight, batch.conv, self.conv_act)
             cache.store_conv_states(batch.state_slots, states)
         with span(tracer, f"{self.name}.gates"):
@@ -91,17 +94,24 @@ class KDAttention(nn.Module):
             return self.o_proj(self._gated_norm(core, gate).to(x.dtype).view(tokens, self.dim))
 
     def _delta_rule(self, q, k, v, g, beta, batch: ForwardBatch, cache: KDACache) -> torch.Tensor:
-        """Decodes take one recurrent step each, on the cached states in place; prefill chunks
-        run chunk-parallel, all at once, from their full states."""
-        nd = batch.num_decodes
+        """Decodes take one recurrent step each, on the cached states in place; verifies a
+        run of such steps (ReplaySSM: rejected ones are undone by the ring count); prefill
+        chunks run chunk-parallel, all at once, from their full states."""
+        nd, nv = batch.num_decodes, batch.num_verifies
         parts = []
         if nd:
             parts.append(cache.decode(batch.state_slots[:nd], batch.rings, q[:nd], k[:nd], v[:nd], g[:nd], beta[:nd]))
-        if nd < batch.num_requests:
-            slots = batch.state_slots[nd:]
+        t = nd
+        if nv:
+            lens = batch.query_lens[nd : nd + nv]
+            t = nd + sum(lens)
+            parts.append(cache.verify(batch.state_slots[nd : nd + nv], batch.rings, lens,
+                                      q[nd:t], k[nd:t], v[nd:t], g[nd:t], beta[nd:t]))
+        if nd + nv < batch.num_requests:
+            slots = batch.state_slots[nd + nv :]
             cache.settle(slots, batch.rings)
-            initial = _initial(cache.recurrent_states(slots), batch.has_initial_state[nd:])
-            out, states = kda_chunked(q[nd:], k[nd:], v[nd:], g[nd:], beta[nd:], initial, batch.chunks)
+            initial = _initial(cache.recurrent_states(slots), batch.has_initial_state[nd + nv :])
+            out, states = kda_chunked(q[t:], k[t:], v[t:], g[t:], beta[t:], initial, batch.chunks)
             cache.store_recurrent_states(slots, states)
             parts.append(out)
         return parts[0] if len(parts) == 1 else torch.cat(parts)

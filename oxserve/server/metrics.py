@@ -66,3 +66,10 @@ class _EngineCollector:
         yield CounterMetricFamily("oxserve:num_preemptions", "Preemptions (recompute) so far.", value=s.num_preemptions)
         yield CounterMetricFamily("oxserve:prompt_tokens", "Prompt tokens prefilled.", value=s.prompt_tokens)
         yield CounterMetricFamily("oxserve:generation_tokens", "Tokens generated.", value=s.generation_tokens)
+        # vLLM's names: acceptance rate = accepted / draft, mean accept length = 1 + accepted / verifying steps.
+        yield CounterMetricFamily("oxserve:spec_decode_num_drafts", "Steps that verified a request's drafts.",
+                                  value=s.spec_drafts)
+        yield CounterMetricFamily("oxserve:spec_decode_num_draft_tokens", "Speculative draft tokens verified.",
+                                  value=s.spec_draft_tokens)
+        yield CounterMetricFamily("oxserve:spec_decode_num_accepted_tokens", "Speculative draft tokens accepted.",
+                                  value=s.spec_accepted_tokens)

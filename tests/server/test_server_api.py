@@ -191,7 +191,8 @@ def test_metrics_parse(server):
     for name in ("oxserve:num_requests_running", "oxserve:num_requests_waiting", "oxserve:kv_cache_usage_perc",
                  "oxserve:num_preemptions", "oxserve:prompt_tokens", "oxserve:generation_tokens",
                  "oxserve:time_to_first_token_seconds", "oxserve:time_per_output_token_seconds",
-                 "oxserve:e2e_request_latency_seconds"):  # fmt: skip
+                 "oxserve:e2e_request_latency_seconds", "oxserve:spec_decode_num_drafts",
+                 "oxserve:spec_decode_num_draft_tokens", "oxserve:spec_decode_num_accepted_tokens"):  # fmt: skip
         assert name in families, name
     samples = server.metrics()
     assert samples["oxserve:generation_tokens_total"] >= 3

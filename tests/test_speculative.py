@@ -1,0 +1,168 @@
+"""Speculative decoding: the proposer, rejection sampling against direct sampling, and the
+engine's verify-and-rollback path against plain decoding."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+import torch
+
+from oxserve import LLM, SamplingParams
+from oxserve.engine.sampler import SamplingRow
+from oxserve.engine.speculative import SpeculativeConfig, ngram_drafts, verify
+from test_sampler import TV_TOLERANCE, _tv, ref_distribution
+
+SPEC = '{"method": "ngram", "num_speculative_tokens": 4}'
+
+
+def test_ngram_drafts_follow_the_latest_longest_match():
+    history = [5, 6, 7, 1, 2, 5, 6, 9, 3, 5, 6]
+    assert ngram_drafts(history, 2, 4, 1) == [9, 3]  # "5 6" last occurred before "9 3"
+    assert ngram_drafts(history, 5, 4, 1) == [9, 3, 5, 6]  # no further than the history goes
+    assert ngram_drafts([1, 2, 3, 4], 3, 4, 1) == []  # nothing repeats
+    assert ngram_drafts([4, 8, 4], 3, 4, 2) == []  # a 1-token match is below prompt_lookup_min
+    assert ngram_drafts([4, 8, 4], 3, 4, 1) == [8, 4]
+
+
+@pytest.mark.parametrize("text, problem", [
+    ('{"method": "eagle", "num_speculative_tokens": 2}', "not supported"),
+    ('{"method": "ngram"}', "num_speculative_tokens"),
+    ('{"method": "ngram", "num_speculative_tokens": 0}', ">= 1"),
+    ('{"method": "ngram", "num_speculative_tokens": 2, "lookahead": 3}', "unknown field"),
+    ("ngram", "not JSON"),
+])
+def test_bad_speculative_configs_are_refused(text, problem):
+    with pytest.raises(ValueError, match=problem):
+        SpeculativeConfig.parse(text)
+
+
+def test_rejection_sampling_keeps_the_target_distribution():
+    """The first token out is distributed as the target samples it directly; after an
+    accepted draft, the next one is distributed as the target samples it with the draft in
+    its output (penalties count it)."""
+    torch.manual_seed(11)
+    vocab = 8
+    logits = torch.randn(3, vocab) * 1.5
+    params = SamplingParams(temperature=0.8, top_k=6, top_p=0.95, frequency_penalty=0.7, seed=None)
+    row = SamplingRow(params, [1, 2], [3, 3], torch.Generator().manual_seed(random.SystemRandom().randrange(2**31)))
+    first_ref = ref_distribution(logits[0], row)
+    d0 = int(first_ref.argmax())
+    d1 = int(ref_distribution(logits[1], SamplingRow(params, [1, 2], [3, 3, d0], None)).argsort()[-2])
+    firsts, seconds = Counter(), Counter()
+    draws = 20_000
+    for _ in range(draws):
+        out = verify(logits, [d0, d1], row).token_ids
+        firsts[out[0]] += 1
+        if out[0] == d0:
+            seconds[out[1]] += 1
+    def freq(counts):
+        total = sum(counts.values())
+        return torch.tensor([counts[t] / total for t in range(vocab)], dtype=torch.float64)
+    assert _tv(freq(firsts), first_ref) < TV_TOLERANCE
+    second_ref = ref_distribution(logits[1], SamplingRow(params, [1, 2], [3, 3, d0], None))
+    assert sum(seconds.values()) > 5_000
+    assert _tv(freq(seconds), second_ref) < TV_TOLERANCE
+
+
+def test_greedy_verification_keeps_drafts_up_to_the_first_miss():
+    logits = torch.full((4, 10), -5.0)
+    for i, best in enumerate([4, 7, 2, 9]):
+        logits[i, best] = 5.0
+    row = SamplingRow(SamplingParams(temperature=0.0, logprobs=1), [1], [], None)
+    assert verify(logits, [4, 7, 2], row).token_ids == [4, 7, 2, 9]  # all kept, plus one more
+    verified = verify(logits, [4, 1, 2], row)
+    assert verified.token_ids == [4, 7]  # the miss is replaced by the target's own pick
+    assert [next(iter(lp)) for lp in verified.logprobs] == [4, 7]
+
+
+class OracleProposer:
+    """Drafts from known continuations, some tokens deliberately wrong: accepted and
+    rejected drafts in every run."""
+
+    def __init__(self, continuations: dict[tuple[int, ...], list[int]], wrong: float, seed: int):
+        self.continuations, self.wrong, self.rng = continuations, wrong, random.Random(seed)
+
+    def propose(self, history: list[int], k: int) -> list[int]:
+        for prompt, output in self.continuations.items():
+            if tuple(history[: len(prompt)]) == prompt:
+                done = len(history) - len(prompt)
+                if history[len(prompt) :] != output[:done]:
+                    return []
+                drafts = output[done : done + k]
+                return [t if self.rng.random() > self.wrong else (t + 1) % 8000 for t in drafts]
+        return []  # a sampled history that left the known continuation
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kda_replay_len", [16, 5])
+def test_speculative_greedy_equals_plain_greedy(tiny_model_dir, kda_replay_len):
+    """Drafts accepted and rejected at random, rings folding (length 5 is k + 1), prompts
+    chunked around verifies by a small token budget, preemption: the same tokens as plain
+    greedy decoding, so nothing a rejection undid leaves a trace."""
+    rng = random.Random()
+    prompts = [[rng.randrange(20, 8000) for _ in range(rng.randrange(1, 90))] for _ in range(8)]
+    params = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True, logprobs=2)
+    options = dict(dtype="float32", max_num_batched_tokens=48, block_size=16, num_blocks=60, max_model_len=256)
+    plain = [o.outputs[0] for o in LLM(model=str(tiny_model_dir), **options).generate(prompts, params)]
+    llm = LLM(model=str(tiny_model_dir), speculative_config=SPEC, kda_replay_len=kda_replay_len, **options)
+    llm.engine.proposer = OracleProposer({tuple(p): o.token_ids for p, o in zip(prompts, plain)}, 0.3, rng.randrange(99))
+    spec = [o.outputs[0] for o in llm.generate(prompts, params)]
+    stats = llm.engine.stats()
+    assert stats.num_preemptions > 0
+    assert 0 < stats.spec_accepted_tokens < stats.spec_draft_tokens
+    for a, b in zip(plain, spec):
+        first = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), None)
+        if first is not None:  # only a pick that fp32 rounding can flip may differ
+            top = sorted(a.logprobs[first].values(), reverse=True)
+            assert top[0] - top[1] < 1e-4, f"diverged at token {first} (margin {top[0] - top[1]:.3g})"
+        assert len(b.token_ids) == len(a.token_ids) == 120
+
+
+class EchoProposer:
+    """Drafts the last token k times: mostly rejected, sometimes not."""
+
+    def propose(self, history: list[int], k: int) -> list[int]:
+        return history[-1:] * k
+
+
+def test_speculative_sampling_stops_at_its_limits(tiny_model_dir):
+    """Seeded sampling with drafts: outputs stop at max_tokens and at the context limit,
+    never past them, and the same seed gives the same output."""
+    rng = random.Random(3)
+    prompts = [[rng.randrange(20, 8000) for _ in range(36)], [rng.randrange(20, 8000) for _ in range(10)]]
+    params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=40, seed=5, ignore_eos=True)
+    runs = []
+    for _ in range(2):
+        llm = LLM(model=str(tiny_model_dir), dtype="float32", speculative_config=SPEC, max_model_len=64)
+        llm.engine.proposer = EchoProposer()
+        runs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
+        assert llm.engine.stats().spec_draft_tokens > 0
+    assert len(runs[0][0]) == 64 - 36  # the context limit
+    assert len(runs[0][1]) == 40
+    assert runs[0] == runs[1]
+
+
+def test_deterministic_mode_refuses_speculation(tiny_model_dir):
+    with pytest.raises(ValueError, match="deterministic"):
+        LLM(model=str(tiny_model_dir), speculative_config=SPEC, deterministic=True)
+
+
+def test_drafting_backs_off_when_drafts_are_rejected(tiny_model_dir):
+    """Drafts that are always wrong: the request's draft length halves to none, and it
+    probes with one draft every DRAFT_PROBE_INTERVAL decodes, so almost every step is plain."""
+    from oxserve.engine.scheduler import DRAFT_PROBE_INTERVAL
+
+    class Wrong:
+        def propose(self, history, k):
+            return [0] * k  # token 0 (end of text, never sampled by ignore_eos greedy here)
+
+    llm = LLM(model=str(tiny_model_dir), dtype="float32", speculative_config=SPEC)
+    llm.engine.proposer = Wrong()
+    llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=101, ignore_eos=True))
+    stats = llm.engine.stats()
+    assert stats.spec_accepted_tokens == 0
+    # 4 + 2 + 1 drafts backing off, then one probe per DRAFT_PROBE_INTERVAL + 1 decodes
+    assert stats.spec_drafts <= 3 + 100 // DRAFT_PROBE_INTERVAL + 1
+    assert stats.spec_draft_tokens <= 7 + 100 // DRAFT_PROBE_INTERVAL + 1
