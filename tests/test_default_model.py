@@ -252,7 +252,7 @@ def fake_builds(monkeypatch):
     """Replaces the real build with a tiny one and records each build's directory."""
     builds: list[Path] = []
 
-    def fake_build(out_dir):
+    def fake_build(out_dir, text_config=None):
         builds.append(Path(out_dir))
         return build.build_checkpoint(out_dir, TINY, tokenizer=True)
 
@@ -282,7 +282,7 @@ def test_ensure_builds_once(monkeypatch, tmp_path, fake_builds):
 
 
 def test_a_crashed_build_leaves_nothing(monkeypatch, tmp_path):
-    def crashing_build(out_dir):
+    def crashing_build(out_dir, text_config=None):
         (Path(out_dir) / "config.json").write_text("{}")
         raise RuntimeError("killed mid-build")
 
@@ -295,7 +295,7 @@ def test_a_crashed_build_leaves_nothing(monkeypatch, tmp_path):
 def test_a_concurrent_builder_that_finishes_first_wins(monkeypatch, tmp_path):
     target = tmp_path / "model"
 
-    def racing_build(out_dir):
+    def racing_build(out_dir, text_config=None):
         # While we build, another process publishes a complete model at the target.
         build.build_checkpoint(target, TINY, seed=7)
         return build.build_checkpoint(out_dir, TINY, seed=0)
