@@ -85,7 +85,7 @@ def test_replay_equals_write_back_over_thousands_of_steps(path, lower_bound, rin
     seed = random.SystemRandom().randrange(2**31)
     rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
     folds = settles = 0
-    for requests in _random_steps(2000, rng):
+    for requests in _random_steps(2000 if path == "native" else 1000, rng):
         inputs = _tokens(sum(r.num_new_tokens for r in requests), cfg.linear_num_heads, cfg.linear_head_dim, lower_bound, gen)
         before = list(replay.book.counts)
         expected = write_back.step(requests, *inputs)
@@ -149,13 +149,13 @@ def test_ring_is_counted_by_the_memory_planner():
 
 @pytest.mark.slow
 def test_engine_replay_generates_what_write_back_generates(tiny_model_dir):
-    """Long greedy outputs (many folds), a token budget that splits prompts around decodes,
+    """Long greedy outputs (folds every 7 steps), a token budget that splits prompts around decodes,
     and a cache too small for every request (preemption): the same tokens either way, up to
     a pick that fp32 rounding can flip (top two within 1e-4 nats; none expected, most runs)."""
     rng = random.Random()
     prompts = [[rng.randrange(20, 8000) for _ in range(rng.randrange(1, 120))] for _ in range(10)]
-    params = SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True, logprobs=2)
-    options = dict(dtype="float32", max_num_batched_tokens=40, block_size=16, num_blocks=100, max_model_len=448)
+    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True, logprobs=2)
+    options = dict(dtype="float32", max_num_batched_tokens=40, block_size=16, num_blocks=80, max_model_len=336)
     outputs = {}
     for mode in ("write-back", "replay"):
         llm = LLM(model=str(tiny_model_dir), kda_decode=mode, kda_replay_len=7, **options)
@@ -168,4 +168,4 @@ def test_engine_replay_generates_what_write_back_generates(tiny_model_dir):
             top = sorted(plain.logprobs[same].values(), reverse=True)
             assert top[0] - top[1] < 1e-4, f"replay diverged at token {same} with a margin of {top[0] - top[1]:.3g}"
         compared += len(plain.token_ids) if same is None else same
-    assert compared > 2000
+    assert compared > 1500

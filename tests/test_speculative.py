@@ -96,8 +96,7 @@ class OracleProposer:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kda_replay_len", [16, 5])
-def test_speculative_greedy_equals_plain_greedy(tiny_model_dir, kda_replay_len):
+def test_speculative_greedy_equals_plain_greedy(tiny_model_dir, kda_replay_len=5):
     """Drafts accepted and rejected at random, rings folding (length 5 is k + 1), prompts
     chunked around verifies by a small token budget, preemption: the same tokens as plain
     greedy decoding, so nothing a rejection undid leaves a trace."""
