@@ -5,7 +5,9 @@ Every request streams with `ignore_eos`, so output lengths are exactly the ones 
 and asks for a usage chunk, so token counts are the server's own. Per request it records
 TTFT (send -> first chunk with choices), ITL (gaps between later such chunks: one per engine
 step that produced tokens, when the server sends one per step as oxserve and vLLM do),
-TPOT ((latency - TTFT) / (output tokens - 1)) and end-to-end latency.
+TPOT ((latency - TTFT) / (output tokens - 1)) and end-to-end latency. Where the server's
+/metrics has speculative-decoding counters (oxserve's or vLLM's names), the run's acceptance
+rate and mean acceptance length come from their change over the run.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from pathlib import Path
 from statistics import mean, median
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 SLO_KEYS = ("ttft", "tpot", "e2el")
 # Random chat text is drawn from syllables: cheap to make, and words tokenize to 1-3 tokens.
@@ -136,6 +139,7 @@ async def benchmark(args: argparse.Namespace, requests: list[BenchRequest], slos
             progress.update()
             return result
 
+        spec_before = await spec_decode_counters(client, base)
         start = time.perf_counter()
         tasks = []
         for req in requests:
@@ -145,7 +149,42 @@ async def benchmark(args: argparse.Namespace, requests: list[BenchRequest], slos
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
         progress.close()
-    return summarize(results, duration, slos, args.max_concurrency, model)
+        spec_after = await spec_decode_counters(client, base)
+    summary = summarize(results, duration, slos, args.max_concurrency, model)
+    if spec_before is not None and spec_after is not None:
+        summary["spec_decode"] = spec_decode_summary(spec_before, spec_after)
+    return summary
+
+
+SPEC_COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+
+
+async def spec_decode_counters(client: httpx.AsyncClient, base: str) -> dict[str, float] | None:
+    """The server's speculative-decoding counters, or None where /metrics has none."""
+    try:
+        response = await client.get(f"{base}/metrics")
+    except httpx.HTTPError:
+        return None
+    if response.status_code != 200:
+        return None
+    names = {f"{prefix}:spec_decode_{key}_total": key for key in SPEC_COUNTERS for prefix in ("oxserve", "vllm")}
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(response.text):
+        for sample in family.samples:
+            if sample.name in names:
+                values[names[sample.name]] = values.get(names[sample.name], 0.0) + sample.value
+    return values if len(values) == len(SPEC_COUNTERS) else None
+
+
+def spec_decode_summary(before: dict[str, float], after: dict[str, float]) -> dict:
+    """Acceptance over the run: rate = accepted / draft tokens; mean acceptance length =
+    tokens per verifying step = 1 + accepted / drafts (1 with no drafts)."""
+    d = {key: after[key] - before[key] for key in SPEC_COUNTERS}
+    return {
+        **{key: int(value) for key, value in d.items()},
+        "acceptance_rate": d["num_accepted_tokens"] / d["num_draft_tokens"] if d["num_draft_tokens"] else 0.0,
+        "mean_acceptance_length": 1 + d["num_accepted_tokens"] / d["num_drafts"] if d["num_drafts"] else 1.0,
+    }
 
 
 async def first_model(client: httpx.AsyncClient, base: str) -> str:
@@ -299,6 +338,12 @@ def format_table(s: dict) -> str:
         lines.append("{s:{c}^{n}}".format(s=title, n=50, c="-"))
         for stat in ("mean", "median", "p99"):
             lines.append(f"{f'{stat.capitalize()} {key.upper()} (ms):':<40}{s[f'{stat}_{key}_ms']:<10.2f}")
+    if spec := s.get("spec_decode"):
+        lines.append("{s:{c}^{n}}".format(s="Speculative Decoding", n=50, c="-"))
+        lines.append(f"{'Drafts / draft tokens / accepted:':<40}{spec['num_drafts']} / {spec['num_draft_tokens']} / "
+                     f"{spec['num_accepted_tokens']}")
+        lines.append(f"{'Acceptance rate:':<40}{spec['acceptance_rate']:<10.3f}")
+        lines.append(f"{'Mean acceptance length:':<40}{spec['mean_acceptance_length']:<10.2f}")
     lines.extend(f"error: {e}" for e in s["errors"])
     lines.append("=" * 50)
     return "\n".join(lines)

@@ -6,7 +6,7 @@ import json
 import subprocess
 import sys
 
-from server_harness import server, tiny_model  # noqa: F401  (fixtures)
+from server_harness import serve, server, tiny_model  # noqa: F401  (server, tiny_model: fixtures)
 
 KEYS = ("completed", "failed", "duration", "request_throughput", "output_throughput", "total_token_throughput",
         "request_goodput", *(f"{s}_{m}_ms" for m in ("ttft", "tpot", "itl", "e2el") for s in ("mean", "median", "p99")))  # fmt: skip
@@ -27,8 +27,21 @@ def test_bench_random_completions(server):
     assert result["total_output_tokens"] == 8 * 6 and result["total_input_tokens"] == 8 * 16
     assert result["request_goodput"] == result["request_throughput"]
     assert 0 < result["median_ttft_ms"] <= result["p99_ttft_ms"] and result["mean_itl_ms"] > 0
-    for label in ("Successful requests:", "Output token throughput (tok/s):", "P99 ITL (ms):", "Median E2EL (ms):"):
+    for label in ("Successful requests:", "Output token throughput (tok/s):", "P99 ITL (ms):", "Median E2EL (ms):",
+                  "Mean acceptance length:"):
         assert label in out
+    # Read from the server's /metrics (no speculation here: nothing drafted).
+    assert result["spec_decode"] == {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0,
+                                     "acceptance_rate": 0.0, "mean_acceptance_length": 1.0}
+
+
+def test_spec_decode_summary_is_the_change_over_the_run():
+    from oxserve.bench.serve import spec_decode_summary
+
+    before = {"num_drafts": 10, "num_draft_tokens": 40, "num_accepted_tokens": 12}
+    after = {"num_drafts": 30, "num_draft_tokens": 110, "num_accepted_tokens": 47}
+    assert spec_decode_summary(before, after) == {"num_drafts": 20, "num_draft_tokens": 70, "num_accepted_tokens": 35,
+                                                  "acceptance_rate": 0.5, "mean_acceptance_length": 2.75}
 
 
 def test_bench_chat_jsonl_at_a_request_rate(server, tmp_path):
@@ -37,3 +50,13 @@ def test_bench_chat_jsonl_at_a_request_rate(server, tmp_path):
     _, result = bench(server, "--endpoint", "chat", "--dataset", "jsonl", "--dataset-path", str(data),
                       "--num-prompts", "4", "--request-rate", "20", "--seed", "1")  # fmt: skip
     assert result["completed"] == 4 and result["total_output_tokens"] == 3 + 5 + 3 + 5
+
+
+def test_bench_against_a_speculating_server(tiny_model, tmp_path):
+    """`--speculative-config` on the real server: exact output lengths, acceptance reported."""
+    with serve(tiny_model, "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}', log_dir=tmp_path) as s:
+        _, result = bench(s, "--num-prompts", "6", "--random-input-len", "24", "--random-output-len", "20",
+                          "--max-concurrency", "3")  # fmt: skip
+    assert result["completed"] == 6 and result["total_output_tokens"] == 6 * 20
+    spec = result["spec_decode"]
+    assert spec["num_accepted_tokens"] <= spec["num_draft_tokens"] and spec["mean_acceptance_length"] >= 1.0
