@@ -26,6 +26,8 @@ from statistics import mean, median
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from oxserve.engine.speculative import acceptance
+
 SLO_KEYS = ("ttft", "tpot", "e2el")
 # Random chat text is drawn from syllables: cheap to make, and words tokenize to 1-3 tokens.
 SYLLABLES = ("ka", "lo", "mi", "ne", "ru", "ta", "vo", "xi", "be", "do", "fu", "ga", "hi", "jo", "pe", "si")
@@ -177,14 +179,8 @@ async def spec_decode_counters(client: httpx.AsyncClient, base: str) -> dict[str
 
 
 def spec_decode_summary(before: dict[str, float], after: dict[str, float]) -> dict:
-    """Acceptance over the run: rate = accepted / draft tokens; mean acceptance length =
-    tokens per verifying step = 1 + accepted / drafts (1 with no drafts)."""
-    d = {key: after[key] - before[key] for key in SPEC_COUNTERS}
-    return {
-        **{key: int(value) for key, value in d.items()},
-        "acceptance_rate": d["num_accepted_tokens"] / d["num_draft_tokens"] if d["num_draft_tokens"] else 0.0,
-        "mean_acceptance_length": 1 + d["num_accepted_tokens"] / d["num_drafts"] if d["num_drafts"] else 1.0,
-    }
+    """Acceptance over the run, from the counters' change (`oxserve.engine.speculative.acceptance`)."""
+    return acceptance(*(int(after[key] - before[key]) for key in SPEC_COUNTERS))
 
 
 async def first_model(client: httpx.AsyncClient, base: str) -> str:

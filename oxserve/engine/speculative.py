@@ -89,6 +89,16 @@ def ngram_drafts(tokens: list[int], k: int, lookup_max: int, lookup_min: int) ->
     return []
 
 
+def acceptance(num_drafts: int, num_draft_tokens: int, num_accepted_tokens: int) -> dict:
+    """vLLM's figures: acceptance rate = accepted / draft tokens; mean acceptance length =
+    tokens per verifying step = 1 + accepted / drafts (1 with no drafts)."""
+    return {
+        "num_drafts": num_drafts, "num_draft_tokens": num_draft_tokens, "num_accepted_tokens": num_accepted_tokens,
+        "acceptance_rate": num_accepted_tokens / num_draft_tokens if num_draft_tokens else 0.0,
+        "mean_acceptance_length": 1 + num_accepted_tokens / num_drafts if num_drafts else 1.0,
+    }
+
+
 @dataclass
 class Verified:
     token_ids: list[int]  # the accepted drafts, then the token the target sampled itself

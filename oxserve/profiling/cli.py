@@ -11,6 +11,7 @@ import torch
 
 from oxserve.cli import add_engine_arguments, engine_config_from_args
 from oxserve.engine.engine import LLMEngine
+from oxserve.engine.speculative import acceptance
 from oxserve.feedback.ceilings import load_or_measure_ceilings
 from oxserve.feedback.drive import PROMPT_MIN_TOKEN_ID, run_workload
 from oxserve.options import changed_options
@@ -48,7 +49,9 @@ def run(args: argparse.Namespace) -> int:
 
     tracer = Tracer(engine.device)
     engine.runner.tracer = tracer
+    before = engine.stats()
     result = run_workload(engine, requests, workload.arrival, tracer)
+    after = engine.stats()
     engine.runner.tracer = None
     steps = group_spans(tracer.spans)
     write_trace(steps, args.out / "trace.json", {"workload": workload.name, "model": str(engine.model_path)})
@@ -71,6 +74,9 @@ def run(args: argparse.Namespace) -> int:
         "output_tokens": int(metrics["num_output_tokens"]), "wall_s": result.wall_s,
         "output_tokens_per_s": metrics["output_tokens_per_s"], "metrics": metrics,
     }
+    if engine.speculative:
+        run_info["spec_decode"] = acceptance(*(getattr(after, k) - getattr(before, k)
+                                               for k in ("spec_drafts", "spec_draft_tokens", "spec_accepted_tokens")))
     report = build_report(run_info, analysis, overhead, ceilings.to_dict() if ceilings else None)
     md_path, json_path = write_report(report, args.out)
     for line in report["headline"]:

@@ -62,6 +62,10 @@ def render_markdown(r: dict) -> str:
             f"{run['num_requests']} requests, {run['output_tokens']} output tokens in {run['wall_s']:.2f} s "
             f"({run['output_tokens_per_s']:.1f} tok/s), {r['totals']['steps']} steps. Engine options: "
             f"`{run['engine_options']}`.", ""]
+    if spec := run.get("spec_decode"):
+        out += [f"Speculative decoding: {spec['num_drafts']} verifying steps, {spec['num_draft_tokens']} draft tokens, "
+                f"{spec['num_accepted_tokens']} accepted: acceptance rate {spec['acceptance_rate']:.3f}, "
+                f"mean acceptance length {spec['mean_acceptance_length']:.2f}.", ""]
     out += _table("Time by phase", ["phase", "steps", "share of step time", "mean step µs", "top ops (share of phase)"], [
         [p["phase"], p["steps"], _pct(p["share"]), f"{p['mean_step_us']:.0f}",
          ", ".join(f"{_op_label(t['op'])} {_pct(t['share_of_phase'])}" for t in p["top_ops"])]

@@ -35,7 +35,7 @@ def profile_dir(one_thread, tiny_model_dir, tmp_path_factory):
         mp.setattr(sys, "argv", list(sys.argv))  # main() rewrites sys.argv
         code = main(["profile", "--model", str(tiny_model_dir), "--dtype", "float32", "--cache-memory-gib", "0.05",
                      "--workload", str(workload), "--out", str(out), "--ceilings", "quick", "--overhead-repeats", "1",
-                     "--threads", "1"])
+                     "--threads", "1", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'])
     assert code == 0
     return out
 
@@ -136,3 +136,9 @@ def test_telemetry_off_costs_nothing_measurable_and_on_states_its_cost(report):
     assert spans["span_on_ns"] > spans["span_off_ns"] and spans["on_fraction"] > 0
     e2e = report["overhead"]["end_to_end"]
     assert e2e["off_median_s"] > 0 and e2e["on_median_s"] > 0
+
+
+def test_report_states_speculative_acceptance(report, profile_dir):
+    spec = report["run"]["spec_decode"]
+    assert spec["num_accepted_tokens"] <= spec["num_draft_tokens"] and spec["mean_acceptance_length"] >= 1.0
+    assert "Speculative decoding:" in (profile_dir / "report.md").read_text()
