@@ -98,11 +98,13 @@ class OracleProposer:
 @pytest.mark.slow
 def test_speculative_greedy_equals_plain_greedy(tiny_model_dir, kda_replay_len=5):
     """Drafts accepted and rejected at random, rings folding (length 5 is k + 1), prompts
-    chunked around verifies by a small token budget, preemption: the same tokens as plain
-    greedy decoding, so nothing a rejection undid leaves a trace."""
+    chunked around verifies by a small token budget, preemption, penalties that count every
+    output token (kept drafts included): the same tokens as plain greedy decoding, so
+    nothing a rejection undid leaves a trace."""
     rng = random.Random()
     prompts = [[rng.randrange(20, 8000) for _ in range(rng.randrange(1, 90))] for _ in range(8)]
-    params = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True, logprobs=2)
+    params = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True, logprobs=2,
+                            repetition_penalty=1.2, presence_penalty=-2.0, frequency_penalty=1.0)
     options = dict(dtype="float32", max_num_batched_tokens=48, block_size=16, num_blocks=60, max_model_len=256)
     plain = [o.outputs[0] for o in LLM(model=str(tiny_model_dir), **options).generate(prompts, params)]
     llm = LLM(model=str(tiny_model_dir), speculative_config=SPEC, kda_replay_len=kda_replay_len, **options)

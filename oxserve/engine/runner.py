@@ -92,6 +92,8 @@ class ModelRunner:
             if _verifies(s):
                 verified = verify(per_request[i], s.token_ids[-s.num_draft_tokens :], self._sampling_row(s.request_id))
                 tokens[i], logprobs[i] = verified.token_ids, verified.logprobs
+                # The kept drafts are output now (penalties count them); the extra token is fed next step.
+                self.requests[s.request_id].output_token_ids.extend(verified.token_ids[:-1])
                 kept.append((s, len(verified.token_ids) - 1))
         if kept:
             self._undo_rejected(kept)

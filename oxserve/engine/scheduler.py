@@ -34,8 +34,8 @@ DRAFT_PROBE_INTERVAL = 16
 
 
 def _adapt_draft_limit(request: Request, drafted: int, accepted: int) -> None:
-    if accepted == 0:
-        request.draft_limit = drafted // 2
+    if accepted == 0:  # halve the limit (a proposal may have been shorter than it)
+        request.draft_limit = max(drafted, request.draft_limit or 0) // 2
     elif accepted == drafted:
         request.draft_limit = drafted + 1
     else:
@@ -95,6 +95,9 @@ class Scheduler:
             request = self.running[i]
             is_prefill = request.num_uncomputed > 1
             n = min(request.num_uncomputed + len(request.draft_token_ids), budget, step_cap)
+            if request.draft_token_ids and not self.cache.can_grow(request.request_id, request.num_computed_tokens + n):
+                request.draft_token_ids = []  # no room for the drafts: decode plainly rather than preempt for them
+                n = min(request.num_uncomputed, budget, step_cap)
             if is_prefill:
                 n = min(n, prefill_left)
                 if n == 0:

@@ -117,7 +117,7 @@ def verify(logits: torch.Tensor, drafts: list[int], row: SamplingRow) -> Verifie
     for i in range(n):
         if greedy:
             choice = int(x[i].argmax())
-        elif i < len(drafts) and _uniform(row.generator) < float(probs[i, drafts[i]]):
+        elif i < len(drafts) and _uniform(row.generator, logits.device) < float(probs[i, drafts[i]]):
             choice = drafts[i]
         else:
             residual = probs[i].clone()
@@ -134,12 +134,14 @@ def verify(logits: torch.Tensor, drafts: list[int], row: SamplingRow) -> Verifie
     return Verified(tokens, logprobs)
 
 
-def _uniform(generator: torch.Generator | None) -> float:
-    return float(torch.rand(1, dtype=torch.float64, generator=generator))
+def _uniform(generator: torch.Generator | None, device: torch.device) -> float:
+    """One U(0, 1) draw from the request's generator (on its device), else the default RNG."""
+    return float(torch.rand(1, dtype=torch.float64, generator=generator, device=generator.device if generator else device))
 
 
 def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     cdf = probs.double().cumsum(0)
-    u = _uniform(generator) * float(cdf[-1])
-    picked = int(torch.searchsorted(cdf, torch.tensor([u], dtype=torch.float64), right=True).clamp(max=probs.numel() - 1))
+    u = _uniform(generator, probs.device) * float(cdf[-1])
+    at = torch.tensor([u], dtype=torch.float64, device=cdf.device)
+    picked = int(torch.searchsorted(cdf, at, right=True).clamp(max=probs.numel() - 1))
     return picked if probs[picked] > 0 else int(probs.argmax())
