@@ -45,6 +45,11 @@ class ScheduledRequest:
         return len(self.token_ids)
 
     @property
+    def verifies(self) -> bool:
+        """A decode with drafts: the runner verifies them (logits at every token)."""
+        return self.num_computed_tokens > 0 and self.num_draft_tokens > 0
+
+    @property
     def is_decode(self) -> bool:
         """One new token on top of a cached context (drafts ride along with it)."""
         return self.num_computed_tokens > 0 and self.num_new_tokens - self.num_draft_tokens == 1

@@ -77,9 +77,9 @@ class ModelRunner:
     def _sample(self, sampling: list[ScheduledRequest], logits: torch.Tensor) -> tuple[list[list[int]], list]:
         """One token per plain request; for a request verifying drafts, the drafts it keeps
         and one more. The rows of `logits` follow `sampling` (a verify has one per token)."""
-        sizes = [s.num_new_tokens if _verifies(s) else 1 for s in sampling]
+        sizes = [s.num_new_tokens if s.verifies else 1 for s in sampling]
         per_request = logits.split(sizes)
-        plain = [i for i, s in enumerate(sampling) if not _verifies(s)]
+        plain = [i for i, s in enumerate(sampling) if not s.verifies]
         tokens: list[list[int]] = [[] for _ in sampling]
         logprobs: list = [None] * len(sampling)
         if plain:
@@ -89,7 +89,7 @@ class ModelRunner:
                 tokens[i], logprobs[i] = [token], None if lp is None else [lp]
         kept = []
         for i, s in enumerate(sampling):
-            if _verifies(s):
+            if s.verifies:
                 verified = verify(per_request[i], s.token_ids[-s.num_draft_tokens :], self._sampling_row(s.request_id))
                 tokens[i], logprobs[i] = verified.token_ids, verified.logprobs
                 # The kept drafts are output now (penalties count them); the extra token is fed next step.
@@ -145,13 +145,9 @@ class ModelRunner:
         return SamplingRow(state.params, state.prompt_token_ids, state.output_token_ids, state.generator)
 
 
-def _verifies(s: ScheduledRequest) -> bool:
-    return s.num_computed_tokens > 0 and s.num_draft_tokens > 0
-
-
 def _batch_order(s: ScheduledRequest) -> int:
     """Decodes, then requests verifying drafts, then prefill chunks (as ForwardBatch wants)."""
-    return 1 if _verifies(s) else 0 if s.is_decode else 2
+    return 1 if s.verifies else 0 if s.is_decode else 2
 
 
 def step_conditions(batch) -> dict:

@@ -51,11 +51,16 @@ def _kernel() -> ctypes.CDLL | None:
     return lib
 
 
+@functools.cache
+def _max_dim() -> int:
+    return _kernel().kda_decode_max_dim()
+
+
 def _native(states: torch.Tensor, ring: ReplayRing | None, *inputs: torch.Tensor) -> ctypes.CDLL | None:
     """The kernel, where it can run on these tensors in place."""
     lib = _kernel()
     tensors = (states, *inputs) + ((ring.keys, ring.decays, ring.deltas) if ring is not None else ())
-    if lib is None or states.device.type != "cpu" or max(states.shape[-2:]) > lib.kda_decode_max_dim():
+    if lib is None or states.device.type != "cpu" or max(states.shape[-2:]) > _max_dim():
         return None
     if not all(t.dtype == torch.float32 and t.is_contiguous() for t in tensors):
         return None
