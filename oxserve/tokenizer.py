@@ -34,6 +34,10 @@ class Tokenizer:
             token = token.get("content")
         return self._tok.token_to_id(token) if token else None
 
+    def to_json(self) -> str:
+        """The `tokenizers` serialisation (what grammar engines build their vocabulary from)."""
+        return self._tok.to_str()
+
     @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
@@ -49,9 +53,15 @@ class Tokenizer:
             raise ValueError("this checkpoint has no chat template; send a plain prompt instead")
         env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = _raise
+        env.filters["tojson"] = _tojson
         template = env.from_string(self.chat_template)
         specials = {k: self.config.get(k) for k in ("bos_token", "eos_token", "pad_token")}
         return template.render(messages=messages, add_generation_prompt=add_generation_prompt, **specials, **kwargs)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys: bool = False) -> str:
+    """transformers' `tojson` (keys in their order, unicode kept), so templates render as HF renders them."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
 def _raise(message: str):

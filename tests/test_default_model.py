@@ -15,6 +15,7 @@ from tokenizers import Tokenizer
 
 import oxserve.default_model as dm
 from oxserve.default_model import build
+from oxserve.tokenizer import Tokenizer as OxTokenizer
 
 # Tiny but complete: 3 KDA layers + 1 MLA/DSA layer, a dense layer and MoE layers.
 TINY = dm.make_text_config(
@@ -216,16 +217,30 @@ def test_tokenizer_round_trips_and_keeps_special_tokens_whole(tiny_dir):
     assert generation["eos_token_id"] == [dm.TOKEN_IDS[t] for t in stops]
 
 
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object",
+          "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}}]  # fmt: skip
+CONVERSATION = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": "", "reasoning_content": "Ask the tool.",
+     "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}}]},
+    {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+    {"role": "tool", "tool_call_id": "c2", "content": "warm"},
+]  # fmt: skip
+
+
 def test_chat_template_renders_glm_prompt(tiny_dir):
     from transformers import AutoTokenizer
 
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
-    expected = "[gMASK]<sop><|system|>\nBe brief.<|user|>\nHi!<|assistant|>\n"
+    expected = "[gMASK]<sop><|system|>\nBe brief.<|user|>\nHi!<|assistant|><think>"
     # HF renders chat templates with trim_blocks and lstrip_blocks.
     env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
     assert env.from_string(dm.CHAT_TEMPLATE).render(messages=messages, add_generation_prompt=True) == expected
-    without_prompt = jinja2.Template(dm.CHAT_TEMPLATE).render(messages=messages, add_generation_prompt=False)
-    assert without_prompt == expected.removesuffix("<|assistant|>\n")
+    no_thinking = env.from_string(dm.CHAT_TEMPLATE).render(messages=messages, add_generation_prompt=True, enable_thinking=False)
+    assert no_thinking == expected.removesuffix("<think>") + "</think>"
+    without_prompt = env.from_string(dm.CHAT_TEMPLATE).render(messages=messages, add_generation_prompt=False)
+    assert without_prompt == expected.removesuffix("<|assistant|><think>")
 
     hf = AutoTokenizer.from_pretrained(tiny_dir)
     assert hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == expected
@@ -233,6 +248,27 @@ def test_chat_template_renders_glm_prompt(tiny_dir):
     ids = hf(expected).input_ids
     assert ids[:3] == [dm.TOKEN_IDS[t] for t in ("[gMASK]", "<sop>", "<|system|>")]
     assert hf.decode(ids) == expected
+
+
+def test_chat_template_renders_tools_calls_and_results(tiny_dir):
+    """GLM's tool conventions: tools in a system turn, calls as <tool_call> markup with string
+    values verbatim and others as JSON, consecutive results under one <|observation|>."""
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(tiny_dir)
+    text = hf.apply_chat_template(CONVERSATION, tools=TOOLS, tokenize=False, add_generation_prompt=True)
+    assert text.startswith("[gMASK]<sop><|system|>\n# Tools")
+    assert json.dumps(TOOLS[0]) in text
+    assert OxTokenizer(tiny_dir).apply_chat_template(CONVERSATION, tools=TOOLS) == text
+    assert text.endswith(
+        "<|system|>\nBe brief.<|user|>\nWeather in Paris?<|assistant|><think>Ask the tool.</think>"
+        "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value><arg_key>days</arg_key><arg_value>2</arg_value></tool_call>"
+        "<|observation|><tool_response>sunny</tool_response><tool_response>warm</tool_response><|assistant|><think>"
+    )
+    ids = hf(text).input_ids
+    for markup in dm.TEXT_MARKUP_TOKENS[:4] + ("<tool_response>",):  # single tokens that decode as text
+        assert hf.convert_tokens_to_ids(markup) in ids
+        assert markup in hf.decode(ids, skip_special_tokens=True)
 
 
 def test_tokenizer_training_is_deterministic_across_processes(tiny_dir):
@@ -262,23 +298,23 @@ def fake_builds(monkeypatch):
 
 def test_default_model_dir_follows_the_env(monkeypatch, tmp_path):
     monkeypatch.setenv("OXSERVE_CACHE_DIR", str(tmp_path))
-    assert dm.default_model_dir() == tmp_path / "default-model-v1"
+    assert dm.default_model_dir() == tmp_path / "default-model-v2"
     monkeypatch.delenv("OXSERVE_CACHE_DIR")
-    assert dm.default_model_dir() == Path.home() / ".cache" / "oxserve" / "default-model-v1"
+    assert dm.default_model_dir() == Path.home() / ".cache" / "oxserve" / "default-model-v2"
 
 
 def test_ensure_builds_once(monkeypatch, tmp_path, fake_builds):
     monkeypatch.setenv("OXSERVE_CACHE_DIR", str(tmp_path))
     path = dm.ensure_default_model()
-    assert path == tmp_path / "default-model-v1" and (path / "config.json").is_file()
+    assert path == tmp_path / "default-model-v2" and (path / "config.json").is_file()
     first = read_bytes(path)
     assert dm.ensure_default_model() == path
     assert len(fake_builds) == 1 and read_bytes(path) == first
-    assert [p.name for p in tmp_path.iterdir()] == ["default-model-v1"]  # no staging left behind
+    assert [p.name for p in tmp_path.iterdir()] == ["default-model-v2"]  # no staging left behind
 
     dm.ensure_default_model(force=True)
     assert len(fake_builds) == 2 and read_bytes(path) == first
-    assert [p.name for p in tmp_path.iterdir()] == ["default-model-v1"]
+    assert [p.name for p in tmp_path.iterdir()] == ["default-model-v2"]
 
 
 def test_a_crashed_build_leaves_nothing(monkeypatch, tmp_path):

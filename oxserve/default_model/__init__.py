@@ -4,10 +4,10 @@
 (config, seeded random weights, BPE tokenizer) that both oxserve and transformers load.
 It is built once into the cache and published with a single rename:
 
-    <cache>/.default-model-v1.building-XXXX/   <- build_checkpoint writes here
+    <cache>/.default-model-v2.building-XXXX/   <- build_checkpoint writes here
         | os.rename (atomic; fails if another builder published first)
         v
-    <cache>/default-model-v1/                  <- only ever complete
+    <cache>/default-model-v2/                  <- only ever complete
 
 so a crash leaves at most a stray staging directory, never a half-written model, and two
 concurrent builders both end up returning the same complete directory.
@@ -25,6 +25,7 @@ from .build import (
     SMALL_TEXT_CONFIG,
     SPECIAL_TOKENS,
     STOP_TOKENS,
+    TEXT_MARKUP_TOKENS,
     TOKEN_IDS,
     build_checkpoint,
     make_text_config,
@@ -35,6 +36,7 @@ __all__ = [
     "SMALL_TEXT_CONFIG",
     "SPECIAL_TOKENS",
     "STOP_TOKENS",
+    "TEXT_MARKUP_TOKENS",
     "TOKEN_IDS",
     "build_checkpoint",
     "default_model_dir",
@@ -43,11 +45,11 @@ __all__ = [
 ]
 
 # Bump when the built files change, so stale caches are not reused.
-MODEL_DIR_NAME = "default-model-v1"
+MODEL_DIR_NAME = "default-model-v2"
 
 
 def default_model_dir() -> Path:
-    """`$OXSERVE_CACHE_DIR/default-model-v1`, else `~/.cache/oxserve/default-model-v1`."""
+    """`$OXSERVE_CACHE_DIR/default-model-v2`, else `~/.cache/oxserve/default-model-v2`."""
     root = os.environ.get("OXSERVE_CACHE_DIR")
     return (Path(root) if root else Path.home() / ".cache" / "oxserve") / MODEL_DIR_NAME
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
 # ---- tokenizer vocabulary ----------------------------------------------------------------
 
@@ -47,13 +47,25 @@ TOKEN_IDS = {token: i for i, token in enumerate(SPECIAL_TOKENS)}
 EOS_TOKEN, PAD_TOKEN, BOS_TOKEN = "<|endoftext|>", "<pad>", "<sop>"
 # GLM stops a turn at end-of-text or when the model starts the next user/tool turn.
 STOP_TOKENS = ("<|endoftext|>", "<|user|>", "<|observation|>")
-TOKENIZER_VOCAB_SIZE = 8192
+TOKENIZER_VOCAB_SIZE = 8192  # all ids, the markup tokens included
 
-CHAT_TEMPLATE = (
-    "[gMASK]<sop>"
-    "{% for message in messages %}{{ '<|' + message['role'] + '|>\\n' + message['content'] }}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
+# Markup the model writes as text (reasoning, tool calls): single tokens, but not special,
+# so decoded outputs keep them for the reasoning and tool-call parsers. Added after the
+# trained vocabulary, so the trained ids do not move.
+TEXT_MARKUP_TOKENS = (
+    "<think>",
+    "</think>",
+    "<tool_call>",
+    "</tool_call>",
+    "<arg_key>",
+    "</arg_key>",
+    "<arg_value>",
+    "</arg_value>",
+    "<tool_response>",
+    "</tool_response>",
 )
+
+CHAT_TEMPLATE = (Path(__file__).parent / "chat_template.jinja").read_text()
 
 # ---- configuration ---------------------------------------------------------------------
 
@@ -490,12 +502,13 @@ def train_tokenizer() -> Tokenizer:
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=TOKENIZER_VOCAB_SIZE,
+        vocab_size=TOKENIZER_VOCAB_SIZE - len(TEXT_MARKUP_TOKENS),
         special_tokens=list(SPECIAL_TOKENS),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tokenizer.train([str(p) for p in corpus_files()], trainer)
+    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in TEXT_MARKUP_TOKENS])
     return tokenizer
 
 
