@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from oxserve.structured.params import StructuredOutputs
+
 # Lower temperatures decode greedily (vLLM's _SAMPLING_EPS): their softmax is one-hot in
 # all but name, and dividing logits by them can overflow to inf and the softmax to NaN.
 MIN_SAMPLING_TEMPERATURE = 1e-5
@@ -26,6 +28,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: no logprobs; k >= 0: sampled token plus top-k
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputs | None = None  # a grammar the output must match
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

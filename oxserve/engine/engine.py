@@ -35,6 +35,7 @@ from oxserve.outputs import CompletionOutput, RequestOutput
 from oxserve.quantization.on_load import choose_quantization
 from oxserve.quantization.plan import QuantizationPlan
 from oxserve.sampling_params import SamplingParams
+from oxserve.structured.grammar import GrammarCompiler
 from oxserve.telemetry import span
 from oxserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -113,9 +114,11 @@ class LLMEngine:
         layout = plan_cache(config.cache, config.scheduler, cache_specs, limit)
         self.cache = CacheManager(layout.num_blocks, layout.block_size, layout.num_slots)
         self.scheduler = Scheduler(config.scheduler, self.cache)
-        self.runner = ModelRunner(loaded.model, layout, cache_specs, self.device, deterministic=config.scheduler.deterministic)
         self.max_model_len = _fit_to_cache(limit, layout)
         self.eos_token_ids = frozenset(self._eos_ids(path))
+        self.grammars = self._grammar_compiler()
+        self.runner = ModelRunner(loaded.model, layout, cache_specs, self.device, deterministic=config.scheduler.deterministic,
+                                  grammars=self.grammars)  # fmt: skip
         torch.manual_seed(config.model.seed)  # requests without their own seed draw from this
         self._texts: dict[str, OutputText] = {}
         self._next_id = 0
@@ -135,6 +138,7 @@ class LLMEngine:
         if request_id in self.scheduler.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, token_ids = self.check_prompt(prompt)
+        self.check_structured_outputs(params)
         request = Request(
             request_id=request_id,
             prompt_token_ids=token_ids,
@@ -238,6 +242,21 @@ class LLMEngine:
         text, token_ids = self._tokenize(prompt)
         check_prompt_ids(token_ids, self.model_config.vocab_size, self.max_model_len)
         return text, token_ids
+
+    def check_structured_outputs(self, params: SamplingParams) -> None:
+        """ValueError if the request's constraint cannot run here. Safe from other threads
+        (the server checks before queueing, so a slow compile never stalls a step)."""
+        if params.structured_outputs is None:
+            return
+        if self.grammars is None:
+            raise ValueError("structured outputs need the checkpoint's tokenizer, and this one has none")
+        self.grammars.grammar(params.structured_outputs)
+
+    def _grammar_compiler(self) -> GrammarCompiler | None:
+        if self.tokenizer is None:
+            return None
+        eos = self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else min(self.eos_token_ids)
+        return GrammarCompiler(self.tokenizer.to_json(), self.model_config.vocab_size, eos)
 
     def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):

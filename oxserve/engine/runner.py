@@ -25,6 +25,8 @@ from oxserve.engine.speculative import verify
 from oxserve.model.batch import BatchRequest, make_forward_batch
 from oxserve.model.glm5_next import Glm5NextForCausalLM
 from oxserve.sampling_params import SamplingParams
+from oxserve.structured.grammar import GrammarCompiler
+from oxserve.structured.masks import BatchMasks, RequestGrammar
 from oxserve.telemetry import Tracer, span
 
 
@@ -35,6 +37,7 @@ class RequestState:
     output_token_ids: list[int]  # output tokens fed to the model so far
     block_ids: list[int]
     generator: torch.Generator | None  # seeded per request; None -> the default RNG
+    grammar: RequestGrammar | None = None  # structured outputs: the output's matcher so far
 
 
 class ModelRunner:
@@ -45,6 +48,7 @@ class ModelRunner:
         cache_specs: list[LayerCacheSpec],
         device: torch.device,
         deterministic: bool = False,
+        grammars: GrammarCompiler | None = None,
     ):
         self.model = model
         self.layout = layout
@@ -55,6 +59,8 @@ class ModelRunner:
         ring = replay_length(cache_specs)
         self.rings = ReplayBook(layout.num_slots, ring) if ring else None  # KDA ReplaySSM ring counts
         self.requests: dict[str, RequestState] = {}
+        self.grammars = grammars
+        self.masks = BatchMasks(grammars.vocab_size) if grammars is not None else None
 
     def drop(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
@@ -84,9 +90,16 @@ class ModelRunner:
         logprobs: list = [None] * len(sampling)
         if plain:
             rows = [self._sampling_row(sampling[i].request_id) for i in plain]
-            sampled = sample(torch.cat([per_request[i] for i in plain]), rows)
-            for i, token, lp in zip(plain, sampled.token_ids, sampled.logprobs):
+            plain_logits = torch.cat([per_request[i] for i in plain])  # a copy: masks may write to it
+            grammars = [self._grammar(sampling[i].request_id) for i in plain]
+            if self.masks is not None:
+                with span(self.tracer, "grammar_mask", track="engine"):
+                    self.masks.apply(plain_logits, grammars)
+            sampled = sample(plain_logits, rows)
+            for i, token, lp, grammar in zip(plain, sampled.token_ids, sampled.logprobs, grammars):
                 tokens[i], logprobs[i] = [token], None if lp is None else [lp]
+                if grammar is not None:
+                    grammar.accept(token)
         kept = []
         for i, s in enumerate(sampling):
             if s.verifies:
@@ -115,7 +128,8 @@ class ModelRunner:
         for new in out.new_requests:
             old = self.requests.get(new.request_id)  # resumed after preemption: keep its generator
             generator = old.generator if old is not None else make_generator(new.params.seed, self.device)
-            self.requests[new.request_id] = RequestState(new.params, new.prompt_token_ids, [], [], generator)
+            grammar = old.grammar if old is not None else None
+            self.requests[new.request_id] = RequestState(new.params, new.prompt_token_ids, [], [], generator, grammar)
         for s in out.scheduled:
             state = self.requests[s.request_id]
             state.block_ids.extend(s.new_block_ids)
@@ -139,6 +153,16 @@ class ModelRunner:
         with span(self.tracer, "forward", track="engine", **step_conditions(batch)):
             hidden = self.model(input_ids, batch, self.caches)
             return self.model.compute_logits(hidden, self.tracer)
+
+    def _grammar(self, request_id: str) -> RequestGrammar | None:
+        """The request's matcher, made at its first sample (kept across preemption, like its
+        generator, since the output it has matched so far is kept)."""
+        state = self.requests[request_id]
+        constraint = state.params.structured_outputs
+        if constraint is not None and state.grammar is None:
+            assert self.grammars is not None  # the engine refuses constraints without a tokenizer
+            state.grammar = RequestGrammar.of(constraint, self.grammars.matcher(constraint))
+        return state.grammar
 
     def _sampling_row(self, request_id: str) -> SamplingRow:
         state = self.requests[request_id]

@@ -200,7 +200,9 @@ class Scheduler:
         request whose next step is a decode: at most `max_drafts`, and at most as many as it
         may still generate beyond the one token the step yields anyway."""
         for request in self.running:
-            if request.num_uncomputed != 1:
+            # A constrained request is not drafted: its verify rows would each need the mask
+            # of the draft prefix before them.
+            if request.num_uncomputed != 1 or request.params.structured_outputs is not None:
                 continue
             room = request.max_total_tokens - request.num_tokens
             if request.params.max_tokens is not None:
