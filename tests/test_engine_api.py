@@ -129,9 +129,10 @@ CONVERSATION = [
 @pytest.mark.parametrize(
     "messages,add_generation_prompt,expected_prompt",
     [
-        ([{"role": "user", "content": "hi"}], True, "[gMASK]<sop><|user|>\nhi<|assistant|>\n"),
-        (CONVERSATION, True, "[gMASK]<sop><|system|>\nBe brief.<|user|>\nhi<|assistant|>\nhello<|assistant|>\n"),
-        (CONVERSATION, False, "[gMASK]<sop><|system|>\nBe brief.<|user|>\nhi<|assistant|>\nhello"),
+        # A past assistant turn without reasoning closes the block at once; the generation prompt opens one.
+        ([{"role": "user", "content": "hi"}], True, "[gMASK]<sop><|user|>\nhi<|assistant|><think>"),
+        (CONVERSATION, True, "[gMASK]<sop><|system|>\nBe brief.<|user|>\nhi<|assistant|></think>hello<|assistant|><think>"),
+        (CONVERSATION, False, "[gMASK]<sop><|system|>\nBe brief.<|user|>\nhi<|assistant|></think>hello"),
     ],
     ids=["user", "conversation", "conversation-without-generation-prompt"],
 )
