@@ -79,6 +79,8 @@ class LLM:
                     prompt_token_ids=out.prompt_token_ids,
                     outputs=[completion],
                     finished=True,
+                    prompt_logprobs=out.prompt_logprobs,
+                    prompt_token_ranks=out.prompt_token_ranks,
                 )
             else:
                 merged[i].outputs.append(completion)

@@ -28,3 +28,9 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = False
     metrics: dict[str, float] = field(default_factory=dict)
+    # With SamplingParams.prompt_logprobs: one entry per prompt token, {token_id: logprob} holding
+    # the prompt token (first) plus the top-k, None for the first token (it has no prefix);
+    # and the prompt token's rank in its distribution (1: the most likely). On every output
+    # once the prompt has been computed (so not on an abort before that).
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_token_ranks: list[int | None] | None = None

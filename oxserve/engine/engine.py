@@ -35,7 +35,7 @@ from oxserve.outputs import CompletionOutput, RequestOutput
 from oxserve.quantization.on_load import choose_quantization
 from oxserve.quantization.plan import QuantizationPlan
 from oxserve.sampling_params import SamplingParams
-from oxserve.structured.grammar import GrammarCompiler
+from oxserve.structured.grammar import GrammarCompiler, check_constraint
 from oxserve.telemetry import span
 from oxserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -60,6 +60,8 @@ class EngineStats:
     spec_drafts: int = 0  # speculative decoding: verifying steps (per request)
     spec_draft_tokens: int = 0  # draft tokens verified
     spec_accepted_tokens: int = 0  # ... and accepted; mean accept length = 1 + accepted / drafts
+    grammar_mask_seconds: float = 0.0  # structured outputs: time computing and applying masks
+    grammar_mask_steps: int = 0  # steps that masked at least one request
 
 
 @dataclass(frozen=True)
@@ -138,7 +140,7 @@ class LLMEngine:
         if request_id in self.scheduler.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, token_ids = self.check_prompt(prompt)
-        self.check_structured_outputs(params)
+        check_constraint(self.grammars, params.structured_outputs)
         request = Request(
             request_id=request_id,
             prompt_token_ids=token_ids,
@@ -169,6 +171,8 @@ class LLMEngine:
             spec_drafts=self.scheduler.num_drafts,
             spec_draft_tokens=self.scheduler.num_draft_tokens,
             spec_accepted_tokens=self.scheduler.num_accepted_tokens,
+            grammar_mask_seconds=self.runner.masks.cost.seconds if self.runner.masks else 0.0,
+            grammar_mask_steps=self.runner.masks.cost.steps if self.runner.masks else 0,
         )
 
     def running_request_ids(self) -> list[str]:
@@ -225,6 +229,8 @@ class LLMEngine:
             finish_reason=request.finish_reason,
             stop_reason=request.stop_reason,
         )
+        # Shared, not copied: once complete, the scheduler never touches them again.
+        scored = request.params.prompt_logprobs is not None and len(request.prompt_logprobs) == len(request.prompt_token_ids)
         return RequestOutput(
             request_id=request.request_id,
             prompt=request.prompt,
@@ -232,6 +238,8 @@ class LLMEngine:
             outputs=[completion],
             finished=request.is_finished,
             metrics={"arrival_time": request.arrival_time, "first_token_time": request.first_token_time or 0.0},
+            prompt_logprobs=request.prompt_logprobs if scored else None,
+            prompt_token_ranks=request.prompt_token_ranks if scored else None,
         )
 
     # ---- validation -------------------------------------------------------------------------
@@ -242,15 +250,6 @@ class LLMEngine:
         text, token_ids = self._tokenize(prompt)
         check_prompt_ids(token_ids, self.model_config.vocab_size, self.max_model_len)
         return text, token_ids
-
-    def check_structured_outputs(self, params: SamplingParams) -> None:
-        """ValueError if the request's constraint cannot run here. Safe from other threads
-        (the server checks before queueing, so a slow compile never stalls a step)."""
-        if params.structured_outputs is None:
-            return
-        if self.grammars is None:
-            raise ValueError("structured outputs need the checkpoint's tokenizer, and this one has none")
-        self.grammars.grammar(params.structured_outputs)
 
     def _grammar_compiler(self) -> GrammarCompiler | None:
         if self.tokenizer is None:

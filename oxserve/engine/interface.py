@@ -39,6 +39,9 @@ class ScheduledRequest:
     state_slot: int  # the request's KDA state slot
     samples: bool  # this step reaches the request's last token, so it yields new token(s)
     num_draft_tokens: int = 0  # speculative tokens at the end of token_ids, to be verified
+    # Prompt logprobs: the positions (within the request, all in this step's tokens) whose
+    # logits score the prompt token after them; empty when none are wanted or all are known.
+    prompt_logprob_positions: range = range(0)
 
     @property
     def num_new_tokens(self) -> int:
@@ -71,10 +74,21 @@ class SchedulerOutput:
 
 
 @dataclass(frozen=True)
+class PromptLogprobs:
+    """Consecutive prompt tokens scored this step, from prompt index `first_token` on."""
+
+    first_token: int
+    logprobs: list[dict[int, float]]  # per token: {token: logprob}, the prompt token first, then the top-k
+    ranks: list[int]  # the prompt token's rank in its distribution (1: the most likely)
+
+
+@dataclass(frozen=True)
 class ModelRunnerOutput:
     """Per sampling request: the tokens it accepted this step (one without speculation; the
-    verified drafts plus one more with it) and, if asked for, their logprobs."""
+    verified drafts plus one more with it) and, if asked for, their logprobs. Per request
+    with `prompt_logprob_positions`, sampling or not: the prompt tokens those scored."""
 
     request_ids: list[str]
     sampled_token_ids: list[list[int]]
     logprobs: list[list[dict[int, float]] | None]
+    prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)

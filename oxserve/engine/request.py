@@ -31,6 +31,10 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
+    # params.prompt_logprobs: per prompt token scored so far, and its rank (the first token
+    # has no tokens before it: None). Complete once the prompt has been computed.
+    prompt_logprobs: list[dict[int, float] | None] = field(default_factory=lambda: [None])
+    prompt_token_ranks: list[int | None] = field(default_factory=lambda: [None])
     # Proposed next tokens (speculative decoding): scheduled after the request's last token
     # and kept only as far as the model's own samples agree with them.
     draft_token_ids: list[int] = field(default_factory=list)
@@ -50,6 +54,13 @@ class Request:
     @property
     def num_uncomputed(self) -> int:
         return self.num_tokens - self.num_computed_tokens
+
+    def prompt_logprob_positions(self, start: int, end: int) -> range:
+        """Of positions [start, end), those whose logits score a prompt token not scored yet
+        (after preemption, a recompute scores nothing twice)."""
+        if self.params.prompt_logprobs is None:
+            return range(0)
+        return range(max(start, len(self.prompt_logprobs) - 1), min(end, len(self.prompt_token_ids) - 1))
 
     def token_slice(self, start: int, end: int) -> list[int]:
         n_prompt = len(self.prompt_token_ids)

@@ -17,9 +17,11 @@ from oxserve.cache.replay import ReplayBook
 from oxserve.cache.spec import CacheLayout, LayerCacheSpec, replay_length
 from oxserve.engine.interface import (
     ModelRunnerOutput,
+    PromptLogprobs,
     ScheduledRequest,
     SchedulerOutput,
 )
+from oxserve.engine.prompt_logprobs import score_prompt_tokens
 from oxserve.engine.sampler import SamplingRow, make_generator, sample
 from oxserve.engine.speculative import verify
 from oxserve.model.batch import BatchRequest, make_forward_batch
@@ -72,13 +74,16 @@ class ModelRunner:
         scheduled = sorted(out.scheduled, key=_batch_order)
         if self.deterministic:
             # One request per forward pass: kernels see the same shapes whoever else is running.
-            logits = torch.cat([self._forward([s]) for s in scheduled])
+            passes = [self._forward([s]) for s in scheduled]
+            logits = torch.cat([p_logits for p_logits, _ in passes])
+            prompt_logprobs = {rid: scored for _, p_scored in passes for rid, scored in p_scored.items()}
         else:
-            logits = self._forward(scheduled)
+            logits, prompt_logprobs = self._forward(scheduled)
         sampling = [s for s in scheduled if s.samples]
         with span(self.tracer, "sample", track="engine"):
             tokens, logprobs = self._sample(sampling, logits)
-        return ModelRunnerOutput(request_ids=[s.request_id for s in sampling], sampled_token_ids=tokens, logprobs=logprobs)
+        return ModelRunnerOutput(request_ids=[s.request_id for s in sampling], sampled_token_ids=tokens, logprobs=logprobs,
+                                 prompt_logprobs=prompt_logprobs)
 
     def _sample(self, sampling: list[ScheduledRequest], logits: torch.Tensor) -> tuple[list[list[int]], list]:
         """One token per plain request; for a request verifying drafts, the drafts it keeps
@@ -139,11 +144,13 @@ class ModelRunner:
             del state.output_token_ids[max(0, s.num_computed_tokens - n_prompt) :]  # re-fed after a rollback
             state.output_token_ids.extend(real[skip:])
 
-    def _forward(self, scheduled: list[ScheduledRequest]) -> torch.Tensor:
+    def _forward(self, scheduled: list[ScheduledRequest]) -> tuple[torch.Tensor, dict[str, PromptLogprobs]]:
+        """The logits of the sampling rows (as `_sample` takes them) and the prompt tokens
+        this step scores."""
         with span(self.tracer, "prepare_inputs", track="engine"):
             requests = [
                 BatchRequest(s.num_computed_tokens, s.num_new_tokens, self.requests[s.request_id].block_ids, s.state_slot,
-                             s.samples, s.num_draft_tokens)
+                             s.samples, s.num_draft_tokens, s.prompt_logprob_positions)
                 for s in scheduled
             ]
             batch = make_forward_batch(requests, self.model.config, self.layout.block_size, self.layout.num_blocks, self.device,
@@ -152,7 +159,18 @@ class ModelRunner:
         batch.tracer = self.tracer
         with span(self.tracer, "forward", track="engine", **step_conditions(batch)):
             hidden = self.model(input_ids, batch, self.caches)
-            return self.model.compute_logits(hidden, self.tracer)
+            num_sampling_rows = len(hidden) - sum(len(s.prompt_logprob_positions) for s in scheduled)
+            logits = self.model.compute_logits(hidden[:num_sampling_rows], self.tracer)
+        if num_sampling_rows == len(hidden):
+            return logits, {}
+        with span(self.tracer, "prompt_logprobs", track="engine"):
+            return logits, self._score_prompts(scheduled, hidden[num_sampling_rows:])
+
+    def _score_prompts(self, scheduled: list[ScheduledRequest], hidden: torch.Tensor) -> dict[str, PromptLogprobs]:
+        scoring = [s for s in scheduled if s.prompt_logprob_positions]
+        states = [self.requests[s.request_id] for s in scoring]
+        return score_prompt_tokens(self.model, hidden, scoring, [state.prompt_token_ids for state in states],
+                                   [state.params.prompt_logprobs for state in states])
 
     def _grammar(self, request_id: str) -> RequestGrammar | None:
         """The request's matcher, made at its first sample (kept across preemption, like its

@@ -152,6 +152,7 @@ class Scheduler:
             state_slot=self.cache.slot_of(request.request_id),
             samples=start + real == request.num_tokens,
             num_draft_tokens=len(drafts),
+            prompt_logprob_positions=request.prompt_logprob_positions(start, start + real),
         )
 
     def _preempt(self, request: Request) -> None:
@@ -177,6 +178,13 @@ class Scheduler:
             request = self.requests.get(s.request_id)
             if request is not None and not request.is_finished:
                 request.num_computed_tokens += s.num_new_tokens
+        for request_id, scored in output.prompt_logprobs.items():
+            request = self.requests.get(request_id)
+            if request is None or request.is_finished:
+                continue
+            assert scored.first_token == len(request.prompt_logprobs), "prompt tokens scored out of order"
+            request.prompt_logprobs += scored.logprobs
+            request.prompt_token_ranks += scored.ranks
         updates = []
         for request_id, tokens, logprobs in zip(output.request_ids, output.sampled_token_ids, output.logprobs):
             request = self.requests.get(request_id)

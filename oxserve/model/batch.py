@@ -40,6 +40,7 @@ class BatchRequest:
     state_slot: int
     samples: bool
     num_draft_tokens: int = 0  # speculative tokens at the end, verified this step
+    scored_positions: range = range(0)  # more positions (in the request) whose logits are wanted: prompt logprobs
 
     @property
     def verifies(self) -> bool:
@@ -68,7 +69,9 @@ class ForwardBatch:
     state_slots: torch.Tensor  # [R] long, KDA state slot of each request
     has_initial_state: torch.Tensor  # [R] bool, the request has cached context (else states start at zero)
     block_size: int
-    logits_indices: torch.Tensor  # [S] long, token rows whose logits are wanted
+    # [S + P] long, token rows whose logits are wanted: each request's sampling row(s) in
+    # batch order, then each request's scored_positions in batch order.
+    logits_indices: torch.Tensor
     conv: ConvLayout | None = None  # KDA conv over all requests
     chunks: ChunkLayout | None = None  # KDA chunked delta rule over the prefill requests
     pools: PoolCompletions | None = None  # indexer pools completed this step
@@ -123,6 +126,7 @@ def make_forward_batch(
     request_index: list[int] = []
     cache_rows: list[int] = []
     logits_indices: list[int] = []
+    scored_rows: list[int] = []
     num_decodes = num_verifies = 0
     for r, req in enumerate(requests):
         start, end = req.num_computed_tokens, req.num_computed_tokens + req.num_new_tokens
@@ -142,6 +146,10 @@ def make_forward_batch(
             logits_indices += range(first, len(positions))
         elif req.samples:
             logits_indices.append(len(positions) - 1)
+        if req.scored_positions and not start <= req.scored_positions[0] <= req.scored_positions[-1] < end:
+            raise ValueError(f"scored positions {req.scored_positions} are outside this step's tokens [{start}, {end})")
+        scored_rows += [first + p - start for p in req.scored_positions]
+    logits_indices += scored_rows
     width = max(len(req.block_ids) for req in requests)
     tables = [req.block_ids + [num_blocks] * (width - len(req.block_ids)) for req in requests]
 
