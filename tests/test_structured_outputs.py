@@ -134,3 +134,20 @@ def test_lark_literal_round_trips_through_the_grammar_engine(llm):
         grammar = llg.LLMatcher.grammar_from_lark(f"start: {json.dumps(text)}")
         matcher = llg.LLMatcher(tokenizer, grammar)
         assert matcher.consume_tokens(llm.tokenizer.encode(text)) and matcher.is_accepting(), text
+
+
+def test_markup_tokens_are_text_to_the_grammar_engine(llm):
+    """GLM's <tool_call>, <think>... are single tokens added as text: a grammar writes them
+    by their text (a forced tool call spells its own markup) and a JSON string may hold them;
+    the real special tokens stay unwritable."""
+    tokenizer = llm.engine.grammars.tokenizer
+    text = "<tool_call>f<arg_key>k</arg_key><arg_value>v</arg_value></tool_call>"
+    ids = llm.tokenizer.encode(text)
+    assert len(ids) == 9  # the tags are single tokens
+    matcher = llg.LLMatcher(tokenizer, llg.LLMatcher.grammar_from_lark(f"start: {json.dumps(text)}"))
+    assert matcher.consume_tokens(ids) and matcher.is_accepting()
+    json_string = llg.LLMatcher(tokenizer, llg.LLMatcher.grammar_from_json_schema('{"type": "string"}'))
+    assert json_string.consume_tokens(llm.tokenizer.encode('"<think>x</think>"'))
+    special = llm.tokenizer.encode("<|user|>")
+    assert len(special) == 1 and tokenizer.is_special_token(special[0])
+    assert not llg.LLMatcher(tokenizer, llg.LLMatcher.grammar_from_regex(".*")).consume_token(special[0])

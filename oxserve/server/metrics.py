@@ -73,3 +73,7 @@ class _EngineCollector:
                                   value=s.spec_draft_tokens)
         yield CounterMetricFamily("oxserve:spec_decode_num_accepted_tokens", "Speculative draft tokens accepted.",
                                   value=s.spec_accepted_tokens)
+        yield CounterMetricFamily("oxserve:grammar_mask_seconds", "Time spent on structured-output token masks.",
+                                  value=s.grammar_mask_seconds)
+        yield CounterMetricFamily("oxserve:grammar_mask_steps", "Steps that applied a structured-output mask.",
+                                  value=s.grammar_mask_steps)

@@ -13,6 +13,7 @@ from collections import OrderedDict
 
 import llguidance as llg
 from llguidance.gbnf_to_lark import any_to_lark
+from tokenizers import Tokenizer
 
 from oxserve.structured.params import StructuredOutputs
 
@@ -37,7 +38,7 @@ class GrammarCompiler:
             if self._tokenizer is None:
                 # The mask spans the model's vocabulary (it may exceed the tokenizer's): ids
                 # with no token are never allowed. A finished grammar allows only EOS.
-                self._tokenizer = llg.LLTokenizer(self._tokenizer_json, n_vocab=self.vocab_size, eos_token=self.eos_token_id)
+                self._tokenizer = _ll_tokenizer(self._tokenizer_json, self.vocab_size, self.eos_token_id)
             return self._tokenizer
 
     def grammar(self, constraint: StructuredOutputs) -> str:
@@ -61,6 +62,44 @@ class GrammarCompiler:
         if matcher.is_error():
             raise ValueError(f"the {constraint.kind} constraint cannot be compiled: {matcher.get_error()}")
         return matcher
+
+
+def _ll_tokenizer(tokenizer_json: str, vocab_size: int, eos_token_id: int) -> llg.LLTokenizer:
+    """llguidance's view of the tokenizer. It takes every added token for a special one, which
+    no grammar can write; tokens added as text (`"special": false`, such as GLM's <tool_call>)
+    must match their text, or a JSON string could not hold "<think>" and a forced tool call
+    could not write its own markup. Such a tokenizer is handed over token by token instead."""
+    loaded = llg.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=eos_token_id)
+    text_ids = {t["id"] for t in json.loads(tokenizer_json).get("added_tokens", []) if not t.get("special", True)}
+    if not text_ids:
+        return loaded
+    wrapper = _TokenTable(loaded, text_ids, Tokenizer.from_str(tokenizer_json), eos_token_id)
+    return llg.LLTokenizer(llg.TokenizerWrapper(wrapper), n_vocab=vocab_size, eos_token=eos_token_id)
+
+
+class _TokenTable:
+    """What llguidance.TokenizerWrapper reads: each token's bytes, the special ids, and encoding."""
+
+    bos_token_id = None
+
+    def __init__(self, loaded: llg.LLTokenizer, text_ids: set[int], tokenizer: Tokenizer, eos_token_id: int):
+        self.eos_token_id = eos_token_id
+        self.tokens = [loaded.decode_bytes([i]) for i in range(loaded.vocab_size)]
+        self.special_token_ids = [i for i in range(loaded.vocab_size) if loaded.is_special_token(i) and i not in text_ids]
+        self._tokenizer = tokenizer
+
+    def __call__(self, text: str) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+
+def check_constraint(compiler: GrammarCompiler | None, constraint: StructuredOutputs | None) -> None:
+    """ValueError if `constraint` cannot run on the engine that has `compiler` (None: the
+    checkpoint has no tokenizer)."""
+    if constraint is None:
+        return
+    if compiler is None:
+        raise ValueError("structured outputs need the checkpoint's tokenizer, and this one has none")
+    compiler.grammar(constraint)
 
 
 def _to_grammar(c: StructuredOutputs) -> str:

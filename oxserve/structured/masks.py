@@ -8,6 +8,7 @@ disallowed logits set to -inf. Unconstrained rows are never touched.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import llguidance as llg
@@ -37,6 +38,8 @@ class RequestGrammar:
             if token_id == self.waiting_for:
                 self.waiting_for = None
             return
+        if self.matcher.is_stopped():  # complete: only EOS is allowed, which ignore_eos may repeat
+            return
         if not self.matcher.consume_token(token_id):
             raise RuntimeError(f"grammar rejected a token its own mask allowed: {self.matcher.get_error()}")
 
@@ -49,12 +52,14 @@ class BatchMasks:
         self.words = (vocab_size + 31) // 32
         self.executor = llg.LLExecutor(threads)
         self._bit = torch.arange(32, dtype=torch.int32)
+        self.cost = MaskCost()
 
     def apply(self, logits: torch.Tensor, grammars: list[RequestGrammar | None]) -> None:
         """`logits` [R, V]; row i is constrained when grammars[i] is active."""
         rows = [i for i, g in enumerate(grammars) if g is not None and g.active]
         if not rows:
             return
+        started = time.perf_counter()
         bitmask = torch.empty(len(rows), self.words, dtype=torch.int32)
         self.executor.unsafe_compute_mask_ptr(
             [(grammars[i].matcher, k) for k, i in enumerate(rows)], bitmask.data_ptr(), self.words * 4, len(rows)
@@ -62,3 +67,18 @@ class BatchMasks:
         allowed = ((bitmask.unsqueeze(-1) >> self._bit) & 1).flatten(1)[:, : self.vocab_size].bool()
         index = torch.tensor(rows, device=logits.device)
         logits[index] = logits[index].masked_fill(~allowed.to(logits.device), float("-inf"))
+        self.cost.add(time.perf_counter() - started, len(rows))
+
+
+@dataclass
+class MaskCost:
+    """What the masks have cost so far: for /metrics and `bench serve`'s per-step figure."""
+
+    seconds: float = 0.0
+    steps: int = 0  # steps that masked at least one row
+    rows: int = 0
+
+    def add(self, seconds: float, rows: int) -> None:
+        self.seconds += seconds
+        self.steps += 1
+        self.rows += rows
