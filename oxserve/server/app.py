@@ -14,6 +14,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from oxserve.server.async_engine import AsyncEngine
+from oxserve.server.chat_turn import ChatParsing
 from oxserve.server.metrics import ServerMetrics
 from oxserve.server.protocol import APIError
 from oxserve.server.serving import RETRY_AFTER_S, OpenAIServing
@@ -76,10 +77,10 @@ class TrackRequests:
             self.state.leave()
 
 
-def build_app(engine: AsyncEngine, model_name: str) -> FastAPI:
+def build_app(engine: AsyncEngine, model_name: str, parsing: ChatParsing | None = None) -> FastAPI:
     metrics = ServerMetrics(lambda: engine.snapshot)
     engine.metrics = metrics
-    serving = OpenAIServing(engine, model_name)
+    serving = OpenAIServing(engine, model_name, parsing)
     state = ServerState(engine)
 
     @asynccontextmanager

@@ -31,6 +31,7 @@ from oxserve.config import EngineConfig
 from oxserve.engine.engine import EngineStats, LLMEngine, Prompt
 from oxserve.outputs import RequestOutput
 from oxserve.sampling_params import SamplingParams
+from oxserve.structured.grammar import check_constraint
 
 log = logging.getLogger(__name__)
 
@@ -162,6 +163,12 @@ class AsyncEngine:
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.model_config.vocab_size
         self.model_path = engine.model_path
+        self.grammars = engine.grammars  # structured-output checks: thread-safe, torch-free
+
+    def check_structured_outputs(self, params: SamplingParams) -> None:
+        """ValueError if the engine cannot run the request's constraint; call off the event
+        loop (a large schema takes a while to compile) and before submitting."""
+        check_constraint(self.grammars, params.structured_outputs)
 
     # ---- event loop side ----------------------------------------------------------------
     def start(self) -> None:

@@ -18,6 +18,8 @@ import uvicorn
 from oxserve.cli import add_engine_arguments, engine_config_from_args
 from oxserve.server.app import ServerState, build_app
 from oxserve.server.async_engine import AsyncEngine
+from oxserve.server.chat_turn import ChatParsing
+from oxserve.server.parsers import REASONING_PARSERS, TOOL_PARSERS
 
 log = logging.getLogger("oxserve.server")
 
@@ -31,6 +33,12 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
                        help="requests that may wait for a batch slot; beyond it, 429 with Retry-After (default: %(default)s)")  # fmt: skip
     group.add_argument("--shutdown-timeout", type=float, default=30.0,
                        help="on SIGTERM, seconds to let in-flight requests finish before aborting them (default: %(default)s)")  # fmt: skip
+    group.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
+                       help="read tool calls in this model family's format out of chat outputs (needed for tools)")  # fmt: skip
+    group.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help='let the model decide when to call tools (tool_choice "auto", the default when tools are sent)')  # fmt: skip
+    group.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
+                       help="separate the model's reasoning (<think>...</think>) into reasoning_content")  # fmt: skip
     group.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"), help="(default: %(default)s)")
     group.add_argument("--no-access-log", dest="access_log", action="store_false", help="do not log one line per HTTP request")
     add_engine_arguments(parser)
@@ -40,10 +48,14 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.max_waiting < 1:
         raise SystemExit(f"--max-waiting must be >= 1, got {args.max_waiting}")
+    try:
+        parsing = ChatParsing(args.tool_call_parser, args.enable_auto_tool_choice, args.reasoning_parser)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
     engine = AsyncEngine(engine_config_from_args(args), args.max_waiting)
     model_name = args.served_model_name or args.model or "oxserve-default"
     log.info("serving %s (%s) as %r, max_model_len %d", engine.model_path, args.dtype, model_name, engine.max_model_len)
-    app = build_app(engine, model_name)
+    app = build_app(engine, model_name, parsing)
     config = uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level, access_log=args.access_log,
         timeout_graceful_shutdown=5, log_config=None,  # keep the logging set up above

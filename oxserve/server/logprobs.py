@@ -2,6 +2,10 @@
 
     completions: {"tokens": [...], "token_logprobs": [...], "top_logprobs": [{tok: lp}], "text_offset": [...]}
     chat:        {"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}]}]}
+    vLLM's prompt_logprobs: [null, {"<token id>": {"logprob", "rank", "decoded_token"}}, ...]
+
+With echo, a completion's logprobs start with the prompt's tokens; the first prompt token has
+no logprob (nothing comes before it): null in `token_logprobs` and in `top_logprobs`.
 """
 
 from __future__ import annotations
@@ -24,18 +28,36 @@ class LogprobFormatter:
             return f"token_id:{token_id}"
         return self.tokenizer.decode([token_id], skip_special_tokens=False)  # type: ignore[union-attr]
 
-    def completion(self, token_ids: list[int], logprobs: list[dict[int, float]], offset: int) -> dict[str, Any]:
-        """`offset`: characters of completion text before these tokens (for text_offset)."""
+    def completion(self, token_ids: list[int], logprobs: list[dict[int, float] | None], offset: int) -> dict[str, Any]:
+        """`offset`: characters of text before these tokens (for text_offset). An entry is
+        None for the first token of an echoed prompt."""
         tokens, token_logprobs, tops, offsets = [], [], [], []
         for tid, entry in zip(token_ids, logprobs):
             text = self.token(tid)
             tokens.append(text)
-            token_logprobs.append(_finite(entry[tid]))
+            token_logprobs.append(None if entry is None else _finite(entry[tid]))
             # The sampled token plus the top-k: up to k + 1 entries, as OpenAI documents.
-            tops.append({self.token(t): _finite(lp) for t, lp in entry.items()})
+            tops.append(None if entry is None else {self.token(t): _finite(lp) for t, lp in entry.items()})
             offsets.append(offset)
             offset += len(text)
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
+
+    def prompt_logprobs(
+        self, token_ids: list[int], logprobs: list[dict[int, float] | None], ranks: list[int | None]
+    ) -> list[dict[str, dict[str, Any]] | None]:
+        """vLLM's prompt_logprobs. Ranks: the prompt token's comes from the engine; a top-k
+        token's is one more than the entries above it (the top-k hold every token above them)."""
+        result: list[dict[str, dict[str, Any]] | None] = []
+        for tid, entry, rank in zip(token_ids, logprobs, ranks):
+            if entry is None:
+                result.append(None)
+                continue
+            result.append({
+                str(t): {"logprob": _finite(lp), "rank": rank if t == tid else 1 + sum(v > lp for v in entry.values()),
+                         "decoded_token": self.token(t)}
+                for t, lp in entry.items()
+            })  # fmt: skip
+        return result
 
     def chat(self, token_ids: list[int], logprobs: list[dict[int, float]], top_k: int) -> dict[str, Any]:
         content = []
@@ -47,6 +69,11 @@ class LogprobFormatter:
     def _chat_entry(self, token_id: int, logprob: float) -> dict[str, Any]:
         text = self.token(token_id)
         return {"token": text, "logprob": _finite(logprob), "bytes": list(text.encode("utf-8"))}
+
+
+def joined(first: dict[str, list], second: dict[str, list]) -> dict[str, list]:
+    """Two completions logprobs objects as one, `first`'s tokens first."""
+    return {key: first[key] + second[key] for key in first}
 
 
 def _finite(value: float) -> float:

@@ -7,11 +7,14 @@ offline API reject the same values with the same messages.
 
 from __future__ import annotations
 
+import json
+from dataclasses import replace
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from oxserve.sampling_params import SamplingParams
+from oxserve.structured import StructuredOutputs
 
 MAX_N = 128  # choices per prompt; a guard against one request filling the whole queue
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # as vLLM; seed + choice index stays in torch's range
@@ -77,6 +80,32 @@ class _SamplingRequest(BaseModel):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     return_tokens_as_token_ids: bool = False
+    # Structured outputs: OpenAI's response_format, vLLM's guided_* extras and their newer
+    # `structured_outputs` object; at most one of them.
+    response_format: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None
+
+    def constraint(self) -> StructuredOutputs | None:
+        """The one output constraint the request sets, if any (400 if it sets several)."""
+        found = [(name, c) for name, c in self._constraints() if c is not None]
+        if len(found) > 1:
+            raise bad_request(f"set one output constraint, not {' and '.join(n for n, _ in found)}", found[1][0])
+        return found[0][1] if found else None
+
+    def _constraints(self):
+        yield "response_format", response_format_constraint(self.response_format)
+        schema = self.guided_json
+        yield "guided_json", None if schema is None else StructuredOutputs(json=schema if isinstance(schema, str) else _dumps(schema))
+        yield "guided_regex", None if self.guided_regex is None else StructuredOutputs(regex=self.guided_regex)
+        yield "guided_grammar", None if self.guided_grammar is None else StructuredOutputs(grammar=self.guided_grammar)
+        if self.guided_choice is not None:
+            yield "guided_choice", _structured(param="guided_choice", choice=tuple(self.guided_choice))
+        if self.structured_outputs is not None:
+            yield "structured_outputs", structured_outputs_constraint(self.structured_outputs)
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         if self.logit_bias:
@@ -98,6 +127,7 @@ class _SamplingRequest(BaseModel):
                 ignore_eos=self.ignore_eos,
                 logprobs=logprobs,
                 include_stop_str_in_output=self.include_stop_str_in_output,
+                structured_outputs=self.constraint(),
             )
         except ValueError as e:
             raise bad_request(str(e)) from None
@@ -107,6 +137,45 @@ class _SamplingRequest(BaseModel):
         return self.stream_options is not None and self.stream_options.include_usage
 
 
+def response_format_constraint(response_format: dict[str, Any] | None) -> StructuredOutputs | None:
+    kind = (response_format or {}).get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutputs(json_object=True)
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")  # type: ignore[union-attr]
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, (dict, bool)):
+            raise bad_request("response_format json_schema needs json_schema.schema, a JSON schema", "response_format")
+        return StructuredOutputs(json=_dumps(schema))
+    raise bad_request(f"response_format type {kind!r} is not one of text, json_object, json_schema", "response_format")
+
+
+def structured_outputs_constraint(spec: dict[str, Any]) -> StructuredOutputs:
+    """vLLM's `structured_outputs` object: {"json" | "regex" | "choice" | "grammar" | "json_object": ...}."""
+    known = {"json", "regex", "choice", "grammar", "json_object"}
+    if unknown := set(spec) - known:
+        raise bad_request(f"structured_outputs takes {sorted(known)}, not {sorted(unknown)}", "structured_outputs")
+    fields = dict(spec)
+    if "json" in fields and not isinstance(fields["json"], str):
+        fields["json"] = _dumps(fields["json"])
+    if "choice" in fields:
+        fields["choice"] = tuple(fields["choice"]) if isinstance(fields["choice"], list) else fields["choice"]
+    return _structured(param="structured_outputs", **fields)
+
+
+def _structured(param: str, **fields: Any) -> StructuredOutputs:
+    try:
+        return StructuredOutputs(**fields)
+    except (ValueError, TypeError) as e:
+        raise bad_request(str(e), param) from None
+
+
+def _dumps(schema: Any) -> str:
+    return json.dumps(schema, separators=(",", ":"))
+
+
 class CompletionRequest(_SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16  # OpenAI's default for completions
@@ -114,6 +183,13 @@ class CompletionRequest(_SamplingRequest):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+    # vLLM extra: per prompt token, its logprob and the top-k (each choice's `prompt_logprobs`)
+    prompt_logprobs: int | None = None
+
+    @property
+    def echo_only(self) -> bool:
+        """echo with max_tokens 0: the prompt scored, nothing generated (as OpenAI and vLLM)."""
+        return self.echo and self.max_tokens == 0
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt as a batch: a string or a token-id list is a batch of one."""
@@ -124,18 +200,55 @@ class CompletionRequest(_SamplingRequest):
         return list(self.prompt)  # type: ignore[arg-type]
 
     def to_sampling_params(self) -> SamplingParams:
-        if self.echo:
-            raise bad_request("echo is not supported (prompt logprobs are not computed)", "echo")
         if self.suffix:
             raise bad_request("suffix is not supported", "suffix")
         if self.best_of is not None and self.best_of != self.n:
             raise bad_request("best_of must equal n (no server-side ranking)", "best_of")
-        return self.sampling_params(self.max_tokens, self.logprobs)
+        if self.stream and self.prompt_logprobs is not None:
+            raise bad_request("prompt_logprobs are not available when streaming (echo with logprobs streams them)",
+                              "prompt_logprobs")  # fmt: skip
+        # The engine samples at least one token: with echo only, that one is computed and dropped.
+        params = self.sampling_params(1 if self.echo_only else self.max_tokens, self.logprobs)
+        # Echo with logprobs reports the prompt's tokens too, with the same top-k (as vLLM).
+        prompt_logprobs = self.prompt_logprobs if self.prompt_logprobs is not None else self.logprobs if self.echo else None
+        try:
+            return replace(params, prompt_logprobs=prompt_logprobs)
+        except ValueError as e:
+            raise bad_request(str(e), "prompt_logprobs") from None
 
 
 class TextPart(BaseModel):
     type: Literal["text"]
     text: str
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(strict=True)
+    name: str = Field(min_length=1, max_length=256)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDefinition(BaseModel):
+    model_config = ConfigDict(strict=True)
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class FunctionName(BaseModel):
+    model_config = ConfigDict(strict=True)
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(strict=True)
+    type: Literal["function"] = "function"
+    function: FunctionName
+
+
+def _choice_name(choice: str | NamedToolChoice) -> str:
+    return repr(choice) if isinstance(choice, str) else f"{{function: {choice.function.name!r}}}"
 
 
 class ChatMessage(BaseModel):
@@ -146,6 +259,8 @@ class ChatMessage(BaseModel):
     def template_dict(self) -> dict[str, Any]:
         message = self.model_dump(exclude_none=True)
         message["content"] = self._text()
+        if isinstance(message.get("tool_calls"), list):
+            message["tool_calls"] = [_with_argument_dict(call) for call in message["tool_calls"]]
         return message
 
     def _text(self) -> str:
@@ -159,23 +274,53 @@ class ChatMessage(BaseModel):
         return "".join(texts)
 
 
+def _with_argument_dict(call: Any) -> Any:
+    """OpenAI sends a call's arguments as a JSON string; chat templates iterate a mapping."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+        try:
+            arguments = json.loads(function["arguments"])
+        except json.JSONDecodeError:
+            raise bad_request(f"the arguments of tool call {call.get('id')!r} are not valid JSON", "messages") from None
+        return {**call, "function": {**function, "arguments": arguments}}
+    return call
+
+
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
-    response_format: dict[str, Any] | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     # vLLM extras
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
 
+    @property
+    def effective_tool_choice(self) -> str | NamedToolChoice:
+        """OpenAI's default: "auto" when tools are given, else "none"."""
+        return self.tool_choice if self.tool_choice is not None else "auto" if self.tools else "none"
+
+    def forced_tools(self) -> list[dict[str, Any]] | None:
+        """The functions a call must be made to (`required`: any; named: that one), or None."""
+        choice = self.effective_tool_choice
+        if choice in ("none", "auto"):
+            return None
+        if not self.tools:
+            raise bad_request(f"tool_choice {_choice_name(choice)} needs tools", "tool_choice")
+        functions = [t.function.model_dump(exclude_none=True) for t in self.tools]
+        if choice == "required":
+            return functions
+        named = [f for f in functions if f["name"] == choice.function.name]  # type: ignore[union-attr]
+        if not named:
+            known = ", ".join(f["name"] for f in functions)
+            raise bad_request(f"tool_choice names {choice.function.name!r}, which is not among the tools ({known})", "tool_choice")  # type: ignore[union-attr]
+        return named
+
     def to_sampling_params(self) -> SamplingParams:
-        if self.tools:
-            raise bad_request("tools are not supported", "tools")
-        if self.response_format and self.response_format.get("type") != "text":
-            raise bad_request("only response_format {'type': 'text'} is supported", "response_format")
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

@@ -23,7 +23,8 @@ from oxserve.engine.engine import PromptError, check_prompt_ids
 from oxserve.outputs import CompletionOutput, RequestOutput
 from oxserve.sampling_params import SamplingParams
 from oxserve.server.async_engine import AsyncEngine, EngineError, EngineRequest, QueueFullError, RequestGroup
-from oxserve.server.logprobs import LogprobFormatter
+from oxserve.server.chat_turn import ChatParsing, ChatTurn
+from oxserve.server.logprobs import LogprobFormatter, joined
 from oxserve.server.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -94,6 +95,35 @@ class TextDeltas:
         return text, out.token_ids[start:], logprobs
 
 
+@dataclass
+class CompletionChoices:
+    """/v1/completions choices, whole or as stream chunks. With echo, the prompt's text comes
+    first (in a stream, in the choice's first chunk) and with logprobs, its tokens' logprobs
+    first too; `text_offset` counts from the start of the echoed text. With echo and
+    max_tokens 0, the prompt alone: the one token the engine had to sample is left out."""
+
+    request: CompletionRequest
+    fmt: LogprobFormatter
+    echoes: list[str] | None  # with echo: the text of each prompt
+
+    def choice(self, i: int, out: RequestOutput, text: str, token_ids: list[int],
+               logprobs: list[dict[int, float]] | None, offset: int, first: bool) -> dict[str, Any]:  # fmt: skip
+        """Choice i from these new tokens of `out`; `offset`: characters of completion sent before them."""
+        if self.request.echo_only:
+            text, token_ids, logprobs = "", [], None if logprobs is None else []
+        echo = self.echoes[i // self.request.n] if self.echoes is not None else ""
+        lp = None
+        if logprobs is not None:
+            lp = self.fmt.completion(token_ids, logprobs, len(echo) + offset)
+            if first and self.echoes is not None and out.prompt_logprobs is not None:
+                lp = joined(self.fmt.completion(out.prompt_token_ids, out.prompt_logprobs, 0), lp)
+        fields: dict[str, Any] = {"text": (echo if first else "") + text, "logprobs": lp}
+        if self.request.prompt_logprobs is not None and out.prompt_logprobs is not None:
+            fields["prompt_logprobs"] = self.fmt.prompt_logprobs(out.prompt_token_ids, out.prompt_logprobs,
+                                                                 out.prompt_token_ranks)  # fmt: skip
+        return _choice(i, out.outputs[0], **fields)
+
+
 class EngineStreamResponse(StreamingResponse):
     """An SSE response that aborts its engine requests however it ends (client gone included)."""
 
@@ -110,30 +140,33 @@ class EngineStreamResponse(StreamingResponse):
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncEngine, model_name: str):
+    def __init__(self, engine: AsyncEngine, model_name: str, parsing: ChatParsing | None = None):
         self.engine = engine
         self.model_name = model_name
+        self.parsing = parsing or ChatParsing()
 
     # ---- /v1/completions ----------------------------------------------------------------
     async def completions(self, body: bytes, raw: Request) -> Response:
         req: CompletionRequest = parse_body(CompletionRequest, body)
         self._check_model(req.model)
         params = req.to_sampling_params()
-        prompts = [await self._prompt_ids(p, params.max_tokens, "prompt") for p in req.prompts()]
+        texts = req.prompts()
+        prompts = [await self._prompt_ids(p, params.max_tokens, "prompt") for p in texts]
         job = Job(f"cmpl-{uuid.uuid4().hex}", self.model_name, params, prompts, int(time.time()))
-        fmt = LogprobFormatter(self.engine.tokenizer, req.return_tokens_as_token_ids)
-        group = await self._submit(job, req.stream)
+        echoes = [self._echo_text(text, ids) for text, ids in zip(texts, prompts)] if req.echo else None
+        shape = CompletionChoices(req, LogprobFormatter(self.engine.tokenizer, req.return_tokens_as_token_ids), echoes)
+        group = await self.submit(job, req.stream)
 
         if req.stream:
             deltas = [TextDeltas(params) for _ in range(job.num_choices)]
 
-            def render(i: int, c: CompletionOutput) -> dict | None:
+            def render(i: int, out: RequestOutput) -> dict | None:
+                first = deltas[i].tokens_sent == 0
                 offset = deltas[i].text_sent
-                text, token_ids, logprobs = deltas[i].next(c)
-                if not (token_ids or c.finished):
+                text, token_ids, logprobs = deltas[i].next(out.outputs[0])
+                if not (token_ids or out.finished):
                     return None
-                lp = fmt.completion(token_ids, logprobs, offset) if logprobs is not None else None
-                return _choice(i, c, text=text, logprobs=lp)
+                return shape.choice(i, out, text, token_ids, logprobs, offset, first)
 
             stream = self._sse(job, group, "text_completion", req.include_usage, render)
             return EngineStreamResponse(stream, job, group)
@@ -144,35 +177,50 @@ class OpenAIServing:
         choices = []
         for i, out in enumerate(finals):
             c = out.outputs[0]
-            logprobs = fmt.completion(c.token_ids, c.logprobs, 0) if c.logprobs is not None else None
-            choices.append(_choice(i, c, text=c.text, logprobs=logprobs))
+            choices.append(shape.choice(i, out, c.text, c.token_ids, c.logprobs, 0, first=True))
         return _json(job, "text_completion", choices, finals)
+
+    def _echo_text(self, prompt: str | list[int], token_ids: list[int]) -> str:
+        if isinstance(prompt, str):
+            return prompt
+        if self.engine.tokenizer is None:
+            raise bad_request("echo of a token-id prompt needs the model's tokenizer, and this model has none", "echo")
+        return self.engine.tokenizer.decode(token_ids, skip_special_tokens=False)
 
     # ---- /v1/chat/completions -----------------------------------------------------------
     async def chat(self, body: bytes, raw: Request) -> Response:
         req: ChatCompletionRequest = parse_body(ChatCompletionRequest, body)
-        self._check_model(req.model)
-        params = req.to_sampling_params()
-        prompt = await self._prompt_ids(self._render_chat(req), params.max_tokens, "messages")
-        job = Job(f"chatcmpl-{uuid.uuid4().hex}", self.model_name, params, [prompt], int(time.time()))
+        job, turn = await self.prepare_chat(req, f"chatcmpl-{uuid.uuid4().hex}")
+        params = job.params
         fmt = LogprobFormatter(self.engine.tokenizer, req.return_tokens_as_token_ids)
         top_k = req.top_logprobs or 0
-        group = await self._submit(job, req.stream)
+        group = await self.submit(job, req.stream)
 
         if req.stream:
             deltas = [TextDeltas(params) for _ in range(job.num_choices)]
+            parsers = [turn.parser() for _ in range(job.num_choices)]
+            called = [False] * job.num_choices
 
-            def render(i: int, c: CompletionOutput) -> dict | None:
+            def render(i: int, c: CompletionOutput) -> list[dict]:
                 first = deltas[i].tokens_sent == 0
                 text, token_ids, logprobs = deltas[i].next(c)
                 if not (token_ids or c.finished):
-                    return None
+                    return []
                 lp = fmt.chat(token_ids, logprobs, top_k) if logprobs is not None else None
-                # A choice's first chunk carries the role (OpenAI sends it alone, just before).
-                delta = {"role": "assistant", "content": text} if first else {"content": text} if text else {}
-                return _choice(i, c, delta=delta, logprobs=lp)
+                # One chunk per parsed piece (content, reasoning, a tool call's name or
+                # arguments), or an empty delta: clients that time chunks time tokens.
+                pieces = parsers[i].push(text) + (parsers[i].finish() if c.finished else [])
+                called[i] = called[i] or any("tool_calls" in p for p in pieces)
+                pieces = pieces or [{}]
+                if first:  # a choice's first chunk carries the role
+                    pieces[0] = {"role": "assistant", **pieces[0]}
+                chunks = [_choice(i, None, delta=p) for p in pieces]
+                chunks[-1]["logprobs"] = lp
+                if c.finished:
+                    chunks.append(_choice(i, c, delta={}, finish_reason=turn.finish_reason(c, called[i])))
+                return chunks
 
-            stream = self._sse(job, group, "chat.completion.chunk", req.include_usage, render)
+            stream = self._sse(job, group, "chat.completion.chunk", req.include_usage, lambda i, out: render(i, out.outputs[0]))
             return EngineStreamResponse(stream, job, group)
 
         finals = await self._collect(job, group, raw)
@@ -182,16 +230,30 @@ class OpenAIServing:
         for i, out in enumerate(finals):
             c = out.outputs[0]
             logprobs = fmt.chat(c.token_ids, c.logprobs, top_k) if c.logprobs is not None else None
-            choices.append(_choice(i, c, message={"role": "assistant", "content": c.text}, logprobs=logprobs))
+            message, finish_reason = turn.message(c)
+            choices.append(_choice(i, c, message=message, logprobs=logprobs, finish_reason=finish_reason))
         return _json(job, "chat.completion", choices, finals)
+
+    async def prepare_chat(self, req: ChatCompletionRequest, response_id: str) -> tuple[Job, ChatTurn]:
+        """A chat request, validated, rendered and tokenized: ready to submit (also for the
+        Responses API, which is chat underneath)."""
+        self._check_model(req.model)
+        prompt_text = self._render_chat(req)
+        turn = ChatTurn(req, self.parsing, prompt_text, self.engine.tokenizer)
+        params = await self._checked(turn.sampling_params(req.to_sampling_params()))
+        prompt = await self._prompt_ids(prompt_text, params.max_tokens, "messages")
+        return Job(response_id, self.model_name, params, [prompt], int(time.time())), turn
 
     def _render_chat(self, req: ChatCompletionRequest) -> str:
         tokenizer = self.engine.tokenizer
         if tokenizer is None:
             raise bad_request("this model has no tokenizer, so no chat template; use /v1/completions with token ids")
         messages = [m.template_dict() for m in req.messages]
+        kwargs = dict(req.chat_template_kwargs or {})
+        if req.tools:  # rendered even with tool_choice "none", as vLLM does: the model knows them
+            kwargs.setdefault("tools", [t.model_dump(exclude_none=True) for t in req.tools])
         try:
-            return tokenizer.apply_chat_template(messages, req.add_generation_prompt, **(req.chat_template_kwargs or {}))
+            return tokenizer.apply_chat_template(messages, req.add_generation_prompt, **kwargs)
         except (ValueError, TypeError, jinja2.TemplateError) as e:
             raise bad_request(f"the chat template failed on these messages: {e}", "messages") from None
 
@@ -214,7 +276,16 @@ class OpenAIServing:
             raise bad_request(str(e), param if e.field == "prompt" else e.field) from None
         return ids
 
-    async def _submit(self, job: Job, stream: bool) -> RequestGroup:
+    async def _checked(self, params: SamplingParams) -> SamplingParams:
+        """`params`, once the engine could run its output constraint (checked on a worker
+        thread: a large schema compiles for a while); else a 400 saying why."""
+        try:
+            await asyncio.to_thread(self.engine.check_structured_outputs, params)
+        except ValueError as e:
+            raise bad_request(str(e), "response_format") from None
+        return params
+
+    async def submit(self, job: Job, stream: bool) -> RequestGroup:
         p = job.params
         log.info("%s: %d prompt(s), %d prompt tokens, n=%d, max_tokens=%s, temperature=%s, stream=%s",
                  job.response_id, len(job.prompts), job.prompt_tokens, p.n, p.max_tokens, p.temperature, stream)  # fmt: skip
@@ -263,7 +334,7 @@ class OpenAIServing:
             async for i, out in group.outputs():
                 if out.finished:
                     finals.append(out)
-                if (choice := render(i, out.outputs[0])) is not None:
+                for choice in _as_list(render(i, out)):
                     yield _sse(_chunk(job, kind, [choice], usage))
         except EngineError as e:
             error = engine_error(e)
@@ -307,7 +378,12 @@ async def _disconnected(raw: Request) -> None:
 def _choice(index: int, c: CompletionOutput | None, **fields: Any) -> dict[str, Any]:
     finish = c.finish_reason if c is not None else None
     stop_reason = c.stop_reason if c is not None else None
-    return {"index": index, **fields, "finish_reason": finish, "stop_reason": stop_reason}
+    return {"index": index, "finish_reason": finish, "stop_reason": stop_reason, **fields}
+
+
+def _as_list(rendered: dict | list[dict] | None) -> list[dict]:
+    """A render gives one choice chunk, several, or none."""
+    return rendered if isinstance(rendered, list) else [] if rendered is None else [rendered]
 
 
 def _chunk(job: Job, kind: str, choices: list[dict], usage_field: bool) -> dict[str, Any]:

@@ -197,3 +197,74 @@ def test_metrics_parse(server):
     samples = server.metrics()
     assert samples["oxserve:generation_tokens_total"] >= 3
     assert samples["oxserve:e2e_request_latency_seconds_count"] >= 1
+
+
+def _completion(server, **body) -> dict:
+    """A non-streaming completion as raw JSON (nulls and vLLM's extra fields as sent)."""
+    response = httpx.post(f"{server.base_url}/v1/completions", json={"temperature": 0.0, **body}, timeout=60)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+SCORED_IDS = [300 + 7 * i for i in range(10)]
+
+
+def test_echo_prepends_the_prompt_and_its_logprobs(server, tiny_model):
+    """lm-eval's scoring request: the prompt's tokens first (the first one with null logprobs,
+    nothing comes before it), then the sampled token; the values are the offline API's."""
+    ids = SCORED_IDS
+    choice = _completion(server, prompt=ids, echo=True, max_tokens=1, logprobs=1)["choices"][0]
+    plain = _completion(server, prompt=ids, max_tokens=1, logprobs=1)["choices"][0]
+    offline = LLM(model=str(tiny_model), dtype="float32", max_model_len=MAX_MODEL_LEN)
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1)
+    expected = offline.generate({"prompt_token_ids": ids}, params)[0].prompt_logprobs
+    prompt_text = offline.tokenizer.decode(ids, skip_special_tokens=False)
+    assert choice["text"] == prompt_text + plain["text"]
+    lp = choice["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(ids) + 1
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    for t in range(1, len(ids)):
+        assert lp["token_logprobs"][t] == pytest.approx(expected[t][ids[t]], abs=1e-4)
+        assert 1 <= len(lp["top_logprobs"][t]) <= 2
+    assert lp["token_logprobs"][-1] == plain["logprobs"]["token_logprobs"][0]  # the sampled token, as without echo
+    assert lp["text_offset"][:-1] == [sum(len(t) for t in lp["tokens"][:i]) for i in range(len(ids))]
+    assert lp["text_offset"][-1] == len(prompt_text)  # offsets count from the start of the echoed text
+
+
+def test_echo_with_max_tokens_0_returns_each_prompt_alone(server):
+    prompts = ["The engine serves", "A second prompt"]
+    out = _completion(server, prompt=prompts, echo=True, max_tokens=0, logprobs=0, n=2)
+    assert [c["text"] for c in out["choices"]] == [prompts[0], prompts[0], prompts[1], prompts[1]]
+    for c in out["choices"]:
+        lp = c["logprobs"]
+        assert lp["token_logprobs"][0] is None and all(v <= 0 for v in lp["token_logprobs"][1:])
+        assert len(lp["tokens"]) == len(lp["text_offset"]) and "".join(lp["tokens"]) == c["text"]
+    # Prompt tokens counted once per prompt; the one token per choice the engine samples anyway, as vLLM counts it.
+    assert out["usage"]["completion_tokens"] == 4
+
+
+def test_prompt_logprobs_field_has_vllms_shape(server):
+    ids = SCORED_IDS
+    choice = _completion(server, prompt=ids, max_tokens=2, prompt_logprobs=2)["choices"][0]
+    echoed = _completion(server, prompt=ids, echo=True, max_tokens=0, logprobs=2)["choices"][0]["logprobs"]
+    assert choice["logprobs"] is None and choice["text"] and not choice["text"].startswith(echoed["tokens"][0])
+    scored = choice["prompt_logprobs"]
+    assert len(scored) == len(ids) and scored[0] is None
+    for t in range(1, len(ids)):
+        entry = scored[t]
+        assert 2 <= len(entry) <= 3
+        assert entry[str(ids[t])]["logprob"] == echoed["token_logprobs"][t]
+        assert all(isinstance(v["decoded_token"], str) and v["rank"] >= 1 for v in entry.values())
+        assert [v["rank"] for v in sorted(entry.values(), key=lambda v: -v["logprob"])][:2] == [1, 2]
+
+
+def test_echo_stream_sends_the_prompt_first(server):
+    body = {"prompt": PROMPT, "echo": True, "max_tokens": 5, "logprobs": 1, "ignore_eos": True}
+    whole = _completion(server, **body)["choices"][0]
+    with httpx.stream("POST", f"{server.base_url}/v1/completions", json={**body, "temperature": 0.0, "stream": True},
+                      timeout=60) as response:  # fmt: skip
+        chunks = [json.loads(line[6:])["choices"][0] for line in response.iter_lines() if line.startswith("data: {")]
+    assert chunks[0]["text"].startswith(PROMPT) and len(chunks) == 5
+    assert "".join(c["text"] for c in chunks) == whole["text"]
+    for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+        assert [v for c in chunks for v in c["logprobs"][key]] == whole["logprobs"][key], key
