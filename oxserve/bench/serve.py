@@ -7,7 +7,9 @@ TTFT (send -> first chunk with choices), ITL (gaps between later such chunks: on
 step that produced tokens, when the server sends one per step as oxserve and vLLM do),
 TPOT ((latency - TTFT) / (output tokens - 1)) and end-to-end latency. Where the server's
 /metrics has speculative-decoding counters (oxserve's or vLLM's names), the run's acceptance
-rate and mean acceptance length come from their change over the run.
+rate and mean acceptance length come from their change over the run; likewise the cost of
+structured-output masks per step, when `--structured-output-ratio` sends a share of the
+requests under a JSON schema.
 """
 
 from __future__ import annotations
@@ -33,10 +35,24 @@ SLO_KEYS = ("ttft", "tpot", "e2el")
 SYLLABLES = ("ka", "lo", "mi", "ne", "ru", "ta", "vo", "xi", "be", "do", "fu", "ga", "hi", "jo", "pe", "si")
 
 
+# Structured-output requests' default schema: every field bounded, so any model closes it.
+BENCH_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "count": {"type": "integer", "minimum": 0, "maximum": 1000},
+        "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 4},
+    },
+    "required": ["name", "count", "tags"],
+    "additionalProperties": False,
+}
+
+
 @dataclass
 class BenchRequest:
     prompt: str | list[int]
     output_len: int
+    schema: dict | None = None  # asked for with response_format json_schema
 
 
 @dataclass
@@ -73,6 +89,10 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     parser.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
     parser.add_argument("--goodput", nargs="+", default=[], metavar="KEY:MS",
                         help="SLOs a request must meet to count as good: ttft:MS tpot:MS e2el:MS")  # fmt: skip
+    parser.add_argument("--structured-output-ratio", type=float, default=0.0,
+                        help="share of requests sent under a JSON schema (response_format json_schema) (default: %(default)s)")  # fmt: skip
+    parser.add_argument("--structured-output-schema", default=None, metavar="PATH",
+                        help="the JSON schema those requests use (default: a small built-in one with bounded fields)")  # fmt: skip
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per request (default: %(default)s)")
     parser.add_argument("--json", action="store_true", help="also print the results as one JSON object on the last line")
     parser.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
@@ -100,6 +120,18 @@ def parse_goodput(items: list[str]) -> dict[str, float]:
 
 
 def build_requests(args: argparse.Namespace) -> list[BenchRequest]:
+    requests = _prompts(args)
+    if not 0.0 <= args.structured_output_ratio <= 1.0:
+        raise SystemExit(f"--structured-output-ratio must be in [0, 1], got {args.structured_output_ratio}")
+    schema = json.loads(Path(args.structured_output_schema).read_text()) if args.structured_output_schema else BENCH_SCHEMA
+    # Every k-th request, evenly spread, so constrained and free requests overlap in time.
+    constrained = round(args.structured_output_ratio * len(requests))
+    for i in range(constrained):
+        requests[i * len(requests) // constrained].schema = schema
+    return requests
+
+
+def _prompts(args: argparse.Namespace) -> list[BenchRequest]:
     rng = random.Random(args.seed)
     if args.dataset == "jsonl":
         if not args.dataset_path:
@@ -141,7 +173,8 @@ async def benchmark(args: argparse.Namespace, requests: list[BenchRequest], slos
             progress.update()
             return result
 
-        spec_before = await spec_decode_counters(client, base)
+        spec_before = await metric_counters(client, base, SPEC_COUNTERS)
+        masks_before = await metric_counters(client, base, MASK_COUNTERS)
         start = time.perf_counter()
         tasks = []
         for req in requests:
@@ -151,36 +184,49 @@ async def benchmark(args: argparse.Namespace, requests: list[BenchRequest], slos
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
         progress.close()
-        spec_after = await spec_decode_counters(client, base)
+        spec_after = await metric_counters(client, base, SPEC_COUNTERS)
+        masks_after = await metric_counters(client, base, MASK_COUNTERS)
     summary = summarize(results, duration, slos, args.max_concurrency, model)
+    summary["structured_requests"] = sum(r.schema is not None for r in requests)
     if spec_before is not None and spec_after is not None:
         summary["spec_decode"] = spec_decode_summary(spec_before, spec_after)
+    if masks_before is not None and masks_after is not None:
+        summary["grammar_mask"] = mask_summary(masks_before, masks_after)
     return summary
 
 
-SPEC_COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+# Counter -> its names in /metrics (oxserve's, and vLLM's where it has one).
+SPEC_COUNTERS = {key: (f"oxserve:spec_decode_{key}_total", f"vllm:spec_decode_{key}_total")
+                 for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}  # fmt: skip
+MASK_COUNTERS = {"seconds": ("oxserve:grammar_mask_seconds_total",), "steps": ("oxserve:grammar_mask_steps_total",)}
 
 
-async def spec_decode_counters(client: httpx.AsyncClient, base: str) -> dict[str, float] | None:
-    """The server's speculative-decoding counters, or None where /metrics has none."""
+async def metric_counters(client: httpx.AsyncClient, base: str, counters: dict[str, tuple[str, ...]]) -> dict[str, float] | None:
+    """The server's values of `counters`, or None where /metrics lacks any of them."""
     try:
         response = await client.get(f"{base}/metrics")
     except httpx.HTTPError:
         return None
     if response.status_code != 200:
         return None
-    names = {f"{prefix}:spec_decode_{key}_total": key for key in SPEC_COUNTERS for prefix in ("oxserve", "vllm")}
+    names = {name: key for key, aliases in counters.items() for name in aliases}
     values: dict[str, float] = {}
     for family in text_string_to_metric_families(response.text):
         for sample in family.samples:
             if sample.name in names:
                 values[names[sample.name]] = values.get(names[sample.name], 0.0) + sample.value
-    return values if len(values) == len(SPEC_COUNTERS) else None
+    return values if len(values) == len(counters) else None
 
 
 def spec_decode_summary(before: dict[str, float], after: dict[str, float]) -> dict:
     """Acceptance over the run, from the counters' change (`oxserve.engine.speculative.acceptance`)."""
     return acceptance(*(int(after[key] - before[key]) for key in SPEC_COUNTERS))
+
+
+def mask_summary(before: dict[str, float], after: dict[str, float]) -> dict:
+    """Structured-output mask cost over the run: total, and per step that applied a mask."""
+    seconds, steps = after["seconds"] - before["seconds"], int(after["steps"] - before["steps"])
+    return {"seconds": seconds, "steps": steps, "ms_per_step": 1000 * seconds / steps if steps else 0.0}
 
 
 async def first_model(client: httpx.AsyncClient, base: str) -> str:
@@ -198,6 +244,8 @@ async def send(client: httpx.AsyncClient, url: str, endpoint: str, model: str, r
         payload["messages"] = [{"role": "user", "content": req.prompt}]
     else:
         payload["prompt"] = req.prompt
+    if req.schema is not None:
+        payload["response_format"] = {"type": "json_schema", "json_schema": {"name": "bench", "schema": req.schema}}
     result = RequestResult()
     start = last = time.perf_counter()
     try:
@@ -340,6 +388,12 @@ def format_table(s: dict) -> str:
                      f"{spec['num_accepted_tokens']}")
         lines.append(f"{'Acceptance rate:':<40}{spec['acceptance_rate']:<10.3f}")
         lines.append(f"{'Mean acceptance length:':<40}{spec['mean_acceptance_length']:<10.2f}")
+    if s.get("structured_requests"):
+        lines.append("{s:{c}^{n}}".format(s="Structured Outputs", n=50, c="-"))
+        lines.append(f"{'Requests under a JSON schema:':<40}{s['structured_requests']}")
+        if masks := s.get("grammar_mask"):
+            lines.append(f"{'Steps that applied a mask:':<40}{masks['steps']}")
+            lines.append(f"{'Mask cost per such step (ms):':<40}{masks['ms_per_step']:<10.3f}")
     lines.extend(f"error: {e}" for e in s["errors"])
     lines.append("=" * 50)
     return "\n".join(lines)

@@ -21,7 +21,8 @@ def bench(server, *args: str) -> tuple[str, dict]:
 
 def test_bench_random_completions(server):
     out, result = bench(server, "--num-prompts", "8", "--random-input-len", "16", "--random-output-len", "6",
-                        "--max-concurrency", "4", "--goodput", "ttft:600000", "e2el:600000")  # fmt: skip
+                        "--max-concurrency", "4", "--goodput", "ttft:600000", "e2el:600000",
+                        "--structured-output-ratio", "0.5")  # fmt: skip
     assert all(k in result for k in KEYS)
     assert result["completed"] == 8 and result["failed"] == 0
     assert result["total_output_tokens"] == 8 * 6 and result["total_input_tokens"] == 8 * 16
@@ -33,6 +34,10 @@ def test_bench_random_completions(server):
     # Read from the server's /metrics (no speculation here: nothing drafted).
     assert result["spec_decode"] == {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0,
                                      "acceptance_rate": 0.0, "mean_acceptance_length": 1.0}
+    # Half the requests under the built-in JSON schema: the server's mask counters moved.
+    assert result["structured_requests"] == 4
+    assert result["grammar_mask"]["steps"] >= 6 and result["grammar_mask"]["ms_per_step"] > 0
+    assert "Mask cost per such step (ms):" in out
 
 
 def test_spec_decode_summary_is_the_change_over_the_run():
