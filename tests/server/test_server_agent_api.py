@@ -8,9 +8,12 @@ from __future__ import annotations
 import json
 import re
 
+from typing import Annotated
+
 import jsonschema
 import openai
 import pytest
+from pydantic import Field
 from server_harness import serve, tiny_model  # noqa: F401  (fixtures)
 
 from oxserve.tokenizer import Tokenizer
@@ -206,3 +209,34 @@ def test_tools_need_the_parser_flags(tiny_model, tmp_path_factory):
         # tool_choice "none" keeps the tools in the prompt and reads the output as text
         out = plain.client().chat.completions.create(model=None, messages=ASK, tools=[WEATHER], tool_choice="none", max_tokens=4)
         assert out.choices[0].message.tool_calls is None
+
+
+def test_openai_agents_completes_a_tool_using_turn(agent_server):
+    """openai-agents (a real agent framework) against the server: the forced call parses, the
+    framework runs the tool with typed arguments, sends its result back, and the model answers."""
+    from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, function_tool, set_tracing_disabled
+
+    set_tracing_disabled(True)
+    calls = []
+
+    @function_tool  # bounded arguments: a random model would otherwise write past max_tokens
+    def get_weather(city: Annotated[str, Field(max_length=8)], days: Annotated[int, Field(ge=1, le=7)]) -> str:
+        """Weather forecast for a city."""
+        calls.append((city, days))
+        return f"sunny for {days} days in {city}"
+
+    client = agent_server.async_client()
+    model = OpenAIChatCompletionsModel(model=agent_server.client().models.list().data[0].id, openai_client=client)
+    # Forced on the first turn only (the framework resets tool_choice after a call); greedy,
+    # so the second turn's plain answer is reproducible.
+    settings = ModelSettings(tool_choice="get_weather", parallel_tool_calls=False, temperature=0.0, max_tokens=32,
+                             extra_body=NO_THINKING)  # fmt: skip
+    agent = Agent(name="forecaster", instructions="Answer with the forecast.", tools=[get_weather], model=model,
+                  model_settings=settings)  # fmt: skip
+    result = Runner.run_sync(agent, "What is the weather in Paris?", max_turns=3)
+
+    assert len(calls) == 1 and isinstance(calls[0][0], str) and isinstance(calls[0][1], int)
+    kinds = [item.type for item in result.new_items]
+    assert kinds[:2] == ["tool_call_item", "tool_call_output_item"] and kinds[-1] == "message_output_item"
+    assert isinstance(result.final_output, str)
+    assert len(result.raw_responses) == 2 and result.raw_responses[1].usage.input_tokens > result.raw_responses[0].usage.input_tokens
