@@ -5,6 +5,7 @@ import torch
 
 from oxserve.kernels import native
 from oxserve.kernels.hyper import NATIVE_MAX_N, hc_gates, hc_gates_native, hc_gates_torch
+from oxserve.kernels.token_mask import apply_token_bitmask_native, apply_token_bitmask_torch
 
 
 def test_the_native_kernels_build_here():
@@ -61,3 +62,33 @@ def test_hc_gates_takes_strided_inputs_and_large_n_falls_back():
         hc_gates_native(*args, n, 5, 1e-6)
     for g, e in zip(hc_gates(*args, n, 5, 1e-6), hc_gates_torch(*args, n, 5, 1e-6)):
         torch.testing.assert_close(g, e)
+
+
+@pytest.mark.parametrize("vocab", [1, 31, 32, 33, 1000])
+def test_token_mask_native_matches_torch_and_the_bits(vocab):
+    gen = torch.Generator().manual_seed(vocab)
+    words = (vocab + 31) // 32
+    rows = [3, 0, 5]
+    bits = torch.randint(-(2**31), 2**31 - 1, (len(rows), words), generator=gen, dtype=torch.int64).to(torch.int32)
+    bits[0, 0], bits[1, -1] = 0, -1  # whole words disallowed and allowed
+    wide = torch.randn(6, vocab + 7, generator=gen)
+    logits = wide[:, :vocab]  # rows further apart than the vocabulary
+    eager = logits.clone()
+    apply_token_bitmask_native(logits, rows, bits)
+    apply_token_bitmask_torch(eager, rows, bits)
+    assert torch.equal(logits, eager)
+    for k, row in enumerate(rows):
+        allowed = [bool((int(bits[k, t // 32]) & 0xFFFFFFFF) >> (t % 32) & 1) for t in range(vocab)]
+        assert [bool(x) for x in logits[row].isfinite()] == allowed
+    untouched = [r for r in range(6) if r not in rows]
+    assert torch.equal(logits[untouched], wide[untouched, :vocab]) and torch.isfinite(wide[:, vocab:]).all()
+
+
+def test_token_mask_native_rejects_what_it_cannot_index():
+    logits, bits = torch.zeros(2, 40), torch.zeros(1, 2, dtype=torch.int32)
+    with pytest.raises(ValueError, match="outside"):
+        apply_token_bitmask_native(logits, [2], bits)
+    with pytest.raises(ValueError, match="does not fit"):
+        apply_token_bitmask_native(logits, [0], torch.zeros(1, 1, dtype=torch.int32))
+    with pytest.raises(ValueError, match="float32"):
+        apply_token_bitmask_native(logits.double(), [0], bits)

@@ -2,8 +2,8 @@
 
 Per step: every constrained row's matcher writes its bitmask into one int32 tensor
 [rows, ceil(V/32)] (bit j of word w allows token 32w + j), computed by llguidance's thread
-pool for the whole batch at once; the bits are unpacked in one vectorised op and the
-disallowed logits set to -inf. Unconstrained rows are never touched.
+pool for the whole batch at once; then the disallowed logits are set to -inf in one pass
+(`oxserve.kernels.token_mask`). Unconstrained rows are never touched.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import llguidance as llg
 import torch
 
+from oxserve.kernels.token_mask import apply_token_bitmask
 from oxserve.structured.params import StructuredOutputs
 
 
@@ -51,7 +52,6 @@ class BatchMasks:
         self.vocab_size = vocab_size
         self.words = (vocab_size + 31) // 32
         self.executor = llg.LLExecutor(threads)
-        self._bit = torch.arange(32, dtype=torch.int32)
         self.cost = MaskCost()
 
     def apply(self, logits: torch.Tensor, grammars: list[RequestGrammar | None]) -> None:
@@ -64,9 +64,7 @@ class BatchMasks:
         self.executor.unsafe_compute_mask_ptr(
             [(grammars[i].matcher, k) for k, i in enumerate(rows)], bitmask.data_ptr(), self.words * 4, len(rows)
         )
-        allowed = ((bitmask.unsqueeze(-1) >> self._bit) & 1).flatten(1)[:, : self.vocab_size].bool()
-        index = torch.tensor(rows, device=logits.device)
-        logits[index] = logits[index].masked_fill(~allowed.to(logits.device), float("-inf"))
+        apply_token_bitmask(logits, rows, bitmask)
         self.cost.add(time.perf_counter() - started, len(rows))
 
 

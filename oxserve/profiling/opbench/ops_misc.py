@@ -1,10 +1,11 @@
-"""mHC hyper-connection collapse/expand, RMSNorm and the LM head."""
+"""mHC hyper-connection collapse/expand, RMSNorm, the LM head and the structured-output token mask."""
 
 from __future__ import annotations
 
 import torch
 
 from oxserve.kernels.hyper import hc_gates, hc_gates_torch
+from oxserve.kernels.token_mask import apply_token_bitmask, apply_token_bitmask_torch
 from oxserve.model.common import RMSNorm
 from oxserve.model.glm5_next import Glm5NextForCausalLM
 from oxserve.model.hyper import HyperConnection
@@ -187,3 +188,56 @@ def _lm_head_cases(cfg, shapes, dtype, device):
 
 
 register_op(Op("lm_head", _lm_head_cases, reference_lm_head, close_for("x"), {"torch": lm_head_candidate}))
+
+
+# ---- structured outputs' token mask -----------------------------------------------------
+
+
+def _mask_inputs(batch, vocab, device, gen):
+    """Half the rows constrained; their masks mix all-disallowed words (most of a JSON
+    grammar's vocabulary), all-allowed words and single bits."""
+    rows = torch.arange(0, batch, 2, device=device)
+    words = (vocab + 31) // 32
+    bits = torch.randint(-(2**31), 2**31 - 1, (len(rows), words), generator=gen, dtype=torch.int64).to(torch.int32)
+    kind = torch.randint(0, 4, (len(rows), words), generator=gen)
+    bits = torch.where(kind == 0, 0, torch.where(kind == 1, -1, bits))
+    return {"logits": randn(gen, batch, vocab, dtype=FP32, device=device), "rows": rows, "bitmask": bits.to(device)}
+
+
+def reference_token_mask(cfg, i):
+    """Token t of constrained row r is allowed when bit t % 32 of word t // 32 is set."""
+    out = i["logits"].clone()
+    vocab = out.shape[1]
+    for k, row in enumerate(i["rows"].tolist()):
+        words = [w & 0xFFFFFFFF for w in i["bitmask"][k].tolist()]
+        allowed = torch.tensor([bool(words[t // 32] >> (t % 32) & 1) for t in range(vocab)], device=out.device)
+        out[row][~allowed] = float("-inf")
+    return (out,)
+
+
+def token_mask_candidate(apply):
+    def bind(cfg, i):
+        def run(out):
+            out[0].copy_(i["logits"])
+            apply(out[0], i["rows"].tolist(), i["bitmask"])
+        return run
+    return bind
+
+
+def exact(cfg, out, ref, inputs) -> str | None:
+    bad = int((out[0] != ref[0]).sum())  # -inf == -inf; NaN (unwritten) never equals
+    return f"{bad} of {out[0].numel()} logits differ" if bad else None
+
+
+def _mask_cases(cfg, shapes, dtype, device):
+    v = cfg.vocab_size
+    return [
+        Case(f"B={b}", lambda gen, b=b: _mask_inputs(b, v, device, gen), lambda i: (torch.empty_like(i["logits"]),),
+             lambda i: (2 * i["logits"].numel() * 4 + i["bitmask"].numel() * 4, 0.0), "fp32")
+        for b in shapes.batches if b >= 2  # a row constrained, a row free
+    ]
+
+
+register_op(Op("sampler.token_mask", _mask_cases, reference_token_mask, exact,
+               {"engine": token_mask_candidate(apply_token_bitmask),  # native on CPU float32
+                "torch": token_mask_candidate(apply_token_bitmask_torch)}))
