@@ -23,7 +23,7 @@ run: $(STAMP)
 	@echo 'oxserve: serving the default model (random weights) at http://127.0.0.1:8000/v1 -- try:'
 	@echo "  curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' -d '{\"prompt\": \"Hello\", \"max_tokens\": 16}'"
 	@echo '  or, in Python: openai.OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="x").completions.create(model="oxserve-default", prompt="Hello")'
-	$(VENV)/bin/oxserve serve --host 127.0.0.1 --port 8000
+	$(VENV)/bin/oxserve serve --host 127.0.0.1 --port 8000 --tool-call-parser glm --enable-auto-tool-choice --reasoning-parser glm
 
 test: $(STAMP)
 	$(PY) -m pytest -q -x

@@ -1,13 +1,12 @@
 """The agent-facing chat API through the official `openai` client: tool calls (forced,
 parallel, streamed), tool results in the conversation, reasoning content and the thinking
-switch, structured outputs (JSON schema, JSON object, vLLM's guided_* extras), and the
-errors each of them gives for bad input."""
+switch, structured outputs (JSON schema, JSON object, vLLM's guided_* extras), the errors
+each of them gives for bad input; and openai-agents, a real agent framework, using it."""
 
 from __future__ import annotations
 
 import json
 import re
-
 from typing import Annotated
 
 import jsonschema
