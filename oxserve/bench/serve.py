@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import random
 import sys
 import time
@@ -93,6 +94,8 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
                         help="share of requests sent under a JSON schema (response_format json_schema) (default: %(default)s)")  # fmt: skip
     parser.add_argument("--structured-output-schema", default=None, metavar="PATH",
                         help="the JSON schema those requests use (default: a small built-in one with bounded fields)")  # fmt: skip
+    parser.add_argument("--api-key", default=None,
+                        help="sent as 'Authorization: Bearer KEY' (default: $OXSERVE_API_KEY, else $OPENAI_API_KEY, else none)")  # fmt: skip
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per request (default: %(default)s)")
     parser.add_argument("--json", action="store_true", help="also print the results as one JSON object on the last line")
     parser.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
@@ -160,7 +163,9 @@ def _prompts(args: argparse.Namespace) -> list[BenchRequest]:
 async def benchmark(args: argparse.Namespace, requests: list[BenchRequest], slos: dict[str, float]) -> dict:
     base = args.base_url.rstrip("/")
     limits = httpx.Limits(max_connections=args.max_concurrency or len(requests), max_keepalive_connections=None)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(args.timeout), limits=limits) as client:
+    key = args.api_key or os.environ.get("OXSERVE_API_KEY") or os.environ.get("OPENAI_API_KEY")
+    headers = {"Authorization": f"Bearer {key}"} if key else None
+    async with httpx.AsyncClient(timeout=httpx.Timeout(args.timeout), limits=limits, headers=headers) as client:
         model = args.model or await first_model(client, base)
         url = f"{base}/v1/chat/completions" if args.endpoint == "chat" else f"{base}/v1/completions"
         gate = asyncio.Semaphore(args.max_concurrency or len(requests))

@@ -14,10 +14,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from oxserve.server.async_engine import AsyncEngine
+from oxserve.server.auth import RequireAPIKey
 from oxserve.server.chat_turn import ChatParsing
 from oxserve.server.metrics import ServerMetrics
 from oxserve.server.protocol import APIError
 from oxserve.server.serving import RETRY_AFTER_S, OpenAIServing
+from oxserve.server.tokenize import TokenizeServing
 
 log = logging.getLogger(__name__)
 
@@ -77,10 +79,13 @@ class TrackRequests:
             self.state.leave()
 
 
-def build_app(engine: AsyncEngine, model_name: str, parsing: ChatParsing | None = None) -> FastAPI:
+def build_app(engine: AsyncEngine, model_name: str, parsing: ChatParsing | None = None, api_key: str | None = None,
+              protect_metrics: bool = False) -> FastAPI:  # fmt: skip
+    """`api_key`: required on every route but /health (and /metrics unless `protect_metrics`)."""
     metrics = ServerMetrics(lambda: engine.snapshot)
     engine.metrics = metrics
     serving = OpenAIServing(engine, model_name, parsing)
+    tokenizing = TokenizeServing(serving)
     state = ServerState(engine)
 
     @asynccontextmanager
@@ -92,6 +97,8 @@ def build_app(engine: AsyncEngine, model_name: str, parsing: ChatParsing | None 
     app = FastAPI(title="oxserve", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.server = state
     app.add_middleware(TrackRequests, state=state)
+    if api_key is not None:  # added last, so outermost: a request without the key is not even counted
+        app.add_middleware(RequireAPIKey, api_key=api_key, protect_metrics=protect_metrics)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError) -> Response:
@@ -116,11 +123,27 @@ def build_app(engine: AsyncEngine, model_name: str, parsing: ChatParsing | None 
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    def model_card() -> dict:
+        # root is the served name, as vLLM's when the model is a name: the checkpoint's path is the host's business.
+        return {"id": model_name, "object": "model", "created": int(time.time()), "owned_by": "oxserve",
+                "root": model_name, "parent": None, "max_model_len": engine.max_model_len}  # fmt: skip
+
     @app.get("/v1/models")
     async def models() -> dict:
-        card = {"id": model_name, "object": "model", "created": int(time.time()), "owned_by": "oxserve",
-                "root": str(engine.model_path), "max_model_len": engine.max_model_len}  # fmt: skip
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model:path}")  # a served name may hold slashes (org/name)
+    async def retrieve_model(model: str) -> dict:
+        serving._check_model(model)
+        return model_card()
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict:
+        return await tokenizing.tokenize(await read_body(request))
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict:
+        return await tokenizing.detokenize(await read_body(request))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 from types import FrameType
 
@@ -22,6 +23,8 @@ from oxserve.server.chat_turn import ChatParsing
 from oxserve.server.parsers import REASONING_PARSERS, TOOL_PARSERS
 
 log = logging.getLogger("oxserve.server")
+
+API_KEY_ENV = "OXSERVE_API_KEY"
 
 
 def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
@@ -39,6 +42,10 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
                        help='let the model decide when to call tools (tool_choice "auto", the default when tools are sent)')  # fmt: skip
     group.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
                        help="separate the model's reasoning (<think>...</think>) into reasoning_content")  # fmt: skip
+    group.add_argument("--api-key", default=None, metavar="KEY",
+                       help=f"require 'Authorization: Bearer KEY' on every route but /health and /metrics; without the flag, "
+                            f"read from ${API_KEY_ENV} (safer: a flag shows in ps); neither: no key needed")  # fmt: skip
+    group.add_argument("--api-key-protects-metrics", action="store_true", help="require the API key on /metrics too")
     group.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"), help="(default: %(default)s)")
     group.add_argument("--no-access-log", dest="access_log", action="store_false", help="do not log one line per HTTP request")
     add_engine_arguments(parser)
@@ -52,10 +59,11 @@ def run(args: argparse.Namespace) -> int:
         parsing = ChatParsing(args.tool_call_parser, args.enable_auto_tool_choice, args.reasoning_parser)
     except ValueError as e:
         raise SystemExit(str(e)) from None
+    api_key = api_key_from(args)
     engine = AsyncEngine(engine_config_from_args(args), args.max_waiting)
     model_name = args.served_model_name or args.model or "oxserve-default"
     log.info("serving %s (%s) as %r, max_model_len %d", engine.model_path, args.dtype, model_name, engine.max_model_len)
-    app = build_app(engine, model_name, parsing)
+    app = build_app(engine, model_name, parsing, api_key, args.api_key_protects_metrics)
     config = uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level, access_log=args.access_log,
         timeout_graceful_shutdown=5, log_config=None,  # keep the logging set up above
@@ -63,6 +71,22 @@ def run(args: argparse.Namespace) -> int:
     server = DrainingServer(config, app.state.server, args.shutdown_timeout)
     server.run()
     return 0 if server.started else 1
+
+
+def api_key_from(args: argparse.Namespace) -> str | None:
+    """--api-key, else $OXSERVE_API_KEY, else None; checked, and logged by its source only, never its value."""
+    source = "--api-key" if args.api_key is not None else API_KEY_ENV
+    key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
+    if key is None:
+        if args.api_key_protects_metrics:
+            raise SystemExit(f"--api-key-protects-metrics needs an API key (--api-key or ${API_KEY_ENV})")
+        return None
+    # It has to travel in a header as is: visible ASCII, no spaces.
+    if not key or not all("!" <= c <= "~" for c in key):
+        raise SystemExit(f"the API key ({source}) must be non-empty visible ASCII without spaces")
+    open_routes = "/health" if args.api_key_protects_metrics else "/health and /metrics"
+    log.info("API key required (from %s) on every route but %s", source, open_routes)
+    return key
 
 
 class DrainingServer(uvicorn.Server):

@@ -63,14 +63,16 @@ def free_port() -> int:
 
 
 @contextmanager
-def serve(model: Path, *args: str, log_dir: Path) -> Iterator[ServerProcess]:
-    """Runs `oxserve serve` on a free port until the block ends; fails with its log if it never comes up."""
+def serve(model: Path, *args: str, log_dir: Path, env: dict[str, str] | None = None) -> Iterator[ServerProcess]:
+    """Runs `oxserve serve` on a free port until the block ends (`env`: extra environment variables);
+    fails with its log if it never comes up."""
     port = free_port()
     log_path = log_dir / f"server-{port}.log"
     cmd = [sys.executable, "-m", "oxserve.cli", "serve", "--model", str(model), "--dtype", "float32",
            "--port", str(port), "--max-model-len", str(MAX_MODEL_LEN), "--cache-memory-gib", "0.05", *args]  # fmt: skip
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        environment = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=environment)
     server = ServerProcess(proc, port, log_path)
     try:
         deadline = time.monotonic() + 120
