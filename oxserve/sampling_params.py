@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 
 from oxserve.structured.params import StructuredOutputs
@@ -48,11 +49,13 @@ class SamplingParams:
             self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
             f"max_tokens must be an integer >= 1, got {self.max_tokens!r}",
         )
-        _check(self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}")
+        # Finite: an infinite temperature or penalty turns logits into NaN inside a step.
+        _check(math.isfinite(self.temperature) and self.temperature >= 0.0, f"temperature must be finite and >= 0, got {self.temperature}")
         _check(isinstance(self.top_k, int) and self.top_k >= 0, f"top_k must be -1, 0 or a positive integer, got {self.top_k!r}")
         _check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
         _check(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}")
-        _check(self.repetition_penalty > 0.0, f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        _check(math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0.0,
+               f"repetition_penalty must be finite and > 0, got {self.repetition_penalty}")  # fmt: skip
         _check(-2.0 <= self.presence_penalty <= 2.0, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
         _check(-2.0 <= self.frequency_penalty <= 2.0, f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
         _check(

@@ -123,7 +123,8 @@ def filtered_probs(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tenso
     min_p = _column([p.min_p for p in params], x.device)
     if (min_p > 0).any():
         x = _apply_min_p(x, min_p)
-    top_k = torch.tensor([p.top_k for p in params], device=x.device)
+    # top_k at or above the vocabulary keeps every token (and any int fits the tensor).
+    top_k = torch.tensor([min(p.top_k, x.shape[-1]) for p in params], device=x.device)
     top_p = _column([p.top_p for p in params], x.device)
     if (top_k > 0).any() or (top_p < 1.0).any():
         x = _apply_top_k_top_p(x, top_k, top_p)

@@ -5,10 +5,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Mapping
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -107,19 +108,19 @@ def build_app(engine: AsyncEngine, model_name: str, parsing: ChatParsing | None 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException) -> Response:
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-        return _error_response(APIError(e.status_code, str(e.detail), kind))
+        return _error_response(APIError(e.status_code, str(e.detail), kind), e.headers)  # 405's Allow among them
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, e: Exception) -> Response:
         log.exception("unhandled error on %s", request.url.path)
-        return _error_response(APIError(500, f"internal server error: {e!r}", "server_error"))
+        return _error_response(APIError(500, "internal server error (the server's log has the details)", "server_error"))
 
     @app.get("/health")
     async def health() -> Response:
         ok = engine.is_alive and not state.draining
         return Response(status_code=200 if ok else 503)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)  # Prometheus text, not the JSON FastAPI would declare
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
@@ -165,6 +166,8 @@ async def read_body(request: Request) -> bytes:
     return bytes(body)
 
 
-def _error_response(e: APIError) -> JSONResponse:
-    headers = {"Retry-After": str(RETRY_AFTER_S)} if e.status in (429, 503) else None
-    return JSONResponse(e.body(), status_code=e.status, headers=headers)
+def _error_response(e: APIError, headers: Mapping[str, str] | None = None) -> JSONResponse:
+    headers = dict(headers or {})
+    if e.status in (429, 503):
+        headers["Retry-After"] = str(RETRY_AFTER_S)
+    return JSONResponse(e.body(), status_code=e.status, headers=headers or None)

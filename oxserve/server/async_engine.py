@@ -280,7 +280,7 @@ class AsyncEngine:
             if isinstance(e, ValueError):
                 return e
             log.exception("%s: adding the request failed", group.request_ids[0])
-            return EngineError(f"the engine could not add the request: {e}")
+            return EngineError("the engine could not add the request (the server's log has the details)")
         for index, rid in enumerate(added):
             self._owners[rid] = _Owner(group, index)
         return None
@@ -311,5 +311,6 @@ class AsyncEngine:
             except Exception:
                 log.exception("%s: aborting after a failed step failed too", rid)
             if (owner := self._owners.pop(rid, None)) is not None:
-                failure = EngineError(f"the engine failed while running this request: {error!r}")
+                # What went wrong stays in the log: an error body must not show the server's internals.
+                failure = EngineError("the engine failed while running this request (the server's log has the details)")
                 self._outbox.outputs.append((owner.group, owner.index, failure))

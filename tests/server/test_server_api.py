@@ -197,6 +197,9 @@ def test_metrics_parse(server):
     samples = server.metrics()
     assert samples["oxserve:generation_tokens_total"] >= 3
     assert samples["oxserve:e2e_request_latency_seconds_count"] >= 1
+    assert httpx.get(f"{server.base_url}/metrics").headers["content-type"].startswith("text/plain")
+    declared = httpx.get(f"{server.base_url}/openapi.json").json()["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
+    assert list(declared) == ["text/plain"]  # not the JSON FastAPI declares by default
 
 
 def _completion(server, **body) -> dict:

@@ -35,6 +35,8 @@ BAD_INPUTS = [
     ("/v1/completions", {"prompt": "hi", "logprobs": 21}, 400, "logprobs"),
     ("/v1/completions", {"prompt": "hi", "stop": [""]}, 400, "stop"),
     ("/v1/completions", {"prompt": "hi", "seed": 2**70}, 400, "seed"),
+    ("/v1/completions", b'{"prompt": "hi", "repetition_penalty": 1e999}', 400, "repetition_penalty"),  # JSON's inf
+    ("/v1/completions", b'{"prompt": "hi", "temperature": 1e999}', 400, "temperature"),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 1.0}}, 400, "logit_bias"),
     ("/v1/completions", {"prompt": "hi", "prompt_logprobs": 21}, 400, "prompt_logprobs"),
     ("/v1/completions", {"prompt": "hi", "prompt_logprobs": 1, "stream": True}, 400, "prompt_logprobs"),
@@ -85,7 +87,12 @@ def test_bad_inputs_get_clear_errors_and_disturb_nobody(server):
         assert set(error) == {"message", "type", "param", "code"}
         assert words in error["message"], (body, error)
     wrong_method = httpx.get(base + "/v1/completions")
-    assert wrong_method.status_code == 405 and "error" in wrong_method.json()
+    assert wrong_method.status_code == 405 and "error" in wrong_method.json() and wrong_method.headers["allow"] == "POST"
+    # top_k past the vocabulary (or any int64) keeps every token, as a top_k of 0 does.
+    sampled = {**LONG, "max_tokens": 3, "temperature": 1.0, "seed": 1}
+    huge_k = post(base, "/v1/completions", {**sampled, "top_k": 2**64})
+    assert huge_k.status_code == 200, huge_k.text
+    assert huge_k.json()["choices"][0]["text"] == post(base, "/v1/completions", sampled).json()["choices"][0]["text"]
     neighbour.join()
     assert result == {"tokens": 60, "text": alone}
     assert post(base, "/v1/completions", LONG).json()["choices"][0]["text"] == alone
@@ -205,4 +212,5 @@ def test_engine_thread_survives_a_failing_request(tiny_model):
 
     error, served, repeat = asyncio.run(main())
     assert "engine failed" in error
+    assert "Generator" not in error and "2**70" not in error and str(2**70) not in error  # the cause stays in the log
     assert len(served) == 5 and served == repeat
