@@ -154,6 +154,9 @@ def build_app(engine: AsyncEngine, model_name: str, parsing: ChatParsing | None 
     async def chat_completions(request: Request) -> Response:
         return await serving.chat(await read_body(request), request)
 
+    from oxserve.server.responses import add_responses_routes  # here, not at the top: its routes use read_body below
+
+    add_responses_routes(app, serving)
     return app
 
 
