@@ -18,14 +18,12 @@ from oxserve.server.async_engine import AsyncEngine
 from oxserve.server.auth import RequireAPIKey
 from oxserve.server.chat_turn import ChatParsing
 from oxserve.server.metrics import ServerMetrics
-from oxserve.server.protocol import APIError
+from oxserve.server.protocol import APIError, read_body
+from oxserve.server.responses import add_responses_routes
 from oxserve.server.serving import RETRY_AFTER_S, OpenAIServing
 from oxserve.server.tokenize import TokenizeServing
 
 log = logging.getLogger(__name__)
-
-MAX_BODY_BYTES = 32 * 2**20
-
 
 class ServerState:
     """Requests in flight and whether the server is draining (SIGTERM: finish, accept no more)."""
@@ -93,6 +91,7 @@ def build_app(engine: AsyncEngine, model_name: str, parsing: ChatParsing | None 
     async def lifespan(app: FastAPI):
         engine.start()
         yield
+        await responses.close()  # running responses are cancelled before the engine stops
         await engine.stop()
 
     app = FastAPI(title="oxserve", lifespan=lifespan, docs_url=None, redoc_url=None)
@@ -154,19 +153,9 @@ def build_app(engine: AsyncEngine, model_name: str, parsing: ChatParsing | None 
     async def chat_completions(request: Request) -> Response:
         return await serving.chat(await read_body(request), request)
 
-    from oxserve.server.responses import add_responses_routes  # here, not at the top: its routes use read_body below
 
-    add_responses_routes(app, serving)
+    responses = add_responses_routes(app, serving)
     return app
-
-
-async def read_body(request: Request) -> bytes:
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > MAX_BODY_BYTES:
-            raise APIError(413, f"the request body exceeds {MAX_BODY_BYTES} bytes", "invalid_request_error", None, "request_too_large")
-    return bytes(body)
 
 
 def _error_response(e: APIError, headers: Mapping[str, str] | None = None) -> JSONResponse:

@@ -12,10 +12,12 @@ from dataclasses import replace
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.requests import Request
 
 from oxserve.sampling_params import SamplingParams
 from oxserve.structured import StructuredOutputs
 
+MAX_BODY_BYTES = 32 * 2**20
 MAX_N = 128  # choices per prompt; a guard against one request filling the whole queue
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # as vLLM; seed + choice index stays in torch's range
 
@@ -33,6 +35,16 @@ class APIError(Exception):
 
 def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, "invalid_request_error", param)
+
+
+async def read_body(request: Request) -> bytes:
+    """The whole body, or a 413 as soon as it passes MAX_BODY_BYTES (nothing more is read)."""
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > MAX_BODY_BYTES:
+            raise APIError(413, f"the request body exceeds {MAX_BODY_BYTES} bytes", "invalid_request_error", None, "request_too_large")
+    return bytes(body)
 
 
 def parse_body(model: type[BaseModel], body: bytes) -> Any:
