@@ -239,3 +239,30 @@ def test_openai_agents_completes_a_tool_using_turn(agent_server):
     assert kinds[:2] == ["tool_call_item", "tool_call_output_item"] and kinds[-1] == "message_output_item"
     assert isinstance(result.final_output, str)
     assert len(result.raw_responses) == 2 and result.raw_responses[1].usage.input_tokens > result.raw_responses[0].usage.input_tokens
+
+
+def test_openai_agents_on_the_responses_api(agent_server):
+    """The framework's default model speaks the Responses API (streamed): the forced call
+    parses and runs; the turn stops at the tool's result (a random model's free second turn
+    would run to max_output_tokens, which this model reports as an error)."""
+    from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
+
+    set_tracing_disabled(True)
+    calls = []
+
+    @function_tool
+    def get_weather(city: Annotated[str, Field(max_length=8)], days: Annotated[int, Field(ge=1, le=7)]) -> str:
+        """Weather forecast for a city."""
+        calls.append((city, days))
+        return f"sunny for {days} days in {city}"
+
+    model = OpenAIResponsesModel(model=agent_server.client().models.list().data[0].id, openai_client=agent_server.async_client())
+    settings = ModelSettings(tool_choice="get_weather", parallel_tool_calls=False, temperature=0.0, max_tokens=32,
+                             extra_body=NO_THINKING)  # fmt: skip
+    agent = Agent(name="forecaster", instructions="Answer with the forecast.", tools=[get_weather], model=model,
+                  model_settings=settings, tool_use_behavior="stop_on_first_tool")  # fmt: skip
+    result = Runner.run_sync(agent, "What is the weather in Paris?", max_turns=2)
+
+    assert len(calls) == 1 and isinstance(calls[0][1], int) and 1 <= calls[0][1] <= 7
+    assert [item.type for item in result.new_items] == ["tool_call_item", "tool_call_output_item"]
+    assert result.final_output == f"sunny for {calls[0][1]} days in {calls[0][0]}"

@@ -143,6 +143,9 @@ class ResponsesRequest(_Strict):
     metadata: dict[str, str] | None = Field(None, max_length=16)
     user: str | None = None
     truncation: Literal["disabled"] | None = None
+    # Extra output OpenAI can add (encrypted reasoning, logprobs, ...): accepted, as agent
+    # frameworks send it, but none of it is produced here.
+    include: list[str] | None = None
     # vLLM extras, as on chat
     seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     top_k: int | None = None
