@@ -25,6 +25,9 @@ from oxserve.server.tokenize import TokenizeServing
 
 log = logging.getLogger(__name__)
 
+ABORT_GRACE_S = 2.0  # after the drain timeout: for aborted requests to send their last chunk
+
+
 class ServerState:
     """Requests in flight and whether the server is draining (SIGTERM: finish, accept no more)."""
 
@@ -45,7 +48,9 @@ class ServerState:
             self.idle.set()
 
     async def drain(self, timeout: float) -> None:
-        """Stop taking requests, let in-flight ones finish; past `timeout`, abort them."""
+        """Stop taking requests, let in-flight ones finish; past `timeout`, abort them and give
+        them ABORT_GRACE_S to answer. Returns by then whatever clients do: a request still
+        waiting for its body is left to the server's shutdown, which closes its connection."""
         self.draining = True
         log.info("draining: %d request(s) in flight, waiting up to %.0fs", self.in_flight, timeout)
         try:
@@ -53,7 +58,10 @@ class ServerState:
         except TimeoutError:
             log.warning("drain timeout: aborting %d request(s)", self.in_flight)
             self.engine.abort(None)
-            await asyncio.wait_for(self.idle.wait(), 10)
+            try:
+                await asyncio.wait_for(self.idle.wait(), ABORT_GRACE_S)
+            except TimeoutError:
+                log.warning("%d request(s) still in flight (a client not sending or not reading); closing anyway", self.in_flight)
         log.info("drained")
 
 

@@ -110,5 +110,7 @@ class DrainingServer(uvicorn.Server):
         self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain()))
 
     async def _drain(self) -> None:
-        await self.state.drain(self.timeout)
-        self.should_exit = True
+        try:
+            await self.state.drain(self.timeout)
+        finally:  # whatever went wrong while draining, the server stops
+            self.should_exit = True
