@@ -20,6 +20,7 @@ from oxserve.cli import add_engine_arguments, engine_config_from_args
 from oxserve.server.app import ServerState, build_app
 from oxserve.server.async_engine import AsyncEngine
 from oxserve.server.chat_turn import ChatParsing
+from oxserve.server.deadlines import deadline_protocol
 from oxserve.server.parsers import REASONING_PARSERS, TOOL_PARSERS
 
 log = logging.getLogger("oxserve.server")
@@ -46,6 +47,12 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
                        help=f"require 'Authorization: Bearer KEY' on every route but /health and /metrics; without the flag, "
                             f"read from ${API_KEY_ENV} (safer: a flag shows in ps); neither: no key needed")  # fmt: skip
     group.add_argument("--api-key-protects-metrics", action="store_true", help="require the API key on /metrics too")
+    group.add_argument("--header-read-timeout", type=float, default=10.0,
+                       help="seconds a connection may take to send a request's headers before it is closed (default: %(default)s)")  # fmt: skip
+    group.add_argument("--body-read-timeout", type=float, default=60.0,
+                       help="seconds a request may take to send its body before a 408 (default: %(default)s)")  # fmt: skip
+    group.add_argument("--max-connections", type=int, default=1024,
+                       help="open connections (and requests) beyond which a new request gets 503 (default: %(default)s)")  # fmt: skip
     group.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"), help="(default: %(default)s)")
     group.add_argument("--no-access-log", dest="access_log", action="store_false", help="do not log one line per HTTP request")
     add_engine_arguments(parser)
@@ -55,6 +62,8 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.max_waiting < 1:
         raise SystemExit(f"--max-waiting must be >= 1, got {args.max_waiting}")
+    if min(args.header_read_timeout, args.body_read_timeout) <= 0 or args.max_connections < 1:
+        raise SystemExit("--header-read-timeout and --body-read-timeout must be > 0, --max-connections >= 1")
     try:
         parsing = ChatParsing(args.tool_call_parser, args.enable_auto_tool_choice, args.reasoning_parser)
     except ValueError as e:
@@ -67,6 +76,7 @@ def run(args: argparse.Namespace) -> int:
     config = uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level, access_log=args.access_log,
         timeout_graceful_shutdown=5, log_config=None,  # keep the logging set up above
+        http=deadline_protocol(args.header_read_timeout, args.body_read_timeout), limit_concurrency=args.max_connections,
     )  # fmt: skip
     server = DrainingServer(config, app.state.server, args.shutdown_timeout)
     server.run()

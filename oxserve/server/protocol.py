@@ -12,7 +12,7 @@ from dataclasses import replace
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 
 from oxserve.sampling_params import SamplingParams
 from oxserve.structured import StructuredOutputs
@@ -40,10 +40,14 @@ def bad_request(message: str, param: str | None = None) -> APIError:
 async def read_body(request: Request) -> bytes:
     """The whole body, or a 413 as soon as it passes MAX_BODY_BYTES (nothing more is read)."""
     body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > MAX_BODY_BYTES:
-            raise APIError(413, f"the request body exceeds {MAX_BODY_BYTES} bytes", "invalid_request_error", None, "request_too_large")
+    try:
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > MAX_BODY_BYTES:
+                raise APIError(413, f"the request body exceeds {MAX_BODY_BYTES} bytes", "invalid_request_error", None,
+                               "request_too_large")  # fmt: skip
+    except ClientDisconnect:  # gone mid-body (or cut off by the body deadline): nobody reads the answer
+        raise APIError(400, "the client left before sending the whole body", "invalid_request_error") from None
     return bytes(body)
 
 

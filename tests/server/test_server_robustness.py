@@ -223,3 +223,33 @@ def test_engine_thread_survives_a_failing_request(tiny_model):
     assert "engine failed" in error
     assert "Generator" not in error and "2**70" not in error and str(2**70) not in error  # the cause stays in the log
     assert len(served) == 5 and served == repeat
+
+
+def test_read_deadlines_and_the_connection_limit(tiny_model, tmp_path):
+    """Connections that send nothing, half their headers or half their body are closed on
+    their deadline (the last with a 408); past --max-connections a request gets 503."""
+    args = ("--header-read-timeout", "1", "--body-read-timeout", "1", "--max-connections", "6")
+    with serve(tiny_model, *args, log_dir=tmp_path) as s:
+        address = ("127.0.0.1", int(s.base_url.rsplit(":", 1)[1]))
+        silent = [socket.create_connection(address) for _ in range(6)]
+        time.sleep(0.2)
+        assert httpx.get(s.base_url + "/v1/models").status_code == 503  # the limit is taken
+        half_headers = socket.create_connection(address)
+        half_headers.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Ty")
+        opened = time.monotonic()
+        for conn in [*silent, half_headers]:
+            conn.settimeout(10)
+            assert conn.recv(1024) == b""  # closed by the server, nothing sent
+        assert 0.8 < time.monotonic() - opened < 5
+        assert post(s.base_url, "/v1/completions", {**LONG, "max_tokens": 3}).status_code == 200  # room again
+
+        half_body = socket.create_connection(address)
+        half_body.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                          b"Content-Length: 100\r\n\r\n{\"prompt\": ")  # fmt: skip
+        half_body.settimeout(10)
+        answer = b""
+        while chunk := half_body.recv(4096):
+            answer += chunk
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 408") and json.loads(body)["error"]["code"] == "request_timeout"
+        assert "did not arrive in time" in s.log()
