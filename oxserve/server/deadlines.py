@@ -65,8 +65,8 @@ class DeadlineH11Protocol(H11Protocol):
     def _expired(self) -> None:
         if self.transport.is_closing():
             return
-        self.logger.warning("closing a connection whose request %s did not arrive in time (%s)", self._waiting_for,
-                            "%s:%d" % self.client if self.client else "unknown client")  # fmt: skip
+        client = f"{self.client[0]}:{self.client[1]}" if self.client else "unknown client"
+        self.logger.warning("closing a connection whose request %s did not arrive in time (%s)", self._waiting_for, client)
         if self._waiting_for == "body" and self.cycle is not None and not self.cycle.response_started:
             timeout = self.body_timeout
             error = APIError(408, f"the request body did not arrive within {timeout:g} s", "invalid_request_error",
