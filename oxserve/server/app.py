@@ -20,7 +20,7 @@ from oxserve.server.chat_turn import ChatParsing
 from oxserve.server.metrics import ServerMetrics
 from oxserve.server.protocol import APIError, read_body
 from oxserve.server.responses import add_responses_routes
-from oxserve.server.serving import RETRY_AFTER_S, OpenAIServing
+from oxserve.server.serving import OpenAIServing
 from oxserve.server.tokenize import TokenizeServing
 
 log = logging.getLogger(__name__)
@@ -78,7 +78,7 @@ class TrackRequests:
             return await self.app(scope, receive, send)
         if self.state.draining:
             error = APIError(503, "the server is shutting down; retry on another replica", "service_unavailable", None, "server_shutting_down")
-            return await _error_response(error)(scope, receive, send)
+            return await _error_response(error, retry_after=self.state.engine.retry_after())(scope, receive, send)
         self.state.enter()
         try:
             await self.app(scope, receive, send)
@@ -110,7 +110,7 @@ def build_app(engine: AsyncEngine, model_name: str, parsing: ChatParsing | None 
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError) -> Response:
-        return _error_response(e)
+        return _error_response(e, retry_after=engine.retry_after())
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException) -> Response:
@@ -166,8 +166,8 @@ def build_app(engine: AsyncEngine, model_name: str, parsing: ChatParsing | None 
     return app
 
 
-def _error_response(e: APIError, headers: Mapping[str, str] | None = None) -> JSONResponse:
+def _error_response(e: APIError, headers: Mapping[str, str] | None = None, retry_after: int = 1) -> JSONResponse:
     headers = dict(headers or {})
     if e.status in (429, 503):
-        headers["Retry-After"] = str(RETRY_AFTER_S)
+        headers["Retry-After"] = str(retry_after)
     return JSONResponse(e.body(), status_code=e.status, headers=headers or None)

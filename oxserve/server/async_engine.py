@@ -31,6 +31,7 @@ from oxserve.config import EngineConfig
 from oxserve.engine.engine import EngineStats, LLMEngine, Prompt
 from oxserve.outputs import RequestOutput
 from oxserve.sampling_params import SamplingParams
+from oxserve.server.retry_after import FinishRate
 from oxserve.structured.grammar import check_constraint
 
 log = logging.getLogger(__name__)
@@ -148,6 +149,7 @@ class AsyncEngine:
             raise ValueError(f"max_waiting must be >= 1, got {max_waiting}")
         self.max_waiting = max_waiting
         self.metrics = metrics
+        self.finishes = FinishRate()  # event loop only: for Retry-After
         self._commands: queue.Queue = queue.Queue()
         self._owners: dict[str, _Owner] = {}  # engine thread only
         self._outbox = _Outbox()  # engine thread only
@@ -169,6 +171,10 @@ class AsyncEngine:
         """ValueError if the engine cannot run the request's constraint; call off the event
         loop (a large schema takes a while to compile) and before submitting."""
         check_constraint(self.grammars, params.structured_outputs)
+
+    def retry_after(self) -> int:
+        """Seconds a refused client should wait: the queue as it stands at the recent finish rate."""
+        return self.finishes.retry_after(self.snapshot.num_waiting)
 
     # ---- event loop side ----------------------------------------------------------------
     def start(self) -> None:
@@ -211,8 +217,10 @@ class AsyncEngine:
             if isinstance(item, RequestOutput):
                 if timing.first_token is None and item.outputs[0].token_ids:
                     timing.first_token = now
-                if item.finished and self.metrics is not None:
-                    self.metrics.observe_finished(timing, item, now)
+                if item.finished:
+                    self.finishes.record()
+                    if self.metrics is not None:
+                        self.metrics.observe_finished(timing, item, now)
             group.queue.put_nowait((index, item))
 
     # ---- engine thread ------------------------------------------------------------------

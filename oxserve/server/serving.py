@@ -35,7 +35,6 @@ from oxserve.server.protocol import (
 
 log = logging.getLogger(__name__)
 
-RETRY_AFTER_S = 1
 
 
 @dataclass
