@@ -142,7 +142,7 @@ def build_app(engine: AsyncEngine, model_name: str, parsing: ChatParsing | None 
 
     @app.get("/v1/models/{model:path}")  # a served name may hold slashes (org/name)
     async def retrieve_model(model: str) -> dict:
-        serving._check_model(model)
+        serving.check_model(model)
         return model_card()
 
     @app.post("/tokenize")

@@ -147,7 +147,7 @@ class OpenAIServing:
     # ---- /v1/completions ----------------------------------------------------------------
     async def completions(self, body: bytes, raw: Request) -> Response:
         req: CompletionRequest = parse_body(CompletionRequest, body)
-        self._check_model(req.model)
+        self.check_model(req.model)
         params = req.to_sampling_params()
         texts = req.prompts()
         prompts = [await self._prompt_ids(p, params.max_tokens, "prompt") for p in texts]
@@ -236,14 +236,14 @@ class OpenAIServing:
     async def prepare_chat(self, req: ChatCompletionRequest, response_id: str) -> tuple[Job, ChatTurn]:
         """A chat request, validated, rendered and tokenized: ready to submit (also for the
         Responses API, which is chat underneath)."""
-        self._check_model(req.model)
-        prompt_text = self._render_chat(req)
+        self.check_model(req.model)
+        prompt_text = self.render_chat(req)
         turn = ChatTurn(req, self.parsing, prompt_text, self.engine.tokenizer)
         params = await self._checked(turn.sampling_params(req.to_sampling_params()))
         prompt = await self._prompt_ids(prompt_text, params.max_tokens, "messages")
         return Job(response_id, self.model_name, params, [prompt], int(time.time())), turn
 
-    def _render_chat(self, req: ChatCompletionRequest) -> str:
+    def render_chat(self, req: ChatCompletionRequest) -> str:
         tokenizer = self.engine.tokenizer
         if tokenizer is None:
             raise bad_request("this model has no tokenizer, so no chat template; use /v1/completions with token ids")
@@ -257,7 +257,7 @@ class OpenAIServing:
             raise bad_request(f"the chat template failed on these messages: {e}", "messages") from None
 
     # ---- shared -------------------------------------------------------------------------
-    def _check_model(self, model: str | None) -> None:
+    def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
             raise APIError(404, f"The model `{model}` does not exist; this server serves `{self.model_name}`.",
                            "invalid_request_error", "model", "model_not_found")  # fmt: skip

@@ -51,11 +51,11 @@ class TokenizeServing:
 
     async def tokenize(self, body: bytes) -> dict[str, Any]:
         req: TokenizeRequest = parse_body(TokenizeRequest, body)
-        self.serving._check_model(req.model)
+        self.serving.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("send either prompt or messages, not both or neither", "prompt")
         tokenizer = self._tokenizer("prompt" if req.messages is None else "messages")
-        text = req.prompt if req.messages is None else self._render_chat(req)
+        text = req.prompt if req.messages is None else self._chat_prompt(req)
         # On a worker thread: a long text (and a token string per id) would stall the event loop.
         tokens, token_strs = await asyncio.to_thread(_encode, tokenizer, text, req.return_token_strs)  # type: ignore[arg-type]
         answer: dict[str, Any] = {"count": len(tokens), "max_model_len": self.engine.max_model_len, "tokens": tokens}
@@ -65,7 +65,7 @@ class TokenizeServing:
 
     async def detokenize(self, body: bytes) -> dict[str, Any]:
         req: DetokenizeRequest = parse_body(DetokenizeRequest, body)
-        self.serving._check_model(req.model)
+        self.serving.check_model(req.model)
         tokenizer = self._tokenizer("tokens")
         vocab_size = self.engine.vocab_size
         if bad := [t for t in req.tokens if not 0 <= t < vocab_size]:
@@ -78,10 +78,10 @@ class TokenizeServing:
             raise bad_request("this model has no tokenizer", param)
         return self.engine.tokenizer
 
-    def _render_chat(self, req: TokenizeRequest) -> str:
+    def _chat_prompt(self, req: TokenizeRequest) -> str:
         chat = ChatCompletionRequest(messages=req.messages, tools=req.tools, add_generation_prompt=req.add_generation_prompt,
                                      chat_template_kwargs=req.chat_template_kwargs)  # fmt: skip
-        return self.serving._render_chat(chat)
+        return self.serving.render_chat(chat)
 
 
 def _encode(tokenizer: Tokenizer, text: str, with_strs: bool) -> tuple[list[int], list[str] | None]:
