@@ -66,7 +66,10 @@ class ChatTurn:
         if self.forced is not None:
             if constraint is not None:
                 raise bad_request("a forced tool call cannot be combined with another output constraint", "tool_choice")
-            constraint = StructuredOutputs(grammar=tool_call_grammar(self.forced, self.req.parallel_tool_calls))
+            try:
+                constraint = StructuredOutputs(grammar=tool_call_grammar(self.forced, self.req.parallel_tool_calls))
+            except ValueError as e:
+                raise bad_request(f"cannot force a call to these tools: {e}", "tools") from None
         if constraint is not None and self.reasoning_end is not None:
             constraint = replace(constraint, after_token_id=self.reasoning_end)
         return replace(params, structured_outputs=constraint)

@@ -192,6 +192,8 @@ def test_malformed_tool_arguments_from_the_model_are_reported_not_a_500(client):
         ({"response_format": {"type": "json_object"}, "extra_body": {"guided_regex": "a+"}}, "one output constraint"),
         ({"extra_body": {"guided_regex": "[a-"}}, "regex"),
         ({"tools": [{"type": "function", "function": {"name": ""}}]}, "tools"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"properties": ["a"]}}}], "tool_choice": "required"},
+         "cannot force a call"),
     ],
 )
 def test_bad_agent_requests_are_400s(client, kwargs, needle):

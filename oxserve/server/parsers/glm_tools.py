@@ -61,8 +61,21 @@ def tool_schema_index(tools: list[dict[str, Any]] | None) -> dict[str, dict[str,
         if isinstance(fn, dict) and isinstance(fn.get("name"), str):
             params = fn.get("parameters")
             props = params.get("properties") if isinstance(params, dict) else None
-            index[fn["name"]] = dict(props) if isinstance(props, dict) else {}
+            index[fn["name"]] = {k: resolved(v, params) for k, v in props.items()} if isinstance(props, dict) else {}
     return index
+
+
+def resolved(schema: Any, root: dict[str, Any]) -> Any:
+    """A parameter's schema with its own `$ref` into the root's `$defs` / `definitions`
+    followed (as Pydantic writes nested models), so its type is known; refs within stay."""
+    for _ in range(8):  # a chain of refs, not a cycle
+        ref = schema.get("$ref") if isinstance(schema, dict) else None
+        section, _, name = ref.removeprefix("#/").partition("/") if isinstance(ref, str) else ("", "", "")
+        target = root.get(section, {}).get(name) if section in ("$defs", "definitions") and isinstance(root.get(section), dict) else None
+        if target is None:
+            return schema
+        schema = {**target, **{k: v for k, v in schema.items() if k != "$ref"}}
+    return schema
 
 
 _JSON_TYPES = {bool: "boolean", int: "integer", float: "number", str: "string"}
