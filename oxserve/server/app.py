@@ -162,7 +162,7 @@ def build_app(engine: AsyncEngine, model_name: str, parsing: ChatParsing | None 
         return await serving.chat(await read_body(request), request)
 
 
-    responses = add_responses_routes(app, serving)
+    responses = add_responses_routes(app, serving, state)
     return app
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import time
 
 import httpx
@@ -238,3 +239,13 @@ def test_bad_requests_are_400s_naming_the_field(server, fields, param):
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["type"] == "invalid_request_error" and error["param"].startswith(param), error
+
+
+def test_sigterm_lets_a_background_response_finish(tiny_model, tmp_path):
+    """No client is attached, yet the drain waits for the response (within --shutdown-timeout)."""
+    with serve(tiny_model, "--max-model-len", "640", log_dir=tmp_path) as s:
+        response = s.client().responses.create(model=None, input="Tell me a story", background=True, max_output_tokens=80,
+                                               extra_body={"ignore_eos": True, **NO_THINKING})  # fmt: skip
+        s.proc.send_signal(signal.SIGTERM)
+        assert s.proc.wait(timeout=60) == 0
+        assert f"{response.id}: incomplete, 80 output tokens" in s.log()  # it ran to max_output_tokens

@@ -48,7 +48,15 @@ class OutputItems:
     def push(self, c: CompletionOutput) -> None:
         self.last = c
         text, _, _ = self.deltas.next(c)
-        pieces = (self.parser.push(text) if text else []) + (self.parser.finish() if c.finished else [])
+        self._apply((self.parser.push(text) if text else []) + (self.parser.finish() if c.finished else []))
+
+    def flush(self) -> None:
+        """Cut short (cancelled, failed): what the parser still holds back (a possible start of
+        a tool call, trailing whitespace) is output too."""
+        if self.last is None or not self.last.finished:
+            self._apply(self.parser.finish())
+
+    def _apply(self, pieces: list[dict[str, Any]]) -> None:
         for piece in pieces:
             for kind in TEXT_KINDS:
                 if piece.get(kind):
@@ -134,12 +142,14 @@ async def generate(record: ResponseRecord, job: Job, turn: ChatTurn, group: Requ
         async for _, out in group.outputs():
             items.push(out.outputs[0])
     except asyncio.CancelledError:
+        items.flush()
         _end(record, items, "cancelled", None)
         raise
     except Exception as e:
         if not isinstance(e, EngineError):
             log.exception("%s: generation failed", record.id)
         record.error = {"code": "server_error", "message": str(e) if isinstance(e, EngineError) else "internal server error"}
+        items.flush()
         _end(record, items, "failed", "response.failed")
     else:
         reason = items.last.finish_reason if items.last is not None else None

@@ -18,7 +18,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from oxserve.server.protocol import APIError, bad_request, read_body
 from oxserve.server.responses.events import generate
 from oxserve.server.responses.protocol import InputItem, ResponsesRequest, parse_items, parse_request
-from oxserve.server.responses.store import DEFAULT_MAX_STORED, ResponseRecord, ResponseStore
+from oxserve.server.responses.store import DEFAULT_MAX_STORED, InFlight, ResponseRecord, ResponseStore
 from oxserve.server.serving import OpenAIServing, until_disconnected
 
 
@@ -37,9 +37,11 @@ class EventStream(StreamingResponse):
                 self.on_close()
 
 
-def add_responses_routes(app: FastAPI, serving: OpenAIServing, max_stored: int = DEFAULT_MAX_STORED) -> ResponseStore:
-    """Registers the routes; the app closes the store they share (cancelling what runs) on shutdown."""
-    store = ResponseStore(max_stored)
+def add_responses_routes(app: FastAPI, serving: OpenAIServing, in_flight: InFlight | None = None,
+                         max_stored: int = DEFAULT_MAX_STORED) -> ResponseStore:  # fmt: skip
+    """Registers the routes; each running response counts in `in_flight` (so a drain waits for
+    background ones too), and the app closes the store (cancelling what runs) on shutdown."""
+    store = ResponseStore(max_stored, in_flight)
 
     def history(req: ResponsesRequest) -> list[InputItem]:
         """The conversation so far: the previous response's input and output items."""

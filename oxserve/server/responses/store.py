@@ -13,7 +13,7 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Coroutine
-from typing import Any
+from typing import Any, Protocol
 
 from oxserve.server.async_engine import RequestGroup
 from oxserve.server.protocol import APIError
@@ -98,12 +98,18 @@ class ResponseRecord:
         self._changed = asyncio.Event()
 
 
+class InFlight(Protocol):
+    def enter(self) -> None: ...
+    def leave(self) -> None: ...
+
+
 class ResponseStore:
     """The stored responses, at most `max_stored` (the oldest finished ones go first), and the
     tasks generating responses, held here so none is garbage-collected mid-run."""
 
-    def __init__(self, max_stored: int = DEFAULT_MAX_STORED):
+    def __init__(self, max_stored: int = DEFAULT_MAX_STORED, in_flight: InFlight | None = None):
         self.max_stored = max_stored
+        self.in_flight = in_flight  # the server's count of work in progress: a drain waits for responses too
         self._records: OrderedDict[str, ResponseRecord] = OrderedDict()
         self._tasks: set[asyncio.Task] = set()
 
@@ -132,6 +138,8 @@ class ResponseStore:
 
         def settle(task: asyncio.Task) -> None:
             self._tasks.discard(task)
+            if self.in_flight is not None:
+                self.in_flight.leave()
             if not record.done:  # cancelled before its first step, so `work` never ran to clean up
                 group.abort()
                 record.set_status("cancelled")
@@ -139,6 +147,8 @@ class ResponseStore:
         task = asyncio.get_running_loop().create_task(work, name=record.id)
         record.task = task
         self._tasks.add(task)
+        if self.in_flight is not None:
+            self.in_flight.enter()
         task.add_done_callback(settle)
         return task
 
