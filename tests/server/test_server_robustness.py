@@ -183,7 +183,8 @@ def test_sigterm_past_the_shutdown_timeout_aborts_and_exits_0(tiny_model, tmp_pa
         s.proc.send_signal(signal.SIGTERM)
         worker.join(timeout=30)
         assert s.proc.wait(timeout=30) == 0
-        assert time.monotonic() - signalled < 0.5 + 8  # timeout, abort grace (2 s), uvicorn's close (5 s at most)
+        # timeout, abort grace (2 s), uvicorn's close of what is left (2 s), start-to-exit slack under load
+        assert time.monotonic() - signalled < 0.5 + 2 + 2 + 6
         stalled.close()
     reasons = [c["finish_reason"] for e in events if e.startswith("data: {") for c in json.loads(e[6:])["choices"]]
     assert reasons[-1] == "abort" and [e for e in events if e][-1] == "data: [DONE]"
