@@ -32,6 +32,8 @@ TINY = make_text_config(
     index_topk=8, index_kpool=4, linear_num_heads=2, linear_head_dim=16,
 )  # fmt: skip
 MAX_MODEL_LEN = 128
+# The agent-facing server: GLM tool calls and reasoning read out of chat outputs, room for tools in the prompt.
+AGENT_ARGS = ("--tool-call-parser", "glm", "--enable-auto-tool-choice", "--reasoning-parser", "glm", "--max-model-len", "640")
 
 
 class ServerProcess:

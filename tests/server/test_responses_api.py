@@ -15,7 +15,7 @@ import jsonschema
 import openai
 import pytest
 from openai.types import responses as rt
-from server_harness import serve, tiny_model  # noqa: F401  (fixtures)
+from server_harness import AGENT_ARGS, serve, tiny_model  # noqa: F401  (tiny_model: a fixture)
 
 NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
 WEATHER = {
@@ -56,8 +56,7 @@ EVENT_TYPES = {
 
 @pytest.fixture(scope="module")
 def server(tiny_model, tmp_path_factory):
-    args = ("--tool-call-parser", "glm", "--enable-auto-tool-choice", "--reasoning-parser", "glm", "--max-model-len", "640")
-    with serve(tiny_model, *args, log_dir=tmp_path_factory.mktemp("logs")) as s:
+    with serve(tiny_model, *AGENT_ARGS, log_dir=tmp_path_factory.mktemp("logs")) as s:
         yield s
 
 

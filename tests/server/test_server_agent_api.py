@@ -13,7 +13,7 @@ import jsonschema
 import openai
 import pytest
 from pydantic import Field
-from server_harness import serve, tiny_model  # noqa: F401  (fixtures)
+from server_harness import AGENT_ARGS, serve, tiny_model  # noqa: F401  (tiny_model: a fixture)
 
 from oxserve.tokenizer import Tokenizer
 
@@ -46,8 +46,7 @@ SCHEMA = {
 
 @pytest.fixture(scope="module")
 def agent_server(tiny_model, tmp_path_factory):
-    args = ("--tool-call-parser", "glm", "--enable-auto-tool-choice", "--reasoning-parser", "glm", "--max-model-len", "640")
-    with serve(tiny_model, *args, log_dir=tmp_path_factory.mktemp("logs")) as s:
+    with serve(tiny_model, *AGENT_ARGS, log_dir=tmp_path_factory.mktemp("logs")) as s:
         yield s
 
 
