@@ -71,8 +71,26 @@ class CacheConfig:
         choices=("write-back", "replay"),
     )
     kda_replay_len: int = opt(16, "replay: ring length, the steps kept between folds (SGLang's --linear-replayssm-cache-len)")
+    enable_prefix_caching: bool = opt(
+        True, "reuse cached prefixes across requests: MLA/indexer blocks shared by content hash, KDA states from "
+        "checkpoints saved at prompt ends, conversation boundaries, branch points and finished requests",
+    )
+    prefix_checkpoint_gib: float = opt(0.5, "prefix caching: memory for KDA state checkpoints, GiB (besides cache_memory_gib)")
+    prefix_checkpoint_policy: str = opt(
+        "marconi", "prefix caching: which checkpoints to keep: marconi (admit finished turns, boundaries and branch "
+        "points; evict by recency + alpha * prefill saved per byte) or lru (admit every candidate, evict the least "
+        "recently used)", choices=("marconi", "lru"),
+    )
+    prefix_checkpoint_alpha: float = opt(1.0, "marconi: weight of prefill saved per byte against recency in eviction")
+    prefix_checkpoint_interval: int = opt(0, "prefix caching: also checkpoint every this many blocks of a prompt (0: no)")
 
     def __post_init__(self) -> None:
+        if self.prefix_checkpoint_gib <= 0:
+            raise ValueError(f"prefix_checkpoint_gib must be > 0, got {self.prefix_checkpoint_gib}")
+        if self.prefix_checkpoint_alpha < 0:
+            raise ValueError(f"prefix_checkpoint_alpha must be >= 0, got {self.prefix_checkpoint_alpha}")
+        if self.prefix_checkpoint_interval < 0:
+            raise ValueError(f"prefix_checkpoint_interval must be >= 0, got {self.prefix_checkpoint_interval}")
         if self.cache_memory_gib <= 0:
             raise ValueError(f"cache_memory_gib must be > 0, got {self.cache_memory_gib}")
         if self.kda_replay_len < 1:

@@ -12,6 +12,10 @@ import jinja2
 import jinja2.sandbox
 from tokenizers import Tokenizer as HFTokenizer
 
+# Tokens that open a chat turn (GLM's, and ChatML's): a prompt's position before one is a
+# conversation boundary, where prefix caching saves state.
+ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>", "<|observation|>", "<|im_start|>")
+
 
 class Tokenizer:
     def __init__(self, path: Path):
@@ -33,6 +37,9 @@ class Tokenizer:
         if isinstance(token, dict):
             token = token.get("content")
         return self._tok.token_to_id(token) if token else None
+
+    def role_token_ids(self) -> frozenset[int]:
+        return frozenset(i for t in ROLE_TOKENS if (i := self._tok.token_to_id(t)) is not None)
 
     def to_json(self) -> str:
         """The `tokenizers` serialisation (what grammar engines build their vocabulary from)."""

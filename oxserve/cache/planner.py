@@ -1,11 +1,14 @@
-"""Splitting the cache memory budget, from the layers' own cache specs."""
+"""Splitting the cache memory budgets (blocks and slots; prefix checkpoints), from the layers' own cache specs."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
+from oxserve.cache.manager import PrefixCaching
 from oxserve.cache.spec import (
     CacheLayout,
+    KDACacheSpec,
     LayerCacheSpec,
     block_multiple,
     bytes_per_request,
@@ -36,3 +39,31 @@ def plan_cache(cache: CacheConfig, scheduler: SchedulerConfig, specs: list[Layer
             "raise it or lower max_num_seqs"
         )
     return CacheLayout(num_blocks, block_size, num_slots)
+
+
+def kda_state_bytes(specs: list[LayerCacheSpec]) -> int:
+    """One request's KDA conv and recurrent states over every layer (a checkpoint's size)."""
+    return sum(spec.conv.bytes + spec.recurrent.bytes for spec in specs if isinstance(spec, KDACacheSpec))
+
+
+def plan_prefix_caching(cache: CacheConfig, specs: list[LayerCacheSpec], layout: CacheLayout,
+                        prefill_cost: Callable[[int], float]) -> PrefixCaching | None:
+    """The checkpoint pool from its own budget (prefix_checkpoint_gib); None when prefix
+    caching is off. A model without KDA layers needs no states: its checkpoints only pin
+    partial blocks, and there are as many of them as a quarter of the blocks."""
+    if not cache.enable_prefix_caching:
+        return None
+    state = kda_state_bytes(specs)
+    count = int(cache.prefix_checkpoint_gib * 2**30 // state) if state else max(1, layout.num_blocks // 4)
+    if count < 1:
+        raise ValueError(f"prefix_checkpoint_gib={cache.prefix_checkpoint_gib} cannot hold one KDA checkpoint "
+                         f"({state / 2**20:.1f} MiB); raise it or turn prefix caching off")
+    return PrefixCaching(
+        num_checkpoints=count,
+        state_bytes=state,
+        block_bytes=int(bytes_per_token(specs) * layout.block_size),
+        prefill_cost=prefill_cost,
+        policy=cache.prefix_checkpoint_policy,
+        alpha=cache.prefix_checkpoint_alpha,
+        interval=cache.prefix_checkpoint_interval,
+    )

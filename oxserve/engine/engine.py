@@ -17,12 +17,13 @@ from pathlib import Path
 import torch
 
 from oxserve.cache.manager import CacheManager
-from oxserve.cache.planner import plan_cache
+from oxserve.cache.planner import plan_cache, plan_prefix_caching
 from oxserve.cache.precision import CachePlan, LayerCachePrecision
 from oxserve.cache.spec import CacheLayout
 from oxserve.config import EngineConfig
 from oxserve.engine.interface import SchedulerOutput
 from oxserve.engine.memory import keep_freed_memory
+from oxserve.engine.prefill_cost import prefill_cost
 from oxserve.engine.request import Request
 from oxserve.engine.runner import ModelRunner
 from oxserve.engine.scheduler import RequestUpdate, Scheduler
@@ -62,6 +63,15 @@ class EngineStats:
     spec_accepted_tokens: int = 0  # ... and accepted; mean accept length = 1 + accepted / drafts
     grammar_mask_seconds: float = 0.0  # structured outputs: time computing and applying masks
     grammar_mask_steps: int = 0  # steps that masked at least one request
+    prefix_queries: int = 0  # prefix caching: prompt tokens looked up (all but each prompt's last)
+    prefix_hits: int = 0  # ... found in the cache, not computed
+    prefix_requests: int = 0  # requests that looked
+    prefix_hit_requests: int = 0  # ... and found a prefix
+    prefix_checkpoints: int = 0  # KDA checkpoints held
+    prefix_checkpoint_capacity: int = 0
+    prefix_checkpoint_evictions: int = 0
+    prefix_cached_blocks: int = 0  # blocks holding a hashed prefix (in use or free)
+    prefix_block_evictions: int = 0  # hashed blocks reused for other content
 
 
 @dataclass(frozen=True)
@@ -114,13 +124,16 @@ class LLMEngine:
             self.kda_replay = max(self.kda_replay, self.speculative.num_speculative_tokens + 1)
         cache_specs = loaded.model.cache_specs(self.dtype, self.cache_plan, kda_replay=self.kda_replay)
         layout = plan_cache(config.cache, config.scheduler, cache_specs, limit)
-        self.cache = CacheManager(layout.num_blocks, layout.block_size, layout.num_slots)
+        self.prefix_caching = plan_prefix_caching(config.cache, cache_specs, layout, prefill_cost(loaded.model))
+        self.cache = CacheManager(layout.num_blocks, layout.block_size, layout.num_slots, self.prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.cache)
         self.max_model_len = _fit_to_cache(limit, layout)
         self.eos_token_ids = frozenset(self._eos_ids(path))
         self.grammars = self._grammar_compiler()
         self.runner = ModelRunner(loaded.model, layout, cache_specs, self.device, deterministic=config.scheduler.deterministic,
-                                  grammars=self.grammars)  # fmt: skip
+                                  grammars=self.grammars,
+                                  num_checkpoints=self.prefix_caching.num_checkpoints if self.prefix_caching else 0)  # fmt: skip
+        self.role_token_ids = self.tokenizer.role_token_ids() if self.tokenizer is not None else frozenset()
         torch.manual_seed(config.model.seed)  # requests without their own seed draw from this
         self._texts: dict[str, OutputText] = {}
         self._next_id = 0
@@ -148,10 +161,17 @@ class LLMEngine:
             max_total_tokens=self.max_model_len,
             eos_token_ids=self.eos_token_ids,
             prompt=text,
+            boundaries=self._boundaries(token_ids),
         )
         self.scheduler.add(request)
         self._texts[request_id] = OutputText(self.tokenizer, params)
         return request_id
+
+    def _boundaries(self, token_ids: list[int]) -> tuple[int, ...]:
+        """Positions before a role token, where a turn starts, but the first (before it comes a
+        fixed preamble) and the last (the generation header: the prompt's end is as good)."""
+        marks = [i for i, t in enumerate(token_ids) if t in self.role_token_ids]
+        return tuple(marks[1:-1])
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         request = self.scheduler.finish(request_id, "abort")
@@ -173,7 +193,18 @@ class LLMEngine:
             spec_accepted_tokens=self.scheduler.num_accepted_tokens,
             grammar_mask_seconds=self.runner.masks.cost.seconds if self.runner.masks else 0.0,
             grammar_mask_steps=self.runner.masks.cost.steps if self.runner.masks else 0,
+            **self._prefix_stats(),
         )
+
+    def _prefix_stats(self) -> dict:
+        checkpoints = self.cache.checkpoints
+        if checkpoints is None:
+            return {}
+        s = self.cache.stats
+        return dict(prefix_queries=s.queries, prefix_hits=s.hits, prefix_requests=s.requests,
+                    prefix_hit_requests=s.hit_requests, prefix_checkpoints=len(checkpoints),
+                    prefix_checkpoint_capacity=checkpoints.capacity, prefix_checkpoint_evictions=checkpoints.evictions,
+                    prefix_cached_blocks=self.cache.blocks.num_cached, prefix_block_evictions=self.cache.blocks.evictions)
 
     def running_request_ids(self) -> list[str]:
         return [r.request_id for r in self.scheduler.running]
@@ -186,6 +217,7 @@ class LLMEngine:
         self.last_step = StepShape.of(scheduled)
         if not scheduled.scheduled:
             self.runner.drop(scheduled.finished_request_ids)
+            self.runner.apply_cache_ops(scheduled)  # checkpoints of requests that just finished
             return []
         started = time.perf_counter()
         result = self.runner.execute(scheduled)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from oxserve.cache.manager import CacheOps
 from oxserve.sampling_params import SamplingParams
 
 
@@ -26,6 +27,9 @@ class NewRequestData:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    # Output tokens already in the cache: a preempted request resuming from a prefix
+    # checkpoint past its prompt (their penalties count them).
+    output_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -63,6 +67,7 @@ class SchedulerOutput:
     new_requests: list[NewRequestData]
     scheduled: list[ScheduledRequest]  # decodes first, then prefill chunks
     finished_request_ids: list[str] = field(default_factory=list)  # since the last step: drop their state
+    cache_ops: CacheOps = field(default_factory=CacheOps)  # prefix caching: applied before the forward
 
     @property
     def num_tokens(self) -> int:

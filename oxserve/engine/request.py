@@ -38,6 +38,11 @@ class Request:
     # Proposed next tokens (speculative decoding): scheduled after the request's last token
     # and kept only as far as the model's own samples agree with them.
     draft_token_ids: list[int] = field(default_factory=list)
+    # Prefix caching: positions a chat template marks as conversation boundaries (before a
+    # role token), and the positions ahead where this request's KDA state is to be saved,
+    # with why (prefill chunks end there).
+    boundaries: tuple[int, ...] = ()
+    checkpoint_at: list[tuple[int, str]] = field(default_factory=list)
     draft_limit: int | None = None  # adaptive draft length (None: the configured k)
     decodes_without_drafts: int = 0  # since drafting was switched off for it
     num_computed_tokens: int = 0

@@ -15,6 +15,7 @@ import torch
 from oxserve.cache.layers import KDACache
 from oxserve.cache.replay import ReplayBook
 from oxserve.cache.spec import CacheLayout, LayerCacheSpec, replay_length
+from oxserve.cache.store import CheckpointStore
 from oxserve.engine.interface import (
     ModelRunnerOutput,
     PromptLogprobs,
@@ -51,6 +52,7 @@ class ModelRunner:
         device: torch.device,
         deterministic: bool = False,
         grammars: GrammarCompiler | None = None,
+        num_checkpoints: int = 0,
     ):
         self.model = model
         self.layout = layout
@@ -60,6 +62,7 @@ class ModelRunner:
         self.caches = [spec.allocate(layout, device) for spec in cache_specs]
         ring = replay_length(cache_specs)
         self.rings = ReplayBook(layout.num_slots, ring) if ring else None  # KDA ReplaySSM ring counts
+        self.checkpoints = CheckpointStore(cache_specs, num_checkpoints, device) if num_checkpoints else None  # prefix caching
         self.requests: dict[str, RequestState] = {}
         self.grammars = grammars
         self.masks = BatchMasks(grammars.vocab_size) if grammars is not None else None
@@ -69,7 +72,15 @@ class ModelRunner:
             self.requests.pop(request_id, None)
 
     @torch.inference_mode()
+    def apply_cache_ops(self, out: SchedulerOutput) -> None:
+        """Prefix caching's saves, restores and block copies, before anything else of the step."""
+        if out.cache_ops:
+            with span(self.tracer, "prefix_cache_ops", track="engine"):
+                self.checkpoints.apply(out.cache_ops, self.caches, self.rings, self.layout.num_blocks)
+
+    @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        self.apply_cache_ops(out)
         self._update_states(out)
         scheduled = sorted(out.scheduled, key=_batch_order)
         if self.deterministic:
@@ -134,7 +145,8 @@ class ModelRunner:
             old = self.requests.get(new.request_id)  # resumed after preemption: keep its generator
             generator = old.generator if old is not None else make_generator(new.params.seed, self.device)
             grammar = old.grammar if old is not None else None
-            self.requests[new.request_id] = RequestState(new.params, new.prompt_token_ids, [], [], generator, grammar)
+            self.requests[new.request_id] = RequestState(new.params, new.prompt_token_ids, list(new.output_token_ids), [],
+                                                         generator, grammar)
         for s in out.scheduled:
             state = self.requests[s.request_id]
             state.block_ids.extend(s.new_block_ids)

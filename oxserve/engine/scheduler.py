@@ -8,6 +8,11 @@ from scratch later. Waiting requests are admitted while budget, `max_num_seqs` a
 allow, oldest first. While decodes run, the prefill tokens of a step are bounded so that
 the step costs at most `max_stall` decode steps (stall-free batching, see `pacing`).
 
+With prefix caching, a request is admitted at the longest prefix the cache holds (shared
+blocks and a KDA checkpoint, see `oxserve.cache.manager`), and its prefill chunks end at the
+positions where its own state is worth saving (`_checkpoint_targets`); finished, aborted
+and preempted requests leave a checkpoint at their last computed token.
+
 The scheduler decides and owns every change of request state; it never touches tensors.
 `schedule()` returns one plain `SchedulerOutput`; `update_from_output()` takes the runner's
 `ModelRunnerOutput` back: it advances `num_computed_tokens` (and rolls it back over rejected
@@ -19,7 +24,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from oxserve.cache.manager import CacheManager
+from oxserve.cache.manager import MIN_BRANCH_TOKENS, CacheManager, PrefixHit
 from oxserve.config import SchedulerConfig
 from oxserve.engine.interface import ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput
 from oxserve.engine.pacing import StepPacer
@@ -31,6 +36,14 @@ from oxserve.engine.stop import token_stop
 # down to none; one whose drafts are all kept drafts one more, up to k. A request with
 # drafting off tries one draft again after this many plain decodes.
 DRAFT_PROBE_INTERVAL = 16
+
+
+def _cut(request: Request, n: int) -> int:
+    """A prefill chunk of n tokens, ended at the next position where the state is saved."""
+    for position, _ in request.checkpoint_at:
+        if position > request.num_computed_tokens:
+            return min(n, position - request.num_computed_tokens)
+    return n
 
 
 def _adapt_draft_limit(request: Request, drafted: int, accepted: int) -> None:
@@ -99,7 +112,7 @@ class Scheduler:
                 request.draft_token_ids = []  # no room for the drafts: decode plainly rather than preempt for them
                 n = min(request.num_uncomputed, budget, step_cap)
             if is_prefill:
-                n = min(n, prefill_left)
+                n = _cut(request, min(n, prefill_left))
                 if n == 0:
                     i += 1
                     continue
@@ -117,25 +130,75 @@ class Scheduler:
                 i += 1
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not preempted:
             request = self.waiting[0]
-            n = min(request.num_uncomputed, budget, step_cap, prefill_left)
+            hit = self._prefix_hit(request)
+            start = hit.position if hit is not None else 0
+            n = min(request.num_tokens - start, budget, step_cap, prefill_left)
             if n == 0:
                 break
-            if not self.cache.can_grow(request.request_id, request.num_computed_tokens + n):
+            if not (self.cache.can_resume(hit, start + n) if start else self.cache.can_grow(request.request_id, n)):
                 break
             self.waiting.popleft()
-            self.cache.grow(request.request_id, request.num_computed_tokens + n)
+            if request.num_preemptions == 0 and self.cache.prefix is not None and request.params.prompt_logprobs is None:
+                self.cache.count_lookup(request.num_tokens - 1, start)
+            if start:
+                self.cache.resume(request.request_id, hit, start + n)
+                request.num_computed_tokens = start
+            else:
+                self.cache.grow(request.request_id, n)
+            request.checkpoint_at = self._checkpoint_targets(request, hit)
+            n = _cut(request, n)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             chosen.append((request, n))
             budget -= n
             prefill_left -= n
         new_requests = [
-            NewRequestData(r.request_id, r.prompt_token_ids, r.params) for r, _ in chosen if r.request_id not in self._blocks_sent
-        ]
+            NewRequestData(r.request_id, r.prompt_token_ids, r.params, r.token_slice(len(r.prompt_token_ids), r.num_computed_tokens))
+            for r, _ in chosen if r.request_id not in self._blocks_sent
+        ]  # fmt: skip
         scheduled = [self._scheduled(r, n) for r, n in chosen]
         scheduled.sort(key=lambda s: not s.is_decode)  # stable: decodes first, arrival order kept
         finished, self._finished_ids = self._finished_ids, []
-        return SchedulerOutput(new_requests, scheduled, finished)
+        return SchedulerOutput(new_requests, scheduled, finished, self.cache.next_step())
+
+    # ---- prefix caching ---------------------------------------------------------------------
+    def _prefix_hit(self, request: Request) -> PrefixHit | None:
+        """Where a request that has computed nothing yet may start (None: from scratch).
+        Requests asking for prompt logprobs compute their whole prompt."""
+        if request.num_computed_tokens or request.params.prompt_logprobs is not None:
+            return None
+        tokens = request.token_slice(0, request.num_tokens)
+        return self.cache.lookup(tokens, request.num_tokens - 1)  # the last token is computed for its logits
+
+    def _checkpoint_targets(self, request: Request, hit: PrefixHit | None) -> list[tuple[int, str]]:
+        """Positions past where the request starts at which its state is saved: the first and
+        last conversation boundaries, where it parts from cached content, every `interval`
+        blocks, and the end of its prompt."""
+        prefix = self.cache.prefix
+        if prefix is None:
+            return []
+        start, end = request.num_computed_tokens, len(request.prompt_token_ids)
+        targets: dict[int, str] = {}
+        if request.num_computed_tokens < end:
+            targets[end] = "prompt_end"
+        marked = [b for b in request.boundaries if start < b < end]
+        for b in marked[:1] + marked[-1:]:
+            targets[b] = "boundary"
+        if prefix.interval:
+            step = prefix.interval * self.cache.block_size
+            for p in range(start - start % step + step, end, step):
+                targets.setdefault(p, "interval")
+        if hit is not None and hit.branch - start >= MIN_BRANCH_TOKENS and hit.branch <= end:
+            targets[hit.branch] = "branch"
+        return sorted(targets.items())
+
+    def _reached(self, request: Request) -> None:
+        """After a step: name the request's filled blocks, save its state where it was due."""
+        self.cache.register(request.request_id, request.num_computed_tokens, request.token_slice)
+        while request.checkpoint_at and request.checkpoint_at[0][0] <= request.num_computed_tokens:
+            position, reason = request.checkpoint_at.pop(0)
+            if position == request.num_computed_tokens:
+                self.cache.checkpoint(request.request_id, position, request.token_slice, reason)
 
     def _scheduled(self, request: Request, n: int) -> ScheduledRequest:
         start = request.num_computed_tokens
@@ -156,6 +219,8 @@ class Scheduler:
         )
 
     def _preempt(self, request: Request) -> None:
+        # Its state as the last step left it: resuming from there skips the recompute.
+        self.cache.checkpoint(request.request_id, request.num_computed_tokens, request.token_slice, "preempt")
         self.cache.release(request.request_id)
         self._blocks_sent.pop(request.request_id, None)  # it restarts on the runner as a new request
         request.num_computed_tokens = 0
@@ -201,6 +266,11 @@ class Scheduler:
                 _adapt_draft_limit(request, s.num_draft_tokens, len(tokens) - 1)
             request.draft_token_ids = []
             updates.append(self._append(request, tokens, logprobs))
+        if self.cache.prefix is not None:
+            for s in scheduled.scheduled:
+                request = self.requests.get(s.request_id)
+                if request is not None and not request.is_finished:
+                    self._reached(request)
         return updates
 
     def propose_drafts(self, proposer, max_drafts: int) -> None:
@@ -244,6 +314,8 @@ class Scheduler:
         request = self.requests.get(request_id)
         if request is None or request.is_finished:
             return None
+        if request.status is RequestStatus.RUNNING:  # its state, for a conversation that goes on
+            self.cache.checkpoint(request_id, request.num_computed_tokens, request.token_slice, "finish")
         request.finish(reason, stop_reason)
         if request in self.running:
             self.running.remove(request)
