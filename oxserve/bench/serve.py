@@ -9,7 +9,7 @@ TPOT ((latency - TTFT) / (output tokens - 1)) and end-to-end latency. Where the 
 /metrics has speculative-decoding counters (oxserve's or vLLM's names), the run's acceptance
 rate and mean acceptance length come from their change over the run; likewise the cost of
 structured-output masks per step, when `--structured-output-ratio` sends a share of the
-requests under a JSON schema.
+requests under a JSON schema, and the prefix cache's token hit rate.
 """
 
 from __future__ import annotations
@@ -180,6 +180,7 @@ async def benchmark(args: argparse.Namespace, requests: list[BenchRequest], slos
 
         spec_before = await metric_counters(client, base, SPEC_COUNTERS)
         masks_before = await metric_counters(client, base, MASK_COUNTERS)
+        prefix_before = await metric_counters(client, base, PREFIX_COUNTERS)
         start = time.perf_counter()
         tasks = []
         for req in requests:
@@ -191,12 +192,16 @@ async def benchmark(args: argparse.Namespace, requests: list[BenchRequest], slos
         progress.close()
         spec_after = await metric_counters(client, base, SPEC_COUNTERS)
         masks_after = await metric_counters(client, base, MASK_COUNTERS)
+        prefix_after = await metric_counters(client, base, PREFIX_COUNTERS)
     summary = summarize(results, duration, slos, args.max_concurrency, model)
     summary["structured_requests"] = sum(r.schema is not None for r in requests)
     if spec_before is not None and spec_after is not None:
         summary["spec_decode"] = spec_decode_summary(spec_before, spec_after)
     if masks_before is not None and masks_after is not None:
         summary["grammar_mask"] = mask_summary(masks_before, masks_after)
+    if prefix_before is not None and prefix_after is not None:
+        queries, hits = (int(prefix_after[k] - prefix_before[k]) for k in ("queries", "hits"))
+        summary["prefix_cache"] = {"queries": queries, "hits": hits, "hit_rate": hits / queries if queries else 0.0}
     return summary
 
 
@@ -204,6 +209,7 @@ async def benchmark(args: argparse.Namespace, requests: list[BenchRequest], slos
 SPEC_COUNTERS = {key: (f"oxserve:spec_decode_{key}_total", f"vllm:spec_decode_{key}_total")
                  for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}  # fmt: skip
 MASK_COUNTERS = {"seconds": ("oxserve:grammar_mask_seconds_total",), "steps": ("oxserve:grammar_mask_steps_total",)}
+PREFIX_COUNTERS = {key: (f"oxserve:prefix_cache_{key}_total", f"vllm:prefix_cache_{key}_total") for key in ("queries", "hits")}
 
 
 async def metric_counters(client: httpx.AsyncClient, base: str, counters: dict[str, tuple[str, ...]]) -> dict[str, float] | None:
@@ -399,6 +405,10 @@ def format_table(s: dict) -> str:
         if masks := s.get("grammar_mask"):
             lines.append(f"{'Steps that applied a mask:':<40}{masks['steps']}")
             lines.append(f"{'Mask cost per such step (ms):':<40}{masks['ms_per_step']:<10.3f}")
+    if (prefix := s.get("prefix_cache")) and prefix["queries"]:
+        lines.append("{s:{c}^{n}}".format(s="Prefix Cache", n=50, c="-"))
+        lines.append(f"{'Prompt tokens looked up / hit:':<40}{prefix['queries']} / {prefix['hits']}")
+        lines.append(f"{'Token hit rate:':<40}{prefix['hit_rate']:<10.3f}")
     lines.extend(f"error: {e}" for e in s["errors"])
     lines.append("=" * 50)
     return "\n".join(lines)
