@@ -13,6 +13,7 @@ optional)::
     arrival: {concurrency: 16}                # or {request_rate: 4.0, burstiness: 1.0}
                                               # or {request_rate: inf}
     shared_prefix: {fraction: 0.25}           # or {length: 512}
+    conversation: {turns: 10}                 # multi-turn: see below
     sampling: {temperature: 0.0, ignore_eos: true}
 
 Each prompt is `shared prefix + unique tokens`. The shared prefix of every request is a
@@ -21,6 +22,12 @@ prefix of one master sequence, so any two requests share min(their prefix length
     master:   P0 P1 P2 P3 P4 P5 ...
     req 0:    P0 P1 P2 | u u u u u u       (prefix 3 = fraction * input_len)
     req 1:    P0 P1 P2 P3 P4 | u u u u u u u u u u
+
+With `conversation: {turns: T}`, the requests form num_requests / T conversations of T
+turns (request c * T + t is turn t of conversation c). Turn 0's prompt is as above (the
+shared prefix is the system prompt); a later turn's prompt is the previous turn's prompt and
+output followed by `input_len` new tokens, so it is known only once the previous turn has
+finished: the driver sends it then (`oxserve.feedback.drive`). Arrivals apply to turn 0.
 """
 
 from __future__ import annotations
@@ -41,7 +48,7 @@ WORKLOADS_DIR = Path(__file__).resolve().parents[2] / "workloads"
 
 _TOP_LEVEL_KEYS = {
     "name", "description", "num_requests", "seed", "input_len", "output_len",
-    "arrival", "shared_prefix", "sampling",
+    "arrival", "shared_prefix", "conversation", "sampling",
 }
 
 
@@ -209,6 +216,26 @@ class SharedPrefix:
 
 
 @dataclass(frozen=True)
+class Conversation:
+    """Multi-turn: each conversation has `turns` requests, each extending the last."""
+
+    turns: int = 1
+
+    def __post_init__(self) -> None:
+        _require_int(self.turns, "turns", minimum=1)
+
+    def to_spec(self) -> dict[str, Any]:
+        return {"turns": self.turns}
+
+    @classmethod
+    def from_spec(cls, spec: Any) -> Conversation:
+        if not isinstance(spec, Mapping):
+            raise ValueError(f"must be a mapping (turns), got {spec!r}")
+        _reject_unknown(spec, {"turns"}, "conversation")
+        return cls(turns=spec.get("turns", 1))
+
+
+@dataclass(frozen=True)
 class WorkloadRequest:
     """One generated request. `sampling` already carries max_tokens = output_len."""
 
@@ -218,6 +245,10 @@ class WorkloadRequest:
     arrival_s: float
     shared_prefix_len: int
     sampling: Mapping[str, Any] = field(hash=False)
+    # Multi-turn: the conversation and turn; for turn > 0, prompt_token_ids is the new
+    # message only, sent after the previous turn's prompt and output.
+    conversation: int | None = None
+    turn: int = 0
 
     @property
     def input_len(self) -> int:
@@ -232,6 +263,7 @@ class Workload:
     output_len: LengthDist
     arrival: Arrival = field(default_factory=lambda: Arrival(concurrency=1))
     shared_prefix: SharedPrefix = field(default_factory=SharedPrefix)
+    conversation: Conversation = field(default_factory=Conversation)
     # Passed through to the engine's sampling parameters; it validates the values.
     sampling: Mapping[str, Any] = field(default_factory=dict, hash=False)
     seed: int = 0
@@ -243,9 +275,14 @@ class Workload:
         _require_int(self.num_requests, "num_requests", minimum=1)
         _require_int(self.seed, "seed", minimum=0)
         for name, kind in (("input_len", LengthDist), ("output_len", LengthDist),
-                           ("arrival", Arrival), ("shared_prefix", SharedPrefix)):
+                           ("arrival", Arrival), ("shared_prefix", SharedPrefix), ("conversation", Conversation)):
             if not isinstance(getattr(self, name), kind):
                 raise ValueError(f"{name} must be a {kind.__name__}")
+        if self.conversation.turns > 1 and self.shared_prefix.fraction:
+            raise ValueError("a conversation's shared prefix is a system prompt: give its length, not a fraction")
+        if self.num_requests % self.conversation.turns:
+            raise ValueError(f"num_requests ({self.num_requests}) must be a multiple of conversation turns "
+                             f"({self.conversation.turns})")
         if not isinstance(self.description, str):
             raise ValueError(f"description must be a string, got {self.description!r}")
         _check_sampling(self.sampling)
@@ -269,20 +306,26 @@ class Workload:
         input_lens = self.input_len.sample(len_rng, n)
         output_lens = self.output_len.sample(out_rng, n)
         arrivals = self.arrival.offsets(arrival_rng, n)
-        prefix_lens = self.shared_prefix.prefix_lens(input_lens)
+        turns = self.conversation.turns
+        if turns > 1:  # the shared prefix is the system prompt, before turn 0's own tokens
+            prefix_lens = np.where(np.arange(n) % turns == 0, self.shared_prefix.length, 0)
+        else:
+            prefix_lens = self.shared_prefix.prefix_lens(input_lens)
         master = token_rng.integers(min_token_id, vocab_size, size=int(prefix_lens.max()))
         out = []
         for i in range(n):
-            n_unique = int(input_lens[i] - prefix_lens[i])
+            n_unique = int(input_lens[i] - prefix_lens[i]) if turns == 1 else int(input_lens[i])
             unique = token_rng.integers(min_token_id, vocab_size, size=n_unique)
             prompt = np.concatenate([master[: prefix_lens[i]], unique])
             out.append(WorkloadRequest(
                 index=i,
                 prompt_token_ids=tuple(prompt.tolist()),
                 output_len=int(output_lens[i]),
-                arrival_s=float(arrivals[i]),
+                arrival_s=float(arrivals[i // turns]),
                 shared_prefix_len=int(prefix_lens[i]),
                 sampling=MappingProxyType({**self.sampling, "max_tokens": int(output_lens[i])}),
+                conversation=i // turns if turns > 1 else None,
+                turn=i % turns,
             ))
         return out
 
@@ -296,6 +339,7 @@ class Workload:
             "output_len": self.output_len.to_spec(),
             "arrival": self.arrival.to_spec(),
             "shared_prefix": self.shared_prefix.to_spec(),
+            **({"conversation": self.conversation.to_spec()} if self.conversation.turns > 1 else {}),
             "sampling": dict(self.sampling),
         }
 
@@ -316,7 +360,8 @@ class Workload:
             if key in data
         }
         parsers = {"input_len": LengthDist.from_spec, "output_len": LengthDist.from_spec,
-                   "arrival": Arrival.from_spec, "shared_prefix": SharedPrefix.from_spec}
+                   "arrival": Arrival.from_spec, "shared_prefix": SharedPrefix.from_spec,
+                   "conversation": Conversation.from_spec}
         for key, parse in parsers.items():
             if key in data:
                 kwargs[key] = _prefixed(key, parse, data[key])

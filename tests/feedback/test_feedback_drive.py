@@ -52,3 +52,35 @@ def test_timed_arrivals_wait_for_their_offset(engine):
         assert timing.first_token_s >= request.arrival_s and timing.ttft_s > 0
         assert timing.num_output_tokens == request.output_len
 
+
+
+def test_conversations_send_each_turn_after_the_last_with_its_history(engine):
+    """A later turn's prompt is the previous turn's prompt and output plus its own message,
+    sent once that turn has finished; the prefix cache serves the history."""
+    w = Workload.from_dict({"name": "chat", "num_requests": 12, "input_len": {"uniform": [3, 9]},
+                            "output_len": {"uniform": [2, 5]}, "arrival": {"concurrency": 2},
+                            "shared_prefix": {"length": 20}, "conversation": {"turns": 4},
+                            "sampling": {"temperature": 0.0, "ignore_eos": True}})  # fmt: skip
+    requests = w.requests(engine.model_config.vocab_size, min_token_id=PROMPT_MIN_TOKEN_ID)
+    assert [(r.conversation, r.turn) for r in requests[:5]] == [(0, 0), (0, 1), (0, 2), (0, 3), (1, 0)]
+    assert requests[0].prompt_token_ids[:20] == requests[4].prompt_token_ids[:20], "a shared system prompt"
+    assert requests[1].shared_prefix_len == 0 and len(requests[1].prompt_token_ids) <= 9, "a later turn holds its message"
+    result = run_workload(engine, requests, w.arrival)
+    by_index = {r.index: r for r in result.requests}
+    for r in requests:
+        if r.turn:
+            previous, this = by_index[r.index - 1], by_index[r.index]
+            assert this.prompt_len == previous.prompt_len + previous.num_output_tokens + len(r.prompt_token_ids)
+            assert this.due_s >= previous.finish_s and this.reusable_tokens == this.prompt_len - len(r.prompt_token_ids) - 1
+    m = result.metrics()
+    assert m["ttft_later_turns_mean_s"] > 0 and m["later_turn_first_tokens_per_s"] == 1 / m["ttft_later_turns_mean_s"]
+    assert 0.9 <= m["prefix_hit_rate"] <= 1.0, m
+
+
+def test_a_conversation_needs_whole_turns_and_a_system_prompt_length():
+    base = {"name": "c", "input_len": 8, "output_len": 4, "conversation": {"turns": 3}}
+    with pytest.raises(ValueError, match="multiple of conversation turns"):
+        Workload.from_dict({**base, "num_requests": 7})
+    with pytest.raises(ValueError, match="not a fraction"):
+        Workload.from_dict({**base, "num_requests": 6, "shared_prefix": {"fraction": 0.5}})
+    assert Workload.from_dict(Workload.from_dict({**base, "num_requests": 6}).to_dict()).conversation.turns == 3
