@@ -36,6 +36,14 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     add_engine_arguments(parser)
 
 
+def prefix_cache_summary(before, after) -> dict:
+    """The prefix cache over the profiled run, from two `EngineStats`."""
+    delta = {k: getattr(after, f"prefix_{k}") - getattr(before, f"prefix_{k}")
+             for k in ("queries", "hits", "requests", "hit_requests", "checkpoint_evictions")}  # fmt: skip
+    return {**delta, "hit_rate": delta["hits"] / delta["queries"] if delta["queries"] else 0.0,
+            "checkpoints": after.prefix_checkpoints, "checkpoint_capacity": after.prefix_checkpoint_capacity}
+
+
 def run(args: argparse.Namespace) -> int:
     config = engine_config_from_args(args)
     workload = load_workload(args.workload)
@@ -77,6 +85,8 @@ def run(args: argparse.Namespace) -> int:
     if engine.speculative:
         run_info["spec_decode"] = acceptance(*(getattr(after, k) - getattr(before, k)
                                                for k in ("spec_drafts", "spec_draft_tokens", "spec_accepted_tokens")))
+    if engine.prefix_caching:
+        run_info["prefix_cache"] = prefix_cache_summary(before, after)
     report = build_report(run_info, analysis, overhead, ceilings.to_dict() if ceilings else None)
     md_path, json_path = write_report(report, args.out)
     for line in report["headline"]:

@@ -66,6 +66,11 @@ def render_markdown(r: dict) -> str:
         out += [f"Speculative decoding: {spec['num_drafts']} verifying steps, {spec['num_draft_tokens']} draft tokens, "
                 f"{spec['num_accepted_tokens']} accepted: acceptance rate {spec['acceptance_rate']:.3f}, "
                 f"mean acceptance length {spec['mean_acceptance_length']:.2f}.", ""]
+    if prefix := run.get("prefix_cache"):
+        out += [f"Prefix cache: {prefix['hits']} of {prefix['queries']} prompt tokens served from the cache "
+                f"(token hit rate {prefix['hit_rate']:.3f}; {prefix['hit_requests']} of {prefix['requests']} requests hit), "
+                f"{prefix['checkpoints']} of {prefix['checkpoint_capacity']} KDA checkpoints held, "
+                f"{prefix['checkpoint_evictions']} evicted.", ""]
     out += _table("Time by phase", ["phase", "steps", "share of step time", "mean step µs", "top ops (share of phase)"], [
         [p["phase"], p["steps"], _pct(p["share"]), f"{p['mean_step_us']:.0f}",
          ", ".join(f"{_op_label(t['op'])} {_pct(t['share_of_phase'])}" for t in p["top_ops"])]

@@ -17,9 +17,10 @@ EPS_US = 0.01  # timestamps are rounded to ns
 WORKLOAD = """
 name: profile_test
 num_requests: 8
-input_len: {uniform: [8, 24]}
+input_len: {uniform: [24, 40]}
 output_len: {uniform: [4, 12]}
 arrival: {concurrency: 3}
+shared_prefix: {length: 20}
 sampling: {temperature: 0.0, ignore_eos: true}
 """
 
@@ -142,3 +143,11 @@ def test_report_states_speculative_acceptance(report, profile_dir):
     spec = report["run"]["spec_decode"]
     assert spec["num_accepted_tokens"] <= spec["num_draft_tokens"] and spec["mean_acceptance_length"] >= 1.0
     assert "Speculative decoding:" in (profile_dir / "report.md").read_text()
+
+
+def test_report_states_prefix_cache_hits(report, profile_dir):
+    """Prompts share their first 20 tokens: once one has been computed, others resume there."""
+    prefix = report["run"]["prefix_cache"]
+    assert 0 < prefix["hits"] <= prefix["queries"] and prefix["hit_requests"] >= 1
+    assert prefix["hit_rate"] == prefix["hits"] / prefix["queries"]
+    assert "Prefix cache:" in (profile_dir / "report.md").read_text()
