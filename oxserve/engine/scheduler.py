@@ -188,8 +188,12 @@ class Scheduler:
             step = prefix.interval * self.cache.block_size
             for p in range(start - start % step + step, end, step):
                 targets.setdefault(p, "interval")
-        if hit is not None and hit.branch - start >= MIN_BRANCH_TOKENS and hit.branch <= end:
-            targets[hit.branch] = "branch"
+        if hit is not None:
+            # A prompt seen whole before is saved one token short: a repeat resumes there
+            # (its last token is always computed, for its logits).
+            branch = min(hit.branch, end - 1)
+            if branch - start >= MIN_BRANCH_TOKENS:
+                targets[branch] = "branch"
         return sorted(targets.items())
 
     def _reached(self, request: Request) -> None:

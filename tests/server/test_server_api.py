@@ -192,10 +192,14 @@ def test_metrics_parse(server):
                  "oxserve:num_preemptions", "oxserve:prompt_tokens", "oxserve:generation_tokens",
                  "oxserve:time_to_first_token_seconds", "oxserve:time_per_output_token_seconds",
                  "oxserve:e2e_request_latency_seconds", "oxserve:spec_decode_num_drafts",
-                 "oxserve:spec_decode_num_draft_tokens", "oxserve:spec_decode_num_accepted_tokens"):  # fmt: skip
+                 "oxserve:spec_decode_num_draft_tokens", "oxserve:spec_decode_num_accepted_tokens",
+                 "oxserve:prefix_cache_queries", "oxserve:prefix_cache_hits", "oxserve:prefix_cache_requests",
+                 "oxserve:prefix_cache_hit_requests", "oxserve:prefix_checkpoints", "oxserve:prefix_checkpoint_usage_perc",
+                 "oxserve:prefix_checkpoint_evictions", "oxserve:prefix_cached_blocks", "oxserve:prefix_block_evictions"):  # fmt: skip
         assert name in families, name
     samples = server.metrics()
     assert samples["oxserve:generation_tokens_total"] >= 3
+    assert samples["oxserve:prefix_cache_queries_total"] >= samples["oxserve:prefix_cache_hits_total"] >= 0
     assert samples["oxserve:e2e_request_latency_seconds_count"] >= 1
     assert httpx.get(f"{server.base_url}/metrics").headers["content-type"].startswith("text/plain")
     declared = httpx.get(f"{server.base_url}/openapi.json").json()["paths"]["/metrics"]["get"]["responses"]["200"]["content"]

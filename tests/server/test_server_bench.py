@@ -57,6 +57,18 @@ def test_bench_chat_jsonl_at_a_request_rate(server, tmp_path):
     assert result["completed"] == 4 and result["total_output_tokens"] == 3 + 5 + 3 + 5
 
 
+def test_bench_reports_the_prefix_cache_hit_rate(server, tmp_path):
+    """One long prompt sent four times, one at a time: the second saves its state one token
+    short of its end (a prompt seen whole before), the third and fourth resume there."""
+    data = tmp_path / "repeat.jsonl"
+    data.write_text(json.dumps({"prompt": " ".join(f"word{i}" for i in range(40)), "output_len": 2}))
+    _, result = bench(server, "--dataset", "jsonl", "--dataset-path", str(data), "--num-prompts", "4", "--max-concurrency", "1")
+    prefix = result["prefix_cache"]
+    assert result["completed"] == 4 and prefix["queries"] > 0
+    assert prefix["hits"] >= 2 * (prefix["queries"] // 4 - 1), prefix  # two requests skip all but their last token
+    assert prefix["hit_rate"] == prefix["hits"] / prefix["queries"]
+
+
 def test_bench_against_a_speculating_server(tiny_model, tmp_path):
     """`--speculative-config` on the real server: exact output lengths, acceptance reported."""
     with serve(tiny_model, "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}', log_dir=tmp_path) as s:
