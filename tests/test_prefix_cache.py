@@ -89,10 +89,11 @@ def test_concurrent_conversations_with_forced_eviction_match_no_cache(tiny_model
     same greedy outputs, logprobs within fp32 rounding, on a model whose DSA selection keeps
     every pool (a rounding-level difference may otherwise flip a top-k pick, cache or not)."""
     rng = random.Random()
-    system = [rng.randrange(20, 8000) for _ in range(rng.randrange(5, 40))]
-    conversations = [[system + [rng.randrange(20, 8000) for _ in range(rng.randrange(1, 30))]] for _ in range(8)]
+    # Lengths bounded below so that eight later turns cannot all fit in 48 blocks of 4 tokens.
+    system = [rng.randrange(20, 8000) for _ in range(rng.randrange(20, 40))]
+    conversations = [[system + [rng.randrange(20, 8000) for _ in range(rng.randrange(10, 30))]] for _ in range(8)]
     for conv in conversations:
-        conv += [[rng.randrange(20, 8000) for _ in range(rng.randrange(1, 20))] for _ in range(2)]
+        conv += [[rng.randrange(20, 8000) for _ in range(rng.randrange(5, 20))] for _ in range(2)]
     options = dict(kda_decode=kda_decode, kda_replay_len=5, max_num_batched_tokens=24, num_blocks=48, max_num_seqs=8,
                    deterministic=deterministic)  # fmt: skip
     exact = deterministic and kda_decode == "write-back"

@@ -233,3 +233,21 @@ def test_a_shared_prefix_is_checkpointed_where_prompts_part():
     for i, rid in enumerate("abc"):
         _drive(scheduler, [Request(rid, shared + [200 + i] * 20, SamplingParams(max_tokens=2), 10_000)], random.Random(0), runner)
     assert cache.stats.hits == 37 and cache.stats.hit_requests == 1
+
+
+def test_reset_forgets_every_prefix_only_when_nothing_runs():
+    bs = 4
+    cache = CacheManager(num_blocks=32, block_size=bs, num_slots=2, prefix=_prefix("lru"))
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64), cache)
+    runner = SimulatedRunner(bs)
+    _drive(scheduler, [Request("a", list(range(1, 30)), SamplingParams(max_tokens=2), 10_000)], random.Random(0), runner)
+    assert len(cache.checkpoints) > 0 and cache.blocks.num_cached > 0
+    scheduler.add(Request("b", list(range(1, 31)), SamplingParams(max_tokens=2), 10_000))
+    scheduler.update_from_output(out := scheduler.schedule(), ModelRunnerOutput([], [], []))
+    runner.step(out, scheduler.requests)
+    assert cache.stats.hits == 29 and not cache.reset_prefix_cache(), "b holds cache: no reset"
+    scheduler.finish("b", "abort")
+    assert cache.reset_prefix_cache()
+    assert len(cache.checkpoints) == 0 and cache.blocks.num_cached == 0 and cache.blocks.num_free == cache.blocks.size
+    _drive(scheduler, [Request("c", list(range(1, 31)), SamplingParams(max_tokens=2), 10_000)], random.Random(0), runner)
+    assert cache.stats.hits == 29, "c computed everything again"

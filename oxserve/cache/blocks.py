@@ -101,6 +101,13 @@ class BlockPool:
                 else:
                     self._empty.append(block)
 
+    def drop_cached(self) -> None:
+        """Forget the content of every free block."""
+        while self._cached:
+            block, _ = self._cached.popitem(last=False)
+            self._forget(block)
+            self._empty.append(block)
+
     def register(self, block: int, parent: bytes, tokens: Sequence[int]) -> bytes:
         """Name a block that now holds `tokens` after the prefix `parent`; its hash. If another
         block already holds that content, this one stays unnamed (and is freed as plain)."""

@@ -208,6 +208,19 @@ class CacheManager:
             self.checkpoints.step += 1
         return ops
 
+    def reset_prefix_cache(self) -> bool:
+        """Drop every checkpoint and cached block, as vLLM's reset_prefix_cache; only when no
+        request holds cache (False otherwise, and nothing changes)."""
+        if self.checkpoints is None or self._held:
+            return False
+        for c in list(self.checkpoints.live.values()):
+            self.checkpoints.remove(c)
+            if c.block is not None:
+                self.blocks.release([c.block])
+        self.blocks.drop_cached()
+        self._ops.saves.clear()  # saves into rows that no checkpoint owns any more
+        return True
+
     def lookup(self, tokens: Sequence[int], limit: int) -> PrefixHit | None:
         """The longest cached prefix of `tokens` of at most `limit` tokens (None: nothing)."""
         if self.prefix is None:

@@ -50,9 +50,7 @@ class CheckpointStore:
             conv, recurrent = state
             conv.index_copy_(0, rows, gather_rows(cache.conv, slots))
             recurrent.index_copy_(0, rows, gather_rows(cache.recurrent, slots))
-        if rings is not None:
-            for slot, _ in saves:
-                rings.counts[slot] = 0
+        _empty_rings(rings, [s for s, _ in saves])  # the slot now holds its full state
 
     def _restore(self, restores: list[tuple[int, int]], caches: list[LayerCache], rings: ReplayBook | None) -> None:
         rows, slots = self._long([r for r, _ in restores]), self._long([s for _, s in restores])
@@ -62,13 +60,16 @@ class CheckpointStore:
             conv, recurrent = state
             scatter_rows(cache.conv, slots, conv.index_select(0, rows))
             scatter_rows(cache.recurrent, slots, recurrent.index_select(0, rows))
-        if rings is not None:
-            for _, slot in restores:
-                rings.counts[slot] = 0
-
+        _empty_rings(rings, [s for _, s in restores])
 
     def _long(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
+
+
+def _empty_rings(rings: ReplayBook | None, slots: list[int]) -> None:
+    if rings is not None:
+        for slot in slots:
+            rings.counts[slot] = 0
 
 
 def copy_blocks(pairs: list[tuple[int, int]], caches: list[LayerCache], num_blocks: int, device) -> None:

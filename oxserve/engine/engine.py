@@ -177,6 +177,10 @@ class LLMEngine:
         request = self.scheduler.finish(request_id, "abort")
         return None if request is None else self._retire(request)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (False while requests hold cache: nothing changes)."""
+        return self.cache.reset_prefix_cache()
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 

@@ -47,6 +47,8 @@ def run_job(job: dict) -> dict:
     if quality:
         prompts = quality["prompts"]
         tokens = quality.get("tokens") or generate_greedy(engine, prompts, quality["max_tokens"])
+        # Both arms score from the same cache state, whether or not this one generated first.
+        engine.reset_prefix_cache()
         result["quality"] = {"tokens": tokens, "scores": score_tokens(engine, prompts, tokens)}
     return result
 

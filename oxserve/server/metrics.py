@@ -78,20 +78,18 @@ class _EngineCollector:
         yield CounterMetricFamily("oxserve:grammar_mask_steps", "Steps that applied a structured-output mask.",
                                   value=s.grammar_mask_steps)
         # Prefix caching, vLLM's names for the token counters: hit rate = hits / queries.
-        yield CounterMetricFamily("oxserve:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                                  value=s.prefix_queries)
-        yield CounterMetricFamily("oxserve:prefix_cache_hits", "Prompt tokens found in the prefix cache (not computed).",
-                                  value=s.prefix_hits)
-        yield CounterMetricFamily("oxserve:prefix_cache_requests", "Requests that looked up the prefix cache.",
-                                  value=s.prefix_requests)
-        yield CounterMetricFamily("oxserve:prefix_cache_hit_requests", "Requests that found a cached prefix.",
-                                  value=s.prefix_hit_requests)
-        yield GaugeMetricFamily("oxserve:prefix_checkpoints", "KDA state checkpoints held.", value=s.prefix_checkpoints)
-        yield GaugeMetricFamily("oxserve:prefix_checkpoint_usage_perc", "Fraction of the checkpoint pool in use (0-1).",
-                                value=s.prefix_checkpoints / s.prefix_checkpoint_capacity if s.prefix_checkpoint_capacity else 0.0)
-        yield CounterMetricFamily("oxserve:prefix_checkpoint_evictions", "KDA checkpoints evicted.",
-                                  value=s.prefix_checkpoint_evictions)
-        yield GaugeMetricFamily("oxserve:prefix_cached_blocks", "Cache blocks holding a hashed prefix (in use or free).",
-                                value=s.prefix_cached_blocks)
-        yield CounterMetricFamily("oxserve:prefix_block_evictions", "Hashed cache blocks reused for other content.",
-                                  value=s.prefix_block_evictions)
+        usage = s.prefix_checkpoints / s.prefix_checkpoint_capacity if s.prefix_checkpoint_capacity else 0.0
+        for kind, name, doc, value in (
+            (CounterMetricFamily, "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_queries),
+            (CounterMetricFamily, "prefix_cache_hits", "Prompt tokens found in the prefix cache (not computed).", s.prefix_hits),
+            (CounterMetricFamily, "prefix_cache_requests", "Requests that looked up the prefix cache.", s.prefix_requests),
+            (CounterMetricFamily, "prefix_cache_hit_requests", "Requests that found a cached prefix.", s.prefix_hit_requests),
+            (GaugeMetricFamily, "prefix_checkpoints", "KDA state checkpoints held.", s.prefix_checkpoints),
+            (GaugeMetricFamily, "prefix_checkpoint_usage_perc", "Fraction of the checkpoint pool in use (0-1).", usage),
+            (CounterMetricFamily, "prefix_checkpoint_evictions", "KDA checkpoints evicted.", s.prefix_checkpoint_evictions),
+            (GaugeMetricFamily, "prefix_cached_blocks", "Cache blocks holding a hashed prefix (in use or free).",
+             s.prefix_cached_blocks),
+            (CounterMetricFamily, "prefix_block_evictions", "Hashed cache blocks reused for other content.",
+             s.prefix_block_evictions),
+        ):
+            yield kind(f"oxserve:{name}", doc, value=value)
