@@ -12,7 +12,7 @@ class CompletionOutput:
     token_ids: list[int]
     # One dict per generated token: token id -> logprob; always holds the sampled token.
     logprobs: list[dict[int, float]] | None
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" (failed in the engine) | None while running
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
 
     @property

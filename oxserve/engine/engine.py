@@ -30,6 +30,7 @@ from oxserve.engine.scheduler import RequestUpdate, Scheduler
 from oxserve.engine.speculative import SpeculativeConfig, make_proposer
 from oxserve.engine.stop import StopStrings
 from oxserve.engine.threads import choose_threads
+from oxserve.faults import Faults
 from oxserve.kernels.onednn import choose_linear_kernel
 from oxserve.model.loader import load_model
 from oxserve.outputs import CompletionOutput, RequestOutput
@@ -109,6 +110,7 @@ class LLMEngine:
         loaded = load_model(path, dtype=self.dtype, device=self.device, transform=lambda m: [t(m) for t in transforms])
         log.info("oxserve: high-precision projection and LM head products through %s", self.linear_kernel)
         self.model_config = loaded.config
+        Faults.from_env().plant_in_model(loaded.model)  # none unless the reliability suite asks
         self.tokenizer = Tokenizer.from_dir(path)
         if quantize is not None:
             log.info("oxserve: %s", quantize.finish(loaded.model, self.tokenizer))
@@ -224,7 +226,10 @@ class LLMEngine:
             self.runner.apply_cache_ops(scheduled)  # checkpoints of requests that just finished
             return []
         started = time.perf_counter()
-        result = self.runner.execute(scheduled)
+        try:
+            result = self.runner.execute(scheduled)
+        except Exception:
+            return self._contain(scheduled)
         self.scheduler.observe_step(scheduled, time.perf_counter() - started)
         with span(tracer, "postprocess", track="engine"):
             updates = self.scheduler.update_from_output(scheduled, result)
@@ -232,6 +237,18 @@ class LLMEngine:
             if self.proposer is not None:
                 self.scheduler.propose_drafts(self.proposer, self.speculative.num_speculative_tokens)
             return outputs
+
+    def _contain(self, scheduled: SchedulerOutput) -> list[RequestOutput]:
+        """A step raised: fail the request at fault, if this step tells which, and recompute
+        the others (see `Scheduler.quarantine`)."""
+        shape = self.last_step
+        log.exception("engine step failed: %d request(s) (%s), %d prefill and %d decode tokens; isolating the one at fault",
+                      len(scheduled.scheduled), ", ".join(s.request_id for s in scheduled.scheduled), shape.prefill_tokens,
+                      shape.decode_tokens)  # fmt: skip
+        failed = self.scheduler.quarantine(scheduled)
+        for request in failed:
+            log.error("%s failed alone in a step; it finishes with 'error'", request.request_id)
+        return [self._retire(request) for request in failed]
 
     def _output_of(self, update: RequestUpdate) -> RequestOutput:
         request = update.request

@@ -48,6 +48,10 @@ class Request:
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
     num_preemptions: int = 0
+    # Failure isolation: steps that raised with this request in them, and the position up to
+    # which it is recomputed alone after one (a failure there is its own).
+    num_failed_steps: int = 0
+    isolate_until: int = 0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     first_token_time: float | None = None

@@ -8,6 +8,11 @@ from scratch later. Waiting requests are admitted while budget, `max_num_seqs` a
 allow, oldest first. While decodes run, the prefill tokens of a step are bounded so that
 the step costs at most `max_stall` decode steps (stall-free batching, see `pacing`).
 
+When a step raises, its requests are recomputed from scratch, each alone in its steps until
+it is past the failed step's tokens again (`quarantine`): a request that fails alone is the
+one at fault and finishes with "error"; the others go on. One caught in `MAX_FAILED_STEPS`
+failed steps runs alone until it finishes.
+
 With prefix caching, a request is admitted at the longest prefix the cache holds (shared
 blocks and a KDA checkpoint, see `oxserve.cache.manager`), and its prefill chunks end at the
 positions where its own state is worth saving (`_checkpoint_targets`); finished, aborted
@@ -36,6 +41,10 @@ from oxserve.engine.stop import token_stop
 # down to none; one whose drafts are all kept drafts one more, up to k. A request with
 # drafting off tries one draft again after this many plain decodes.
 DRAFT_PROBE_INTERVAL = 16
+
+# A request in this many failed steps that never failed alone runs alone from then on: the
+# fault depends on what it is batched with, and batching it again would loop.
+MAX_FAILED_STEPS = 3
 
 
 def _cut(request: Request, n: int) -> int:
@@ -94,6 +103,23 @@ class Scheduler:
 
     # ---- scheduling -------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        suspect = self._suspect()
+        chosen, preempted = self._choose(only=suspect)
+        if suspect is not None and not chosen and not preempted:  # it cannot run now: the others can
+            chosen, _ = self._choose(skip=suspect)
+        new_requests = [
+            NewRequestData(r.request_id, r.prompt_token_ids, r.params, r.token_slice(len(r.prompt_token_ids), r.num_computed_tokens))
+            for r, _ in chosen if r.request_id not in self._blocks_sent
+        ]  # fmt: skip
+        scheduled = [self._scheduled(r, n) for r, n in chosen]
+        scheduled.sort(key=lambda s: not s.is_decode)  # stable: decodes first, arrival order kept
+        finished, self._finished_ids = self._finished_ids, []
+        return SchedulerOutput(new_requests, scheduled, finished, self.cache.next_step())
+
+    def _choose(self, only: Request | None = None, skip: Request | None = None) -> tuple[list[tuple[Request, int]], bool]:
+        """(request, tokens) for this step, and whether it preempted; with `only`, that
+        request alone (a suspect after a failed step); `skip` is neither run nor admitted,
+        nor is anything queued behind it."""
         budget = self.config.max_num_batched_tokens
         # Deterministic mode feeds every request token by token: the same computation for a
         # token whatever the chunking or preemption history.
@@ -106,6 +132,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            if request is skip or (only is not None and request is not only):
+                i += 1
+                continue
             is_prefill = request.num_uncomputed > 1
             n = min(request.num_uncomputed + len(request.draft_token_ids), budget, step_cap)
             if request.draft_token_ids and not self.cache.can_grow(request.request_id, request.num_computed_tokens + n):
@@ -130,6 +159,8 @@ class Scheduler:
                 i += 1
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not preempted:
             request = self.waiting[0]
+            if request is skip or (only is not None and (request is not only or chosen)):
+                break
             hit = self._prefix_hit(request)
             start = hit.position if hit is not None else 0
             n = min(request.num_tokens - start, budget, step_cap, prefill_left)
@@ -138,7 +169,7 @@ class Scheduler:
             if not (self.cache.can_resume(hit, start + n) if start else self.cache.can_grow(request.request_id, n)):
                 break
             self.waiting.popleft()
-            if request.num_preemptions == 0 and self.cache.prefix is not None and request.params.prompt_logprobs is None:
+            if not (request.num_preemptions or request.num_failed_steps) and self.cache.prefix is not None and request.params.prompt_logprobs is None:
                 self.cache.count_lookup(request.num_tokens - 1, start)
             if start:
                 self.cache.resume(request.request_id, hit, start + n)
@@ -152,14 +183,40 @@ class Scheduler:
             chosen.append((request, n))
             budget -= n
             prefill_left -= n
-        new_requests = [
-            NewRequestData(r.request_id, r.prompt_token_ids, r.params, r.token_slice(len(r.prompt_token_ids), r.num_computed_tokens))
-            for r, _ in chosen if r.request_id not in self._blocks_sent
-        ]  # fmt: skip
-        scheduled = [self._scheduled(r, n) for r, n in chosen]
-        scheduled.sort(key=lambda s: not s.is_decode)  # stable: decodes first, arrival order kept
-        finished, self._finished_ids = self._finished_ids, []
-        return SchedulerOutput(new_requests, scheduled, finished, self.cache.next_step())
+        return chosen, preempted
+
+    def _suspect(self) -> Request | None:
+        """The first request still being recomputed alone after a failed step (running ones
+        first: one suspect at a time)."""
+        for request in (*self.running, *self.waiting):
+            if request.isolate_until > request.num_computed_tokens:
+                return request
+        return None
+
+    # ---- failure isolation ------------------------------------------------------------------
+    def quarantine(self, scheduled: SchedulerOutput) -> list[Request]:
+        """After `scheduled` raised in the runner: its requests' cache state may be half
+        written, so none is checkpointed. A request alone in the step is finished with
+        "error" (returned). Each other one goes back to the front of the queue, to be
+        recomputed alone up to where this step would have taken it (after
+        `MAX_FAILED_STEPS` failed steps: to its end)."""
+        failed = []
+        for s in reversed(scheduled.scheduled):  # appendleft: the queue keeps their order
+            request = self.requests.get(s.request_id)
+            if request is None or request.is_finished:
+                continue
+            request.num_failed_steps += 1
+            if len(scheduled.scheduled) == 1:
+                self.finish(request.request_id, "error", keep_state=False)
+                failed.append(request)
+                continue
+            reach = s.num_computed_tokens + s.num_new_tokens - s.num_draft_tokens
+            if request.num_failed_steps >= MAX_FAILED_STEPS:
+                reach = request.max_total_tokens + 1  # past any token it will compute
+            request.isolate_until = max(request.isolate_until, reach)
+            self.running.remove(request)
+            self._requeue(request)
+        return failed
 
     # ---- prefix caching ---------------------------------------------------------------------
     def _prefix_hit(self, request: Request) -> PrefixHit | None:
@@ -225,13 +282,17 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         # Its state as the last step left it: resuming from there skips the recompute.
         self.cache.checkpoint(request.request_id, request.num_computed_tokens, request.token_slice, "preempt")
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self._requeue(request)
+
+    def _requeue(self, request: Request) -> None:
+        """Free what a request holds and put it at the front of the queue, to start over."""
         self.cache.release(request.request_id)
         self._blocks_sent.pop(request.request_id, None)  # it restarts on the runner as a new request
         request.num_computed_tokens = 0
         request.draft_token_ids = []
         request.status = RequestStatus.WAITING
-        request.num_preemptions += 1
-        self.num_preemptions += 1
         self.waiting.appendleft(request)
 
     # ---- results ----------------------------------------------------------------------------
@@ -313,12 +374,13 @@ class Scheduler:
         return RequestUpdate(request, accepted, kept_logprobs)
 
     # ---- retiring ---------------------------------------------------------------------------
-    def finish(self, request_id: str, reason: str, stop_reason: int | str | None = None) -> Request | None:
-        """Finish (or abort) a request and free what it holds; None if it is unknown or done."""
+    def finish(self, request_id: str, reason: str, stop_reason: int | str | None = None, keep_state: bool = True) -> Request | None:
+        """Finish (or abort) a request and free what it holds; None if it is unknown or done.
+        `keep_state=False`: its cache state is not to be trusted, so no checkpoint is taken."""
         request = self.requests.get(request_id)
         if request is None or request.is_finished:
             return None
-        if request.status is RequestStatus.RUNNING:  # its state, for a conversation that goes on
+        if keep_state and request.status is RequestStatus.RUNNING:  # its state, for a conversation that goes on
             self.cache.checkpoint(request_id, request.num_computed_tokens, request.token_slice, "finish")
         request.finish(reason, stop_reason)
         if request in self.running:

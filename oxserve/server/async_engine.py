@@ -13,8 +13,10 @@ within one engine step and frees the request's cache. One API request becomes a
 `RequestGroup`: its engine requests (n choices x prompts) are admitted together or not at
 all, and their outputs arrive on one asyncio queue tagged with the choice index.
 
-An exception in `step()` fails the requests that were running in that step (their cache
-state may be half-written) and the loop goes on serving the others.
+A request the engine finishes with "error" (it isolated the request as the cause of a failed
+step) fails its group with an `EngineError`. An exception that escapes `step()` (a fault
+outside the forward) fails the requests that were running and the loop goes on serving.
+If the loop itself dies, `is_alive` turns false: /health answers 503 and the server exits.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from typing import AsyncIterator, Protocol
 
 from oxserve.config import EngineConfig
 from oxserve.engine.engine import EngineStats, LLMEngine, Prompt
+from oxserve.faults import Faults, InjectedFault
 from oxserve.outputs import RequestOutput
 from oxserve.sampling_params import SamplingParams
 from oxserve.server.retry_after import FinishRate
@@ -153,6 +156,7 @@ class AsyncEngine:
         self._commands: queue.Queue = queue.Queue()
         self._owners: dict[str, _Owner] = {}  # engine thread only
         self._outbox = _Outbox()  # engine thread only
+        self._dead = False  # set once by the engine thread if its loop dies
         self._loop: asyncio.AbstractEventLoop | None = None
         built: queue.Queue[LLMEngine | BaseException] = queue.Queue()
         self._thread = threading.Thread(target=self._run, args=(config, built), name="oxserve-engine", daemon=True)
@@ -197,6 +201,8 @@ class AsyncEngine:
         """
         group = RequestGroup(requests, self)
         self._commands.put(_Submit(group))
+        if self._dead:  # the loop died before or while this was queued: nobody may read it
+            group.resolve_admission(_stopped())
         try:
             await group.admitted
         except asyncio.CancelledError:
@@ -232,6 +238,15 @@ class AsyncEngine:
             return
         self.snapshot = self._engine.stats()
         built.put(self._engine)
+        try:
+            self._serve()
+        except BaseException:
+            log.critical("the engine loop died; failing every request it held", exc_info=True)
+            self._die()
+
+    def _serve(self) -> None:
+        crash_after = Faults.from_env().crash_loop_after_steps
+        steps = 0
         while True:
             for command in self._take_commands(block=not self._engine.has_unfinished_requests()):
                 if command is _STOP:
@@ -246,6 +261,22 @@ class AsyncEngine:
             if self._engine.has_unfinished_requests():
                 self._step()
                 self._flush()
+                steps += 1
+                if crash_after is not None and steps >= crash_after:
+                    raise InjectedFault(f"planted fault: the engine loop dies after {steps} steps")
+
+    def _die(self) -> None:
+        """The loop is gone: fail what it held and what is queued for it. A submit that comes
+        later sees `_dead` and fails itself (see `submit`)."""
+        self._dead = True
+        outbox, self._outbox = self._outbox, _Outbox()  # what the last turn had not handed over comes first
+        outbox.outputs += [(owner.group, owner.index, _failure()) for owner in self._owners.values()]
+        self._owners.clear()
+        for command in self._take_commands(block=False):
+            if isinstance(command, _Submit):
+                outbox.admissions.append((command.group, _stopped()))
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._deliver, outbox)
 
     def _flush(self) -> None:
         """Publish the snapshot, then hand the outbox to the event loop in one call: whoever
@@ -310,7 +341,8 @@ class AsyncEngine:
             return
         for out in outputs:
             owner = self._owners.pop(out.request_id) if out.finished else self._owners[out.request_id]
-            self._outbox.outputs.append((owner.group, owner.index, out))
+            failed = out.finished and out.outputs[0].finish_reason == "error"  # the engine isolated it as the fault
+            self._outbox.outputs.append((owner.group, owner.index, _failure() if failed else out))
 
     def _fail(self, request_ids: list[str], error: Exception) -> None:
         for rid in request_ids:
@@ -319,6 +351,13 @@ class AsyncEngine:
             except Exception:
                 log.exception("%s: aborting after a failed step failed too", rid)
             if (owner := self._owners.pop(rid, None)) is not None:
-                # What went wrong stays in the log: an error body must not show the server's internals.
-                failure = EngineError("the engine failed while running this request (the server's log has the details)")
-                self._outbox.outputs.append((owner.group, owner.index, failure))
+                self._outbox.outputs.append((owner.group, owner.index, _failure()))
+
+
+def _stopped() -> EngineError:
+    return EngineError("the engine is not running (the server's log has the details)")
+
+
+def _failure() -> EngineError:
+    # What went wrong stays in the log: an error body must not show the server's internals.
+    return EngineError("the engine failed while running this request (the server's log has the details)")

@@ -26,6 +26,7 @@ from oxserve.server.parsers import REASONING_PARSERS, TOOL_PARSERS
 log = logging.getLogger("oxserve.server")
 
 API_KEY_ENV = "OXSERVE_API_KEY"
+ENGINE_WATCH_INTERVAL_S = 0.5  # how soon a dead engine stops the server
 
 
 def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
@@ -82,7 +83,8 @@ def run(args: argparse.Namespace) -> int:
     )  # fmt: skip
     server = DrainingServer(config, app.state.server, args.shutdown_timeout)
     server.run()
-    return 0 if server.started else 1
+    # Non-zero when the engine died: a supervisor restarts the server.
+    return 0 if server.started and not server.engine_died else 1
 
 
 def api_key_from(args: argparse.Namespace) -> str | None:
@@ -109,10 +111,24 @@ class DrainingServer(uvicorn.Server):
         self.state = state
         self.timeout = timeout
         self._loop: asyncio.AbstractEventLoop | None = None
+        self.engine_died = False
 
     async def serve(self, sockets=None) -> None:
         self._loop = asyncio.get_running_loop()
-        await super().serve(sockets)
+        watch = asyncio.ensure_future(self._watch_engine())
+        try:
+            await super().serve(sockets)
+        finally:
+            watch.cancel()
+
+    async def _watch_engine(self) -> None:
+        """A server whose engine is gone can only fail requests: stop it (exit status 1)."""
+        while not self.should_exit:
+            await asyncio.sleep(ENGINE_WATCH_INTERVAL_S)
+            if not self.state.engine.is_alive and not self.should_exit:
+                log.critical("the engine thread is gone; the server stops (exit status 1)")
+                self.engine_died = True
+                self.should_exit = True
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self.state.draining or self._loop is None:

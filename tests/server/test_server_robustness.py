@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import signal
 import socket
 import threading
@@ -15,6 +16,7 @@ import pytest
 from server_harness import MAX_MODEL_LEN, serve, server, tiny_model  # noqa: F401  (server, tiny_model: fixtures)
 
 from oxserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from oxserve.faults import FAULTS_ENV
 from oxserve.sampling_params import SamplingParams
 from oxserve.server.async_engine import AsyncEngine, EngineError
 
@@ -224,6 +226,44 @@ def test_engine_thread_survives_a_failing_request(tiny_model):
     assert "engine failed" in error
     assert "Generator" not in error and "2**70" not in error and str(2**70) not in error  # the cause stays in the log
     assert len(served) == 5 and served == repeat
+
+
+def test_a_request_that_breaks_the_model_fails_alone_over_http(tiny_model, tmp_path):
+    """A fault planted in the model for one token (OXSERVE_FAULTS): the request holding it gets
+    a 500 that names no internals, while streams batched with it run to their end; the server
+    keeps serving and holds no cache afterwards."""
+    rng = random.Random()
+    poison = rng.randrange(20, 8000)
+    with serve(tiny_model, log_dir=tmp_path, env={FAULTS_ENV: json.dumps({"poison_token": poison})}) as s:
+        clean = [[t for t in rng.sample(range(20, 8000), 6) if t != poison] for _ in range(3)]
+        results: dict[int, tuple[int, str]] = {}
+        workers = [threading.Thread(target=lambda i=i, p=p: results.update({i: stream_tokens(s.base_url, {**LONG, "prompt": p})}))
+                   for i, p in enumerate(clean)]  # fmt: skip
+        for w in workers:
+            w.start()
+        time.sleep(0.2)  # the streams are running when the poisoned request joins them
+        bad = post(s.base_url, "/v1/completions", {**LONG, "prompt": [11, poison, 12]})
+        for w in workers:
+            w.join()
+        assert bad.status_code == 500 and bad.json()["error"]["type"] == "server_error"
+        assert "planted" not in bad.text and "Traceback" not in bad.text
+        assert [results[i][0] for i in range(len(clean))] == [LONG["max_tokens"]] * len(clean)
+        assert post(s.base_url, "/v1/completions", {**LONG, "max_tokens": 3}).json()["usage"]["completion_tokens"] == 3
+        assert s.metrics()["oxserve:num_requests_running"] == 0 and s.metrics()["oxserve:kv_cache_usage_perc"] == 0
+        assert "planted fault" in s.log()  # what went wrong is in the server's log
+
+
+def test_the_server_exits_1_when_its_engine_loop_dies(tiny_model, tmp_path):
+    """The engine loop itself dies (a fault planted after a few steps): the stream in flight
+    ends with an error event, not a hang, and the process exits with status 1 for a
+    supervisor to restart it."""
+    with serve(tiny_model, log_dir=tmp_path, env={FAULTS_ENV: json.dumps({"crash_loop_after_steps": 5})}) as s:
+        with httpx.stream("POST", s.base_url + "/v1/completions", json={**LONG, "stream": True}, timeout=60) as r:
+            events = [line for line in r.iter_lines() if line]
+        chunks = [json.loads(e[6:]) for e in events if e.startswith("data: {")]
+        assert "choices" in chunks[0] and chunks[-1]["error"]["type"] == "server_error" and events[-1] == "data: [DONE]"
+        assert s.proc.wait(timeout=30) == 1
+        assert "the engine thread is gone" in s.log()
 
 
 def test_read_deadlines_and_the_connection_limit(tiny_model, tmp_path):
