@@ -105,6 +105,10 @@ class CacheConfig:
 class SchedulerConfig:
     max_num_seqs: int = opt(64, "most requests running at once")
     max_num_batched_tokens: int = opt(2048, "token budget of one engine step (prefill chunks + decodes)")
+    scheduling_policy: str = opt(
+        "fcfs", "fcfs: requests run in arrival order; priority: by each request's priority (lower first, as vLLM's), "
+        "then arrival, and preemption takes the least urgent", choices=("fcfs", "priority"),
+    )
     max_stall: float = opt(
         4.0,
         "stall-free batching: a step that carries prefill next to decodes may cost at most this many times a "

@@ -27,8 +27,10 @@ class LLM:
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion; results come back in prompt order.
+        """Run every prompt to completion; results come back in prompt order. `priority`: one
+        per prompt, lower runs first (needs `scheduling_policy="priority"`).
 
         All prompts are validated before any is queued, so a bad one raises ValueError and
         leaves the engine as it was.
@@ -42,14 +44,19 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        priorities = list(priority) if priority is not None else [0] * len(prompts)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
+        for value in priorities:
+            self.engine.check_priority(value)
         checked = [self.engine.check_prompt(prompt) for prompt in prompts]  # all, before queueing any
         children: dict[str, tuple[int, int]] = {}
-        for i, ((text, token_ids), p) in enumerate(zip(checked, params)):
+        for i, ((text, token_ids), p, urgency) in enumerate(zip(checked, params, priorities)):
             prompt = {"prompt": text, "prompt_token_ids": token_ids}
             for j, child in enumerate(p.fan_out()):
                 rid = f"llm-{self._counter}"
                 self._counter += 1
-                self.engine.add_request(rid, prompt, child)
+                self.engine.add_request(rid, prompt, child, urgency)
                 children[rid] = (i, j)
         finished = run_to_completion(self.engine, set(children))
         return self._merge(prompts, children, finished)
@@ -79,6 +86,7 @@ class LLM:
                     prompt_token_ids=out.prompt_token_ids,
                     outputs=[completion],
                     finished=True,
+                    metrics=out.metrics,  # the first choice's
                     prompt_logprobs=out.prompt_logprobs,
                     prompt_token_ranks=out.prompt_token_ranks,
                 )

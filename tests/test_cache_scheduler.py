@@ -309,3 +309,81 @@ def test_pacer_budget_from_measured_costs():
     off.observe(512, 0, 0.5)
     off.observe(0, 4, 0.1)
     assert off.prefill_budget(decodes=4) is None
+
+
+def _urgent(request: Request, priority: int, arrival: float) -> Request:
+    request.priority, request.arrival_time = priority, arrival
+    return request
+
+
+def test_the_priority_policy_runs_by_priority_then_arrival():
+    """One running place: whatever order they came in, the queue is served most urgent first,
+    and equal priorities in arrival order."""
+    rng = random.Random()
+    cache = CacheManager(num_blocks=64, block_size=4, num_slots=2)
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=64, scheduling_policy="priority"), cache)
+    requests = [_urgent(_request(i, rng.randrange(1, 9), 2), rng.randrange(-2, 3), arrival=i) for i in range(12)]
+    for r in rng.sample(requests, len(requests)):
+        scheduler.add(r)
+    admitted: list[str] = []
+    while scheduler.has_unfinished():
+        out = scheduler.schedule()
+        admitted += [r.request_id for r in out.new_requests]
+        scheduler.update_from_output(out, _sample_all(out))
+    expected = sorted(requests, key=lambda r: (r.priority, r.arrival_time))
+    assert admitted == [r.request_id for r in expected]
+
+
+def test_the_priority_policy_preempts_the_least_urgent_not_the_latest():
+    cache = CacheManager(num_blocks=4, block_size=4, num_slots=4)
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, scheduling_policy="priority"), cache)
+    old, urgent = _urgent(_request(0, 8, 100), 1, arrival=0), _urgent(_request(1, 8, 100), 0, arrival=1)
+    scheduler.add(old)
+    scheduler.add(urgent)
+    out = scheduler.schedule()
+    assert [r.request_id for r in out.new_requests] == ["r1", "r0"]
+    scheduler.update_from_output(out, _sample_all(out))
+    out = scheduler.schedule()  # both need a third block; the urgent one keeps running
+    assert [s.request_id for s in out.scheduled] == ["r1"]
+    assert old.num_preemptions == 1 and scheduler.waiting[0] is old and urgent.num_preemptions == 0
+
+
+def test_random_prioritised_requests_leak_nothing():
+    rng = random.Random()
+    cache = CacheManager(num_blocks=48, block_size=8, num_slots=12)
+    config = SchedulerConfig(max_num_seqs=12, max_num_batched_tokens=96, scheduling_policy="priority")
+    scheduler = Scheduler(config, cache)
+    requests = [_urgent(_request(i, rng.randrange(1, 120), rng.randrange(1, 40)), rng.randrange(-3, 4), i) for i in range(400)]
+    _simulate(scheduler, cache, requests, rng)
+    assert all(r.is_finished for r in requests)
+    assert cache.blocks.num_free == 48 and cache.slots.num_free == 12 and cache.num_holders == 0
+
+
+def test_a_quarantined_step_reruns_each_request_alone_up_to_where_it_failed():
+    """After a step raises: no checkpoint of its requests, and each is recomputed in steps of
+    its own until it is past the failed step; then they batch again."""
+    cache = CacheManager(num_blocks=64, block_size=4, num_slots=4)
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=8), cache)
+    requests = [_request(i, 12, 3) for i in range(3)]
+    for r in requests:
+        scheduler.add(r)
+    out = scheduler.schedule()
+    scheduler.update_from_output(out, _sample_all(out))
+    failed = scheduler.schedule()
+    reach = {s.request_id: s.num_computed_tokens + s.num_new_tokens for s in failed.scheduled}
+    assert len(reach) >= 2 and scheduler.quarantine(failed) == []
+    assert cache.num_holders == 0 and [r.status for r in requests] == [RequestStatus.WAITING] * 3
+    alone = []
+    while any(r.isolate_until > r.num_computed_tokens for r in requests):
+        out = scheduler.schedule()
+        alone.append([s.request_id for s in out.scheduled])
+        scheduler.update_from_output(out, _sample_all(out))
+    assert all(len(ids) == 1 for ids in alone)
+    assert [ids[0] for ids in alone] == sorted((ids[0] for ids in alone), key=lambda rid: int(rid[1:]))  # one suspect at a time
+    assert all(r.num_computed_tokens >= reach[r.request_id] for r in requests if r.request_id in reach)
+    out = scheduler.schedule()
+    assert len(out.scheduled) > 1  # batched again
+    only = out.scheduled[0]
+    single = SchedulerOutput([], [only])
+    (failed_alone,) = scheduler.quarantine(single)
+    assert failed_alone.request_id == only.request_id and failed_alone.finish_reason == "error"

@@ -173,3 +173,28 @@ def test_deterministic_mode_is_batch_invariant(tiny_model_dir):
     together = crowd[-1].outputs[0]
     assert together.token_ids == alone.token_ids
     assert together.logprobs == alone.logprobs  # bitwise
+
+
+def test_priorities_need_the_priority_policy(llm):
+    """As vLLM: a priority other than 0 is an error under fcfs, and it must fit 32 bits."""
+    with pytest.raises(ValueError, match="--scheduling-policy fcfs"):
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2), priority=[1])
+    with pytest.raises(ValueError, match="1 priorities for 2 prompts"):
+        llm.generate([[5, 6], [7, 8]], SamplingParams(max_tokens=2), priority=[0])
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_the_priority_policy_serves_the_most_urgent_first(tiny_model_dir):
+    """One running place: first tokens come in priority order, not in the order the prompts
+    were given; the answers are what fcfs gives (greedy)."""
+    prompts = [[20 + i, 30 + i, 40 + i] for i in range(5)]
+    urgency = [3, -1, 2, 0, -1]
+    first_token_times = {}
+    ranked = LLM(model=str(tiny_model_dir), dtype="float32", max_num_seqs=1, scheduling_policy="priority")
+    outs = ranked.generate(prompts, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True), priority=urgency)
+    for i, out in enumerate(outs):
+        first_token_times[i] = out.metrics["first_token_time"]
+    assert sorted(first_token_times, key=first_token_times.get) == sorted(range(5), key=lambda i: (urgency[i], i))
+    plain = LLM(model=str(tiny_model_dir), dtype="float32", max_num_seqs=1)
+    expected = plain.generate(prompts, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in expected]

@@ -55,6 +55,7 @@ class EngineStats:
 
     num_running: int
     num_waiting: int
+    num_waiting_tokens: int  # tokens the waiting requests have still to compute
     cache_usage: float  # fraction of cache blocks in use
     num_preemptions: int
     prompt_tokens: int  # prompt tokens of requests that produced their first token
@@ -144,9 +145,12 @@ class LLMEngine:
         self.last_step = StepShape(0, 0)
 
     # ---- requests ---------------------------------------------------------------------------
-    def add_request(self, request_id: str | None, prompt: Prompt, params: SamplingParams | None = None) -> str:
-        """Validate and queue a request. Raises ValueError naming the problem; nothing else changes."""
+    def add_request(self, request_id: str | None, prompt: Prompt, params: SamplingParams | None = None,
+                    priority: int = 0) -> str:  # fmt: skip
+        """Validate and queue a request. Raises ValueError naming the problem; nothing else changes.
+        `priority` (lower runs first) needs `scheduling_policy="priority"`."""
         params = params or SamplingParams()
+        self.check_priority(priority)
         if params.n != 1:
             raise ValueError("the engine takes n=1 requests; use SamplingParams.fan_out() for n > 1")
         if request_id is None:
@@ -163,6 +167,7 @@ class LLMEngine:
             max_total_tokens=self.max_model_len,
             eos_token_ids=self.eos_token_ids,
             prompt=text,
+            priority=priority,
             boundaries=self._boundaries(token_ids),
         )
         self.scheduler.add(request)
@@ -190,6 +195,7 @@ class LLMEngine:
         return EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
+            num_waiting_tokens=sum(r.num_uncomputed for r in self.scheduler.waiting),
             cache_usage=self.cache.usage,
             num_preemptions=self.scheduler.num_preemptions,
             prompt_tokens=self._prompt_tokens,
@@ -296,6 +302,13 @@ class LLMEngine:
         )
 
     # ---- validation -------------------------------------------------------------------------
+    def check_priority(self, priority: int) -> None:
+        if not isinstance(priority, int) or isinstance(priority, bool) or not -(2**31) <= priority < 2**31:
+            raise ValueError(f"priority must be a 32-bit integer, got {priority!r}")
+        if priority != 0 and self.config.scheduler.scheduling_policy != "priority":
+            raise ValueError(f"priority {priority} needs priority scheduling; the server runs with --scheduling-policy "
+                             f"{self.config.scheduler.scheduling_policy}")  # fmt: skip
+
     def check_prompt(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         """(text, token ids) of a prompt, or ValueError naming what is wrong with it.
 

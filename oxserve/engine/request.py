@@ -28,6 +28,7 @@ class Request:
     max_total_tokens: int  # prompt + output may not exceed this (the model's context)
     eos_token_ids: frozenset[int] = frozenset()  # tokens that end the request unless ignore_eos
     prompt: str | None = None
+    priority: int = 0  # scheduling_policy="priority": lower runs first (as vLLM's)
     arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[dict[int, float]] = field(default_factory=list)

@@ -1,8 +1,10 @@
 """Continuous batching under a token budget; preemption by recompute.
 
-Each step: running requests first, in arrival order, each gets min(uncomputed, budget left)
+Each step: running requests first, in arrival order (with `scheduling_policy="priority"`: by
+priority, then arrival), each gets min(uncomputed, budget left)
 tokens (1 for a decode, plus its draft tokens if it has any; a chunk for a prefill). If the
-cache cannot hold a request's next tokens, the latest-arrived running request is preempted:
+cache cannot hold a request's next tokens, the last running request is preempted (the latest
+arrived, or under the priority policy the least urgent):
 its blocks and slot are freed and it goes back to the front of the queue, to be recomputed
 from scratch later. Waiting requests are admitted while budget, `max_num_seqs` and cache
 allow, oldest first. While decodes run, the prefill tokens of a step are bounded so that
@@ -55,6 +57,12 @@ def _cut(request: Request, n: int) -> int:
     return n
 
 
+def _insert_by_priority(queue: list[Request] | deque[Request], request: Request) -> None:
+    key = (request.priority, request.arrival_time)
+    at = next((i for i, r in enumerate(queue) if (r.priority, r.arrival_time) > key), len(queue))
+    queue.insert(at, request)
+
+
 def _adapt_draft_limit(request: Request, drafted: int, accepted: int) -> None:
     if accepted == 0:  # halve the limit (a proposal may have been shorter than it)
         request.draft_limit = max(drafted, request.draft_limit or 0) // 2
@@ -91,12 +99,15 @@ class Scheduler:
         self._finished_ids: list[str] = []  # retired since the last schedule(): the runner drops them
         self._blocks_sent: dict[str, int] = {}  # blocks of each running request the runner already has
         self.pacer = StepPacer(config.max_stall)
+        # Priority policy: both queues ordered by (priority, arrival), so the running loop
+        # serves the most urgent first and preemption takes the least urgent (the last).
+        self.by_priority = config.scheduling_policy == "priority"
 
     def add(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self._enqueue(request)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -179,7 +190,10 @@ class Scheduler:
             request.checkpoint_at = self._checkpoint_targets(request, hit)
             n = _cut(request, n)
             request.status = RequestStatus.RUNNING
-            self.running.append(request)
+            if self.by_priority:
+                _insert_by_priority(self.running, request)
+            else:
+                self.running.append(request)
             chosen.append((request, n))
             budget -= n
             prefill_left -= n
@@ -293,7 +307,17 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.draft_token_ids = []
         request.status = RequestStatus.WAITING
-        self.waiting.appendleft(request)
+        self._enqueue(request, front=True)
+
+    def _enqueue(self, request: Request, front: bool = False) -> None:
+        """Into the waiting queue: by (priority, arrival) under the priority policy; else at
+        the back, or at the front for a request that was running."""
+        if self.by_priority:
+            _insert_by_priority(self.waiting, request)
+        elif front:
+            self.waiting.appendleft(request)
+        else:
+            self.waiting.append(request)
 
     # ---- results ----------------------------------------------------------------------------
     def observe_step(self, scheduled: SchedulerOutput, seconds: float) -> None:

@@ -63,9 +63,10 @@ class MetricsSink(Protocol):
 class RequestGroup:
     """The engine requests behind one API request, read as one stream of (index, output)."""
 
-    def __init__(self, requests: list[EngineRequest], engine: "AsyncEngine"):
+    def __init__(self, requests: list[EngineRequest], engine: "AsyncEngine", priority: int = 0):
         self.request_ids = [rid for rid, _, _ in requests]
         self.requests = requests
+        self.priority = priority
         now = time.monotonic()
         self.timings = [RequestTiming(now) for _ in requests]
         self.queue: asyncio.Queue[tuple[int, RequestOutput | BaseException]] = asyncio.Queue()
@@ -147,10 +148,12 @@ class AsyncEngine:
     _engine: LLMEngine  # built and used by the engine thread only
     snapshot: EngineStats  # the engine's counters, published by the engine thread after each loop turn
 
-    def __init__(self, config: EngineConfig, max_waiting: int, metrics: MetricsSink | None = None):
-        if max_waiting < 1:
-            raise ValueError(f"max_waiting must be >= 1, got {max_waiting}")
+    def __init__(self, config: EngineConfig, max_waiting: int, metrics: MetricsSink | None = None,
+                 max_waiting_tokens: int | None = None):  # fmt: skip
+        if max_waiting < 1 or (max_waiting_tokens is not None and max_waiting_tokens < 1):
+            raise ValueError(f"max_waiting and max_waiting_tokens must be >= 1, got {max_waiting}, {max_waiting_tokens}")
         self.max_waiting = max_waiting
+        self.max_waiting_tokens = max_waiting_tokens  # None: bounded by requests only
         self.metrics = metrics
         self.finishes = FinishRate()  # event loop only: for Retry-After
         self._commands: queue.Queue = queue.Queue()
@@ -194,12 +197,13 @@ class AsyncEngine:
     def is_alive(self) -> bool:
         return self._thread.is_alive()
 
-    async def submit(self, requests: list[EngineRequest]) -> RequestGroup:
-        """Queue the requests; returns once the engine admitted them all.
+    async def submit(self, requests: list[EngineRequest], priority: int = 0) -> RequestGroup:
+        """Queue the requests (at `priority`: lower runs first, under the priority policy);
+        returns once the engine admitted them all.
 
         Raises ValueError (bad input), QueueFullError or EngineError; then nothing is queued.
         """
-        group = RequestGroup(requests, self)
+        group = RequestGroup(requests, self, priority)
         self._commands.put(_Submit(group))
         if self._dead:  # the loop died before or while this was queued: nobody may read it
             group.resolve_admission(_stopped())
@@ -303,7 +307,8 @@ class AsyncEngine:
 
     def _add(self, group: RequestGroup) -> BaseException | None:
         """Add every request of the group, or none of them; returns the error if any."""
-        need, waiting = len(group.requests), self._engine.stats().num_waiting
+        before = self._engine.stats()
+        need, waiting = len(group.requests), before.num_waiting
         if need > self.max_waiting:
             return ValueError(f"this request needs {need} queue places; the server allows {self.max_waiting}")
         if waiting + need > self.max_waiting:
@@ -311,17 +316,32 @@ class AsyncEngine:
         added: list[str] = []
         try:
             for rid, prompt, params in group.requests:
-                self._engine.add_request(rid, prompt, params)
+                self._engine.add_request(rid, prompt, params, group.priority)
                 added.append(rid)
+            refused = self._over_token_bound(before.num_waiting_tokens)
         except Exception as e:
+            refused = e
+        if refused is not None:
             for rid in added:
                 self._engine.abort_request(rid)
-            if isinstance(e, ValueError):
-                return e
-            log.exception("%s: adding the request failed", group.request_ids[0])
+            if isinstance(refused, (ValueError, QueueFullError)):
+                return refused
+            log.error("%s: adding the request failed", group.request_ids[0], exc_info=refused)
             return EngineError("the engine could not add the request (the server's log has the details)")
         for index, rid in enumerate(added):
             self._owners[rid] = _Owner(group, index)
+        return None
+
+    def _over_token_bound(self, queued_before: int) -> Exception | None:
+        """With the group just added: the error if the queue now holds too many tokens."""
+        limit = self.max_waiting_tokens
+        if limit is None:
+            return None
+        need = self._engine.stats().num_waiting_tokens - queued_before
+        if need > limit:
+            return ValueError(f"this request's prompts hold {need} tokens; the server queues at most {limit}")
+        if queued_before + need > limit:
+            return QueueFullError(f"the waiting queue is full ({queued_before} of {limit} tokens queued); retry later")
         return None
 
     def _abort(self, request_ids: list[str] | None) -> None:

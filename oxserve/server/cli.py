@@ -36,6 +36,9 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     group.add_argument("--served-model-name", default=None, help="model name in the API (default: --model, or 'oxserve-default')")
     group.add_argument("--max-waiting", type=int, default=256,
                        help="requests that may wait for a batch slot; beyond it, 429 with Retry-After (default: %(default)s)")  # fmt: skip
+    group.add_argument("--max-waiting-tokens", type=int, default=1 << 20,
+                       help="tokens the waiting requests may hold (prompts not computed yet); beyond it, 429 with "
+                            "Retry-After, and a request holding more is refused with 400 (default: %(default)s)")  # fmt: skip
     group.add_argument("--shutdown-timeout", type=float, default=30.0,
                        help="on SIGTERM, seconds to let in-flight requests finish before aborting them (default: %(default)s)")  # fmt: skip
     group.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
@@ -61,8 +64,8 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.max_waiting < 1:
-        raise SystemExit(f"--max-waiting must be >= 1, got {args.max_waiting}")
+    if args.max_waiting < 1 or args.max_waiting_tokens < 1:
+        raise SystemExit(f"--max-waiting and --max-waiting-tokens must be >= 1, got {args.max_waiting}, {args.max_waiting_tokens}")
     if min(args.header_read_timeout, args.body_read_timeout) <= 0 or args.max_connections < 1:
         raise SystemExit("--header-read-timeout and --body-read-timeout must be > 0, --max-connections >= 1")
     try:
@@ -70,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise SystemExit(str(e)) from None
     api_key = api_key_from(args)
-    engine = AsyncEngine(engine_config_from_args(args), args.max_waiting)
+    engine = AsyncEngine(engine_config_from_args(args), args.max_waiting, max_waiting_tokens=args.max_waiting_tokens)
     model_name = args.served_model_name or args.model or "oxserve-default"
     log.info("serving %s (%s) as %r, max_model_len %d", engine.model_path, args.dtype, model_name, engine.max_model_len)
     app = build_app(engine, model_name, parsing, api_key, args.api_key_protects_metrics)

@@ -62,6 +62,8 @@ class _EngineCollector:
         s = self.snapshot()
         yield GaugeMetricFamily("oxserve:num_requests_running", "Requests in the running batch.", value=s.num_running)
         yield GaugeMetricFamily("oxserve:num_requests_waiting", "Requests waiting to be scheduled.", value=s.num_waiting)
+        yield GaugeMetricFamily("oxserve:num_waiting_tokens", "Tokens the waiting requests have yet to compute.",
+                                value=s.num_waiting_tokens)  # fmt: skip
         yield GaugeMetricFamily("oxserve:kv_cache_usage_perc", "Fraction of cache blocks in use (0-1).", value=s.cache_usage)
         yield CounterMetricFamily("oxserve:num_preemptions", "Preemptions (recompute) so far.", value=s.num_preemptions)
         yield CounterMetricFamily("oxserve:prompt_tokens", "Prompt tokens prefilled.", value=s.prompt_tokens)

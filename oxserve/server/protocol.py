@@ -96,6 +96,7 @@ class _SamplingRequest(BaseModel):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     return_tokens_as_token_ids: bool = False
+    priority: int = Field(0, ge=-(2**31), le=2**31 - 1)  # --scheduling-policy priority: lower runs first
     # Structured outputs: OpenAI's response_format, vLLM's guided_* extras and their newer
     # `structured_outputs` object; at most one of them.
     response_format: dict[str, Any] | None = None

@@ -46,6 +46,7 @@ class Job:
     params: SamplingParams
     prompts: list[list[int]]
     created: int
+    priority: int = 0  # lower runs first, under --scheduling-policy priority
 
     @property
     def num_choices(self) -> int:
@@ -151,7 +152,7 @@ class OpenAIServing:
         params = req.to_sampling_params()
         texts = req.prompts()
         prompts = [await self._prompt_ids(p, params.max_tokens, "prompt") for p in texts]
-        job = Job(f"cmpl-{uuid.uuid4().hex}", self.model_name, params, prompts, int(time.time()))
+        job = Job(f"cmpl-{uuid.uuid4().hex}", self.model_name, params, prompts, int(time.time()), req.priority)
         echoes = [self._echo_text(text, ids) for text, ids in zip(texts, prompts)] if req.echo else None
         shape = CompletionChoices(req, LogprobFormatter(self.engine.tokenizer, req.return_tokens_as_token_ids), echoes)
         group = await self.submit(job, req.stream)
@@ -241,7 +242,7 @@ class OpenAIServing:
         turn = ChatTurn(req, self.parsing, prompt_text, self.engine.tokenizer)
         params = await self._checked(turn.sampling_params(req.to_sampling_params()))
         prompt = await self._prompt_ids(prompt_text, params.max_tokens, "messages")
-        return Job(response_id, self.model_name, params, [prompt], int(time.time())), turn
+        return Job(response_id, self.model_name, params, [prompt], int(time.time()), req.priority), turn
 
     def render_chat(self, req: ChatCompletionRequest) -> str:
         tokenizer = self.engine.tokenizer
@@ -289,7 +290,7 @@ class OpenAIServing:
         log.info("%s: %d prompt(s), %d prompt tokens, n=%d, max_tokens=%s, temperature=%s, stream=%s",
                  job.response_id, len(job.prompts), job.prompt_tokens, p.n, p.max_tokens, p.temperature, stream)  # fmt: skip
         try:
-            return await self.engine.submit(job.engine_requests())
+            return await self.engine.submit(job.engine_requests(), job.priority)
         except (ValueError, QueueFullError, EngineError) as e:
             error = engine_error(e)
             log.info("%s: rejected (%d): %s", job.response_id, error.status, error.message)

@@ -47,6 +47,9 @@ BAD_INPUTS = [
     ("/v1/completions", {"prompt": list(range(100, 100 + MAX_MODEL_LEN))}, 400, f"maximum context length is {MAX_MODEL_LEN}"),
     ("/v1/completions", {"prompt": [5] * 100, "max_tokens": 50}, 400, f"maximum context length is {MAX_MODEL_LEN}"),
     ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, 404, "does not exist"),
+    ("/v1/completions", {"prompt": "hi", "priority": 1}, 400, "--scheduling-policy"),
+    ("/v1/completions", {"prompt": "hi", "priority": 2**40}, 400, "priority"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "priority": -1}, 400, "--scheduling-policy"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user"}], "top_logprobs": 2}, 400, "top_logprobs"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, 400, "image_url"),
@@ -146,6 +149,39 @@ def test_full_queue_answers_429_with_retry_after(tiny_model, tmp_path):
                 assert r.json()["error"]["code"] == "rate_limit_exceeded" and "queue is full" in r.json()["error"]["message"]
             else:
                 assert r.json()["usage"]["completion_tokens"] == 30
+
+
+def test_the_queue_is_bounded_in_tokens_and_urgent_requests_go_first(tiny_model, tmp_path):
+    """--max-waiting-tokens: a request holding more tokens than the bound is a 400, and past the
+    bound a 429 names the tokens. Under --scheduling-policy priority, a request sent after a
+    queue of less urgent ones finishes before them."""
+    args = ("--max-num-seqs", "1", "--max-waiting-tokens", "40", "--scheduling-policy", "priority")
+    with serve(tiny_model, *args, log_dir=tmp_path) as s:
+        too_big = post(s.base_url, "/v1/completions", {"prompt": list(range(100, 150)), "max_tokens": 2})
+        assert too_big.status_code == 400 and "queues at most 40" in too_big.json()["error"]["message"]
+        done: list[str] = []
+
+        def send(name: str, priority: int, prompt: list[int], max_tokens: int = 20) -> None:
+            r = post(s.base_url, "/v1/completions", {**LONG, "max_tokens": max_tokens, "prompt": prompt, "priority": priority})
+            done.append(name if r.status_code == 200 else f"{name}:{r.status_code}")
+
+        blocker = threading.Thread(target=send, args=("blocker", 0, [11, 12, 13], MAX_MODEL_LEN - 4))  # long enough to queue behind
+        blocker.start()
+        while s.metrics()["oxserve:num_requests_running"] < 1:
+            time.sleep(0.01)
+        late = [threading.Thread(target=send, args=(f"late{i}", 5, list(range(100, 115)))) for i in range(2)]
+        for t in late:  # 2 x 15 prompt tokens wait: 30 of 40
+            t.start()
+        while s.metrics()["oxserve:num_waiting_tokens"] < 30:
+            time.sleep(0.01)
+        refused = post(s.base_url, "/v1/completions", {"prompt": list(range(200, 215)), "max_tokens": 2})
+        assert refused.status_code == 429 and "tokens queued" in refused.json()["error"]["message"]
+        assert refused.headers["Retry-After"].isdigit()
+        urgent = threading.Thread(target=send, args=("urgent", -1, [21, 22]))
+        urgent.start()
+        for t in [blocker, *late, urgent]:
+            t.join()
+        assert done[:2] == ["blocker", "urgent"] and sorted(done[2:]) == ["late0", "late1"], done
 
 
 def test_sigterm_drains_in_flight_requests_and_exits_0(tiny_model, tmp_path):
