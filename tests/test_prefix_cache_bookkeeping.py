@@ -251,3 +251,26 @@ def test_reset_forgets_every_prefix_only_when_nothing_runs():
     assert len(cache.checkpoints) == 0 and cache.blocks.num_cached == 0 and cache.blocks.num_free == cache.blocks.size
     _drive(scheduler, [Request("c", list(range(1, 31)), SamplingParams(max_tokens=2), 10_000)], random.Random(0), runner)
     assert cache.stats.hits == 29, "c computed everything again"
+
+
+def test_room_for_a_resume_does_not_count_the_blocks_it_shares_as_reclaimable():
+    """A checkpoint at 6 pins block 1; once filled, block 1 is also a shared full block of a
+    hit at 8. Sharing it takes it off the reclaimable list, so it is no room for the resume."""
+    bs = 4
+    cache = CacheManager(num_blocks=3, block_size=bs, num_slots=2, prefix=_prefix("lru"))
+    tokens = list(range(1, 17))
+
+    def tokens_of(start: int, end: int) -> list[int]:
+        return tokens[start:end]
+
+    cache.grow("a", 8)
+    cache.checkpoint("a", 6, tokens_of, "prompt_end")
+    cache.checkpoint("a", 8, tokens_of, "finish")
+    cache.register("a", 8, tokens_of)
+    cache.release("a")
+    cache.next_step()
+    hit = cache.lookup(tokens, 15)
+    assert hit.position == 8 and len(hit.blocks) == 2 and hit.checkpoint.block is None
+    assert not cache.can_resume(hit, 16), "one block free (block 0 is reused): no room for two more"
+    assert cache.can_resume(hit, 12)
+    cache.resume("b", hit, 12)

@@ -157,9 +157,11 @@ class CacheManager:
 
     # Checkpoints pin partial blocks, but they are a cache, not holders: under block pressure
     # the checkpoints pinning blocks that nothing else holds are evicted to free them.
-    def _available(self, n: int, reserved: int = 0, keep: Checkpoint | None = None) -> bool:
+    # A resume's shared blocks are neither free nor reclaimable once it holds them: `reserved`
+    # counts the free ones it takes, `shared` excludes the ones checkpoints alone pin.
+    def _available(self, n: int, reserved: int = 0, keep: Checkpoint | None = None, shared: Sequence[int] = ()) -> bool:
         free = self.blocks.num_free - reserved
-        return n <= free or (self.checkpoints is not None and n <= free + len(self._reclaimable(keep)))
+        return n <= free or (self.checkpoints is not None and n <= free + len(self._reclaimable(keep).keys() - set(shared)))
 
     def _reclaimable(self, keep: Checkpoint | None = None) -> dict[int, list[Checkpoint]]:
         """Blocks held only by checkpoints not in use this step (nor `keep`) -> those checkpoints."""
@@ -266,7 +268,7 @@ class CacheManager:
         """Room for a new request resuming at `hit` and holding `total_tokens` tokens."""
         reused_free = sum(self.blocks.is_free_cached(b) for b in hit.blocks)
         fresh = -(-total_tokens // self.block_size) - len(hit.blocks)
-        return self.slots.num_free > 0 and self._available(fresh, reserved=reused_free, keep=hit.checkpoint)
+        return self.slots.num_free > 0 and self._available(fresh, reserved=reused_free, keep=hit.checkpoint, shared=hit.blocks)
 
     def resume(self, request_id: str, hit: PrefixHit, total_tokens: int) -> None:
         """Start a request at `hit`: share its blocks, copy the partial one, restore its state."""
