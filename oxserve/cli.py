@@ -18,6 +18,7 @@ from oxserve.options import engine_config, option_names, sections
 COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("generate",): ("oxserve.commands.generate", "generate text offline for one or more prompts"),
     ("serve",): ("oxserve.server.cli", "run the OpenAI-compatible HTTP server"),
+    ("run-batch",): ("oxserve.commands.run_batch", "answer a Batch API JSONL file offline, in input order"),
     ("bench", "throughput"): ("oxserve.bench.throughput", "offline throughput: oxserve vs HF transformers generate"),
     ("bench", "serve"): ("oxserve.bench.serve", "load-test any OpenAI-compatible endpoint"),
     ("bench", "ceilings"): ("oxserve.commands.ceilings", "measure this machine's memory bandwidth and matmul rates"),

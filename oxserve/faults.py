@@ -9,6 +9,8 @@ nothing and costs nothing:
                                         seconds: a stalled step
     {"crash_loop_after_steps": N}       the server's engine loop dies after N steps: the
                                         thread, not a request
+    {"batch_store_max_pages": P}        the batch store's file may not grow past P pages:
+                                        its disk is full (sqlite's own SQLITE_FULL)
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ class Faults:
     stall_token: int | None = None
     stall_s: float = 0.0
     crash_loop_after_steps: int | None = None
+    batch_store_max_pages: int | None = None
 
     @staticmethod
     def from_env() -> Faults:

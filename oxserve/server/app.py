@@ -7,6 +7,7 @@ import logging
 import time
 from collections.abc import Mapping
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
@@ -14,8 +15,12 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from oxserve.faults import Faults
 from oxserve.server.async_engine import AsyncEngine
 from oxserve.server.auth import RequireAPIKey
+from oxserve.server.batch.routes import add_batch_routes
+from oxserve.server.batch.runner import BatchRunner
+from oxserve.server.batch.store import BatchStore
 from oxserve.server.chat_turn import ChatParsing
 from oxserve.server.metrics import ServerMetrics
 from oxserve.server.protocol import APIError, read_body
@@ -87,18 +92,26 @@ class TrackRequests:
 
 
 def build_app(engine: AsyncEngine, model_name: str, parsing: ChatParsing | None = None, api_key: str | None = None,
-              protect_metrics: bool = False) -> FastAPI:  # fmt: skip
-    """`api_key`: required on every route but /health (and /metrics unless `protect_metrics`)."""
+              protect_metrics: bool = False, batch_store: Path | None = None, batch_concurrency: int = 8) -> FastAPI:  # fmt: skip
+    """`api_key`: required on every route but /health (and /metrics unless `protect_metrics`).
+    `batch_store`: the SQLite file of the Files and Batch APIs (None: those routes are absent)."""
     metrics = ServerMetrics(lambda: engine.snapshot)
     engine.metrics = metrics
     serving = OpenAIServing(engine, model_name, parsing)
     tokenizing = TokenizeServing(serving)
     state = ServerState(engine)
+    store = BatchStore(batch_store, Faults.from_env().batch_store_max_pages) if batch_store is not None else None
+    batches = BatchRunner(store, serving, engine, batch_concurrency) if store is not None else None
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         engine.start()
+        if batches is not None:
+            batches.start()  # jobs a previous run left unfinished go on
         yield
+        if batches is not None:
+            await batches.close()  # lines in flight are aborted; they run again after a restart
+            store.close()
         await responses.close()  # running responses are cancelled before the engine stops
         await engine.stop()
 
@@ -163,6 +176,8 @@ def build_app(engine: AsyncEngine, model_name: str, parsing: ChatParsing | None 
 
 
     responses = add_responses_routes(app, serving, state)
+    if store is not None:
+        add_batch_routes(app, store, batches)
     return app
 
 

@@ -154,6 +154,7 @@ class AsyncEngine:
             raise ValueError(f"max_waiting and max_waiting_tokens must be >= 1, got {max_waiting}, {max_waiting_tokens}")
         self.max_waiting = max_waiting
         self.max_waiting_tokens = max_waiting_tokens  # None: bounded by requests only
+        self.scheduling_policy = config.scheduler.scheduling_policy
         self.metrics = metrics
         self.finishes = FinishRate()  # event loop only: for Retry-After
         self._commands: queue.Queue = queue.Queue()

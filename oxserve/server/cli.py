@@ -12,11 +12,13 @@ import asyncio
 import logging
 import os
 import signal
+from pathlib import Path
 from types import FrameType
 
 import uvicorn
 
 from oxserve.cli import add_engine_arguments, engine_config_from_args
+from oxserve.feedback.machine import data_dir
 from oxserve.server.app import ServerState, build_app
 from oxserve.server.async_engine import AsyncEngine
 from oxserve.server.chat_turn import ChatParsing
@@ -57,6 +59,11 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
                        help="seconds a request may take to send its body before a 408 (default: %(default)s)")  # fmt: skip
     group.add_argument("--max-connections", type=int, default=1024,
                        help="open connections (and requests) beyond which a new request gets 503 (default: %(default)s)")  # fmt: skip
+    group.add_argument("--batch-store", type=Path, default=None, metavar="PATH",
+                       help="SQLite file of the Files and Batch APIs' jobs, kept across restarts "
+                            "(default: batches.sqlite in oxserve's data directory)")  # fmt: skip
+    group.add_argument("--batch-concurrency", type=int, default=8,
+                       help="lines of a batch job in the engine at once, sent only while no request waits (default: %(default)s)")
     group.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"), help="(default: %(default)s)")
     group.add_argument("--no-access-log", dest="access_log", action="store_false", help="do not log one line per HTTP request")
     add_engine_arguments(parser)
@@ -66,6 +73,8 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.max_waiting < 1 or args.max_waiting_tokens < 1:
         raise SystemExit(f"--max-waiting and --max-waiting-tokens must be >= 1, got {args.max_waiting}, {args.max_waiting_tokens}")
+    if args.batch_concurrency < 1:
+        raise SystemExit(f"--batch-concurrency must be >= 1, got {args.batch_concurrency}")
     if min(args.header_read_timeout, args.body_read_timeout) <= 0 or args.max_connections < 1:
         raise SystemExit("--header-read-timeout and --body-read-timeout must be > 0, --max-connections >= 1")
     try:
@@ -76,7 +85,8 @@ def run(args: argparse.Namespace) -> int:
     engine = AsyncEngine(engine_config_from_args(args), args.max_waiting, max_waiting_tokens=args.max_waiting_tokens)
     model_name = args.served_model_name or args.model or "oxserve-default"
     log.info("serving %s (%s) as %r, max_model_len %d", engine.model_path, args.dtype, model_name, engine.max_model_len)
-    app = build_app(engine, model_name, parsing, api_key, args.api_key_protects_metrics)
+    batch_store = args.batch_store or data_dir() / "batches.sqlite"
+    app = build_app(engine, model_name, parsing, api_key, args.api_key_protects_metrics, batch_store, args.batch_concurrency)
     config = uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level, access_log=args.access_log,
         # After the drain only stragglers are left (a client not sending or not reading): 2 s for them.

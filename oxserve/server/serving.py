@@ -146,7 +146,7 @@ class OpenAIServing:
         self.parsing = parsing or ChatParsing()
 
     # ---- /v1/completions ----------------------------------------------------------------
-    async def completions(self, body: bytes, raw: Request) -> Response:
+    async def completions(self, body: bytes, raw: Request | None) -> Response:
         req: CompletionRequest = parse_body(CompletionRequest, body)
         self.check_model(req.model)
         params = req.to_sampling_params()
@@ -188,7 +188,7 @@ class OpenAIServing:
         return self.engine.tokenizer.decode(token_ids, skip_special_tokens=False)
 
     # ---- /v1/chat/completions -----------------------------------------------------------
-    async def chat(self, body: bytes, raw: Request) -> Response:
+    async def chat(self, body: bytes, raw: Request | None) -> Response:
         req: ChatCompletionRequest = parse_body(ChatCompletionRequest, body)
         job, turn = await self.prepare_chat(req, f"chatcmpl-{uuid.uuid4().hex}")
         params = job.params
@@ -296,8 +296,9 @@ class OpenAIServing:
             log.info("%s: rejected (%d): %s", job.response_id, error.status, error.message)
             raise error from None
 
-    async def _collect(self, job: Job, group: RequestGroup, raw: Request) -> list[RequestOutput] | None:
-        """Every choice's final output, or None if the client disconnected first (then aborted)."""
+    async def _collect(self, job: Job, group: RequestGroup, raw: Request | None) -> list[RequestOutput] | None:
+        """Every choice's final output, or None if the client disconnected first (then aborted).
+        Without `raw` (a batch line) nobody can disconnect; a cancelled caller aborts it."""
 
         async def collect() -> list[RequestOutput]:
             finals: list[RequestOutput] = [None] * job.num_choices  # type: ignore[list-item]
@@ -308,7 +309,7 @@ class OpenAIServing:
 
         start = time.monotonic()
         try:
-            finals = await until_disconnected(raw, collect())
+            finals = await (collect() if raw is None else until_disconnected(raw, collect()))
         except EngineError as e:
             raise engine_error(e) from None
         finally:

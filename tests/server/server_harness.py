@@ -71,7 +71,8 @@ def serve(model: Path, *args: str, log_dir: Path, env: dict[str, str] | None = N
     port = free_port()
     log_path = log_dir / f"server-{port}.log"
     cmd = [sys.executable, "-m", "oxserve.cli", "serve", "--model", str(model), "--dtype", "float32",
-           "--port", str(port), "--max-model-len", str(MAX_MODEL_LEN), "--cache-memory-gib", "0.05", *args]  # fmt: skip
+           "--port", str(port), "--max-model-len", str(MAX_MODEL_LEN), "--cache-memory-gib", "0.05",
+           "--batch-store", str(log_dir / f"batches-{port}.sqlite"), *args]  # fmt: skip
     with open(log_path, "w") as log:
         environment = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=environment)
