@@ -89,12 +89,13 @@ def test_concurrent_conversations_with_forced_eviction_match_no_cache(tiny_model
     same greedy outputs, logprobs within fp32 rounding, on a model whose DSA selection keeps
     every pool (a rounding-level difference may otherwise flip a top-k pick, cache or not)."""
     rng = random.Random()
-    # Lengths bounded below so that eight later turns cannot all fit in 48 blocks of 4 tokens.
+    # Lengths bounded below so that eight later turns cannot all fit in 40 blocks of 4 tokens, even
+    # sharing the system prompt (at least 7 blocks each of their own); the longest fits alone (34).
     system = [rng.randrange(20, 8000) for _ in range(rng.randrange(20, 40))]
     conversations = [[system + [rng.randrange(20, 8000) for _ in range(rng.randrange(10, 30))]] for _ in range(8)]
     for conv in conversations:
         conv += [[rng.randrange(20, 8000) for _ in range(rng.randrange(5, 20))] for _ in range(2)]
-    options = dict(kda_decode=kda_decode, kda_replay_len=5, max_num_batched_tokens=24, num_blocks=48, max_num_seqs=8,
+    options = dict(kda_decode=kda_decode, kda_replay_len=5, max_num_batched_tokens=24, num_blocks=40, max_num_seqs=8,
                    deterministic=deterministic)  # fmt: skip
     exact = deterministic and kda_decode == "write-back"
     model = tiny_model_dir if exact else all_pools_model_dir

@@ -24,6 +24,7 @@ from oxserve.server.batch.store import BatchStore
 from oxserve.server.chat_turn import ChatParsing
 from oxserve.server.metrics import ServerMetrics
 from oxserve.server.protocol import APIError, read_body
+from oxserve.server.quotas import EnforceQuotas, KeyQuota
 from oxserve.server.responses import add_responses_routes
 from oxserve.server.serving import OpenAIServing
 from oxserve.server.tokenize import TokenizeServing
@@ -91,11 +92,12 @@ class TrackRequests:
             self.state.leave()
 
 
-def build_app(engine: AsyncEngine, model_name: str, parsing: ChatParsing | None = None, api_key: str | None = None,
+def build_app(engine: AsyncEngine, model_name: str, parsing: ChatParsing | None = None, keys: dict[str, KeyQuota] | None = None,
               protect_metrics: bool = False, batch_store: Path | None = None, batch_concurrency: int = 8) -> FastAPI:  # fmt: skip
-    """`api_key`: required on every route but /health (and /metrics unless `protect_metrics`).
+    """`keys`: API keys and their quotas; one is required on every route but /health (and
+    /metrics unless `protect_metrics`). None: no key needed.
     `batch_store`: the SQLite file of the Files and Batch APIs (None: those routes are absent)."""
-    metrics = ServerMetrics(lambda: engine.snapshot)
+    metrics = ServerMetrics(lambda: engine.snapshot, list(keys.values()) if keys else [])
     engine.metrics = metrics
     serving = OpenAIServing(engine, model_name, parsing)
     tokenizing = TokenizeServing(serving)
@@ -118,8 +120,9 @@ def build_app(engine: AsyncEngine, model_name: str, parsing: ChatParsing | None 
     app = FastAPI(title="oxserve", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.server = state
     app.add_middleware(TrackRequests, state=state)
-    if api_key is not None:  # added last, so outermost: a request without the key is not even counted
-        app.add_middleware(RequireAPIKey, api_key=api_key, protect_metrics=protect_metrics)
+    if keys:  # added last, so outermost: a request without a key is not even counted
+        app.add_middleware(EnforceQuotas, keys=keys)
+        app.add_middleware(RequireAPIKey, api_keys=list(keys), protect_metrics=protect_metrics)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError) -> Response:
@@ -185,4 +188,5 @@ def _error_response(e: APIError, headers: Mapping[str, str] | None = None, retry
     headers = dict(headers or {})
     if e.status in (429, 503):
         headers["Retry-After"] = str(retry_after)
+    headers.update(e.headers)  # the error's own (a rate limit's Retry-After) win
     return JSONResponse(e.body(), status_code=e.status, headers=headers or None)

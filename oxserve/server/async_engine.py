@@ -27,7 +27,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Protocol
+from typing import AsyncIterator, Callable, Protocol
 
 from oxserve.config import EngineConfig
 from oxserve.engine.engine import EngineStats, LLMEngine, Prompt
@@ -72,7 +72,27 @@ class RequestGroup:
         self.queue: asyncio.Queue[tuple[int, RequestOutput | BaseException]] = asyncio.Queue()
         self.admitted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._front = engine
-        self._unfinished = set(range(len(requests)))
+        self._unfinished = set(range(len(requests)))  # reader side: not yet read to the end
+        self._ended: set[int] = set()  # delivery side: a final output or a failure delivered
+        self.generated = 0  # tokens of the ended requests' outputs
+        self._on_done: Callable[[int], None] | None = None
+
+    def when_done(self, callback: Callable[[int], None]) -> None:
+        """Call `callback(generated tokens)` once every request has ended (now, if they have),
+        whether or not anyone reads the outputs."""
+        if len(self._ended) == len(self.requests):
+            callback(self.generated)
+        else:
+            self._on_done = callback
+
+    def settle(self, index: int, output: RequestOutput | None) -> None:
+        """Delivery side: request `index` ended with `output` (None: it failed)."""
+        if index in self._ended:
+            return
+        self._ended.add(index)
+        self.generated += len(output.outputs[0].token_ids) if output is not None else 0
+        if len(self._ended) == len(self.requests) and self._on_done is not None:
+            self._on_done(self.generated)
 
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(index, output) until every request finished. Outputs are cumulative, so when a
@@ -232,6 +252,9 @@ class AsyncEngine:
                     self.finishes.record()
                     if self.metrics is not None:
                         self.metrics.observe_finished(timing, item, now)
+                    group.settle(index, item)
+            else:
+                group.settle(index, None)
             group.queue.put_nowait((index, item))
 
     # ---- engine thread ------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""`--api-key`: every route needs `Authorization: Bearer <key>` but /health (and /metrics, unless
+"""`--api-key` / `--api-keys`: every route needs `Authorization: Bearer <key>` but /health (and /metrics, unless
 `--api-key-protects-metrics`). Default-deny, so a route added later is covered without a list to update."""
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ class RequireAPIKey:
     """ASGI middleware: answers 401 (OpenAI's error shape, `WWW-Authenticate: Bearer`) unless the
     request carries the key. A pure ASGI wrapper: it reads headers only, so bodies and SSE pass through."""
 
-    def __init__(self, app: ASGIApp, api_key: str, protect_metrics: bool = False):
+    def __init__(self, app: ASGIApp, api_keys: list[str], protect_metrics: bool = False):
         self.app = app
-        self.key = api_key.encode()
+        self.keys = [k.encode() for k in api_keys]
         self.open_paths = {"/health"} if protect_metrics else {"/health", "/metrics"}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -31,7 +31,14 @@ class RequireAPIKey:
         await response(scope, receive, send)
 
     def _authorized(self, scope: Scope) -> bool:
-        value = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
-        scheme, _, token = value.partition(b" ")
-        # compare_digest: the time taken does not tell how much of a guessed key was right.
-        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key)
+        token = bearer_token(scope)
+        # compare_digest against every key: the time taken tells neither how much of a guessed
+        # key was right nor which key it was near.
+        return token is not None and sum(hmac.compare_digest(token, key) for key in self.keys) > 0
+
+
+def bearer_token(scope: Scope) -> bytes | None:
+    """The token of `Authorization: Bearer <token>`, or None."""
+    value = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+    scheme, _, token = value.partition(b" ")
+    return token.strip() if scheme.lower() == b"bearer" else None

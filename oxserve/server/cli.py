@@ -24,6 +24,7 @@ from oxserve.server.async_engine import AsyncEngine
 from oxserve.server.chat_turn import ChatParsing
 from oxserve.server.deadlines import deadline_protocol
 from oxserve.server.parsers import REASONING_PARSERS, TOOL_PARSERS
+from oxserve.server.quotas import KeyQuota, load_keys
 
 log = logging.getLogger("oxserve.server")
 
@@ -52,6 +53,9 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     group.add_argument("--api-key", default=None, metavar="KEY",
                        help=f"require 'Authorization: Bearer KEY' on every route but /health and /metrics; without the flag, "
                             f"read from ${API_KEY_ENV} (safer: a flag shows in ps); neither: no key needed")  # fmt: skip
+    group.add_argument("--api-keys", type=Path, default=None, metavar="FILE",
+                       help="YAML of API keys, each with a name and optional limits (requests_per_minute, tokens_per_minute, "
+                            "max_concurrent); with --api-key, both are accepted")  # fmt: skip
     group.add_argument("--api-key-protects-metrics", action="store_true", help="require the API key on /metrics too")
     group.add_argument("--header-read-timeout", type=float, default=10.0,
                        help="seconds a connection may take to send a request's headers before it is closed (default: %(default)s)")  # fmt: skip
@@ -81,12 +85,12 @@ def run(args: argparse.Namespace) -> int:
         parsing = ChatParsing(args.tool_call_parser, args.enable_auto_tool_choice, args.reasoning_parser)
     except ValueError as e:
         raise SystemExit(str(e)) from None
-    api_key = api_key_from(args)
+    keys = api_keys_from(args)
     engine = AsyncEngine(engine_config_from_args(args), args.max_waiting, max_waiting_tokens=args.max_waiting_tokens)
     model_name = args.served_model_name or args.model or "oxserve-default"
     log.info("serving %s (%s) as %r, max_model_len %d", engine.model_path, args.dtype, model_name, engine.max_model_len)
     batch_store = args.batch_store or data_dir() / "batches.sqlite"
-    app = build_app(engine, model_name, parsing, api_key, args.api_key_protects_metrics, batch_store, args.batch_concurrency)
+    app = build_app(engine, model_name, parsing, keys, args.api_key_protects_metrics, batch_store, args.batch_concurrency)
     config = uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level, access_log=args.access_log,
         # After the drain only stragglers are left (a client not sending or not reading): 2 s for them.
@@ -100,20 +104,34 @@ def run(args: argparse.Namespace) -> int:
     return 0 if server.started and not server.engine_died else 1
 
 
-def api_key_from(args: argparse.Namespace) -> str | None:
-    """--api-key, else $OXSERVE_API_KEY, else None; checked, and logged by its source only, never its value."""
+def api_keys_from(args: argparse.Namespace) -> dict[str, KeyQuota] | None:
+    """The keys of --api-key (else $OXSERVE_API_KEY) and --api-keys, with their quotas; None:
+    no key needed. Checked, and logged by source and name only, never by value."""
+    keys: dict[str, KeyQuota] = {}
     source = "--api-key" if args.api_key is not None else API_KEY_ENV
-    key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
-    if key is None:
+    single = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
+    if single is not None:
+        keys[single] = KeyQuota("default")
+    if args.api_keys is not None:
+        source = args.api_keys if single is None else f"{source} and {args.api_keys}"
+        try:
+            from_file = load_keys(args.api_keys)
+        except ValueError as e:
+            raise SystemExit(str(e)) from None
+        if keys.keys() & from_file.keys():
+            raise SystemExit(f"the key of {source.split(' and ')[0]} is also in {args.api_keys}")
+        keys.update(from_file)
+    if not keys:
         if args.api_key_protects_metrics:
-            raise SystemExit(f"--api-key-protects-metrics needs an API key (--api-key or ${API_KEY_ENV})")
+            raise SystemExit(f"--api-key-protects-metrics needs an API key (--api-key, ${API_KEY_ENV} or --api-keys)")
         return None
-    # It has to travel in a header as is: visible ASCII, no spaces.
-    if not key or not all("!" <= c <= "~" for c in key):
-        raise SystemExit(f"the API key ({source}) must be non-empty visible ASCII without spaces")
+    # A key has to travel in a header as is: visible ASCII, no spaces.
+    for key, quota in keys.items():
+        if not key or not all("!" <= c <= "~" for c in key):
+            raise SystemExit(f"API key {quota.name!r} ({source}) must be non-empty visible ASCII without spaces")
     open_routes = "/health" if args.api_key_protects_metrics else "/health and /metrics"
-    log.info("API key required (from %s) on every route but %s", source, open_routes)
-    return key
+    log.info("%d API key(s) required (from %s) on every route but %s", len(keys), source, open_routes)
+    return keys
 
 
 class DrainingServer(uvicorn.Server):

@@ -15,15 +15,18 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from oxserve.outputs import RequestOutput
 from oxserve.engine.engine import EngineStats
 from oxserve.server.async_engine import RequestTiming
+from oxserve.server.quotas import KeyQuota
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
 TOKEN_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
 
 
 class ServerMetrics:
-    def __init__(self, snapshot: Callable[[], EngineStats]):
+    def __init__(self, snapshot: Callable[[], EngineStats], keys: list[KeyQuota] | None = None):
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(snapshot))
+        if keys:
+            self.registry.register(_KeyCollector(keys))
         self.ttft = Histogram(
             "oxserve:time_to_first_token_seconds", "Time from arrival to the first generated token.",
             buckets=LATENCY_BUCKETS, registry=self.registry,
@@ -95,3 +98,24 @@ class _EngineCollector:
              s.prefix_block_evictions),
         ):
             yield kind(f"oxserve:{name}", doc, value=value)
+
+
+class _KeyCollector:
+    """Per API key, labelled by the key's name (never the key)."""
+
+    def __init__(self, keys: list[KeyQuota]):
+        self.keys = keys
+
+    def collect(self) -> Iterator[Metric]:
+        requests = CounterMetricFamily("oxserve:key_requests", "Requests admitted, per API key.", labels=["key"])
+        tokens = CounterMetricFamily("oxserve:key_tokens", "Prompt and generated tokens charged, per API key.", labels=["key"])
+        in_flight = GaugeMetricFamily("oxserve:key_requests_in_flight", "Requests in flight, per API key.", labels=["key"])
+        limited = CounterMetricFamily("oxserve:key_rate_limited", "Requests refused (429) per API key and limit.",
+                                      labels=["key", "limit"])  # fmt: skip
+        for q in self.keys:
+            requests.add_metric([q.name], q.num_requests)
+            tokens.add_metric([q.name], q.num_tokens)
+            in_flight.add_metric([q.name], q.in_flight)
+            for limit, n in q.num_limited.items():
+                limited.add_metric([q.name, limit.replace(" ", "_")], n)
+        yield from (requests, tokens, in_flight, limited)

@@ -25,9 +25,11 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # as vLLM; seed + choice index stays
 class APIError(Exception):
     """An error with its HTTP status, rendered as OpenAI's `{"error": {...}}`."""
 
-    def __init__(self, status: int, message: str, type: str, param: str | None = None, code: str | None = None):
+    def __init__(self, status: int, message: str, type: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):  # fmt: skip
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers or {}  # sent with the error (a 429's own Retry-After among them)
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}

@@ -32,6 +32,7 @@ from oxserve.server.protocol import (
     bad_request,
     parse_body,
 )
+from oxserve.server.quotas import KeyQuota, quota_of
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +64,12 @@ class Job:
             rid = self.response_id if self.num_choices == 1 else f"{self.response_id}-{i}"
             requests.append((rid, self.prompts[i // len(children)], children[i % len(children)]))
         return requests
+
+    def token_charge(self, max_model_len: int) -> int:
+        """The most tokens this job can use: its prompts and, for each choice, max_tokens (or
+        the rest of the context), as OpenAI counts a request against a tokens-per-minute limit."""
+        n = self.params.n
+        return sum(len(p) + n * (self.params.max_tokens or max_model_len - len(p)) for p in self.prompts)
 
     def usage(self, completion_tokens: int) -> dict[str, int]:
         return {
@@ -155,7 +162,7 @@ class OpenAIServing:
         job = Job(f"cmpl-{uuid.uuid4().hex}", self.model_name, params, prompts, int(time.time()), req.priority)
         echoes = [self._echo_text(text, ids) for text, ids in zip(texts, prompts)] if req.echo else None
         shape = CompletionChoices(req, LogprobFormatter(self.engine.tokenizer, req.return_tokens_as_token_ids), echoes)
-        group = await self.submit(job, req.stream)
+        group = await self.submit(job, req.stream, quota_of(raw))
 
         if req.stream:
             deltas = [TextDeltas(params) for _ in range(job.num_choices)]
@@ -194,7 +201,7 @@ class OpenAIServing:
         params = job.params
         fmt = LogprobFormatter(self.engine.tokenizer, req.return_tokens_as_token_ids)
         top_k = req.top_logprobs or 0
-        group = await self.submit(job, req.stream)
+        group = await self.submit(job, req.stream, quota_of(raw))
 
         if req.stream:
             deltas = [TextDeltas(params) for _ in range(job.num_choices)]
@@ -285,16 +292,29 @@ class OpenAIServing:
             raise bad_request(str(e), "response_format") from None
         return params
 
-    async def submit(self, job: Job, stream: bool) -> RequestGroup:
+    async def submit(self, job: Job, stream: bool, quota: KeyQuota | None = None) -> RequestGroup:
+        """Hand the job to the engine. With the `quota` of the request's API key: its tokens
+        are charged first (a 429 past the key's limit), and what it did not generate is given
+        back when it ends."""
         p = job.params
         log.info("%s: %d prompt(s), %d prompt tokens, n=%d, max_tokens=%s, temperature=%s, stream=%s",
                  job.response_id, len(job.prompts), job.prompt_tokens, p.n, p.max_tokens, p.temperature, stream)  # fmt: skip
+        charge = job.token_charge(self.engine.max_model_len)
+        if quota is not None:
+            quota.charge_tokens(charge)
         try:
-            return await self.engine.submit(job.engine_requests(), job.priority)
-        except (ValueError, QueueFullError, EngineError) as e:
+            group = await self.engine.submit(job.engine_requests(), job.priority)
+        except BaseException as e:
+            if quota is not None:
+                quota.refund_tokens(charge)  # nothing of it runs
+            if not isinstance(e, (ValueError, QueueFullError, EngineError)):
+                raise
             error = engine_error(e)
             log.info("%s: rejected (%d): %s", job.response_id, error.status, error.message)
             raise error from None
+        if quota is not None:
+            group.when_done(lambda generated: quota.refund_tokens(charge - job.prompt_tokens - generated))
+        return group
 
     async def _collect(self, job: Job, group: RequestGroup, raw: Request | None) -> list[RequestOutput] | None:
         """Every choice's final output, or None if the client disconnected first (then aborted).

@@ -20,7 +20,7 @@ from starlette.routing import Route
 from starlette.testclient import TestClient
 
 from oxserve.server.auth import RequireAPIKey
-from oxserve.server.cli import add_arguments, api_key_from
+from oxserve.server.cli import add_arguments, api_keys_from
 from oxserve.tokenizer import Tokenizer
 
 KEY = secrets.token_urlsafe(24)
@@ -153,7 +153,7 @@ def test_middleware_can_cover_metrics_and_streams_through():
 
     routes = [Route("/health", lambda r: PlainTextResponse("ok")), Route("/metrics", lambda r: PlainTextResponse("m")),
               Route("/v1/stream", lambda r: StreamingResponse(chunks(), media_type="text/event-stream"))]  # fmt: skip
-    app = RequireAPIKey(Starlette(routes=routes), api_key=KEY, protect_metrics=True)
+    app = RequireAPIKey(Starlette(routes=routes), api_keys=[KEY], protect_metrics=True)
     with TestClient(app) as http:
         assert http.get("/health").status_code == 200
         assert http.get("/metrics").status_code == 401
@@ -167,15 +167,15 @@ def test_the_key_comes_from_the_flag_else_the_environment(monkeypatch):
     parser = argparse.ArgumentParser()
     add_arguments(parser, "serve")
     monkeypatch.setenv("OXSERVE_API_KEY", "from-env")
-    assert api_key_from(parser.parse_args(["--api-key", "from-flag"])) == "from-flag"
-    assert api_key_from(parser.parse_args([])) == "from-env"
+    assert list(api_keys_from(parser.parse_args(["--api-key", "from-flag"]))) == ["from-flag"]
+    assert list(api_keys_from(parser.parse_args([]))) == ["from-env"]
     for bad in ("", "two words", "ключ"):
         with pytest.raises(SystemExit, match="visible ASCII"):
-            api_key_from(parser.parse_args(["--api-key", bad]))
+            api_keys_from(parser.parse_args(["--api-key", bad]))
     monkeypatch.delenv("OXSERVE_API_KEY")
-    assert api_key_from(parser.parse_args([])) is None
+    assert api_keys_from(parser.parse_args([])) is None
     with pytest.raises(SystemExit, match="needs an API key"):
-        api_key_from(parser.parse_args(["--api-key-protects-metrics"]))
+        api_keys_from(parser.parse_args(["--api-key-protects-metrics"]))
 
 
 def test_bench_serve_sends_the_key(server):

@@ -16,6 +16,7 @@ from fastapi import FastAPI, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from oxserve.server.protocol import APIError, bad_request, read_body
+from oxserve.server.quotas import quota_of
 from oxserve.server.responses.events import generate
 from oxserve.server.responses.protocol import InputItem, ResponsesRequest, parse_items, parse_request
 from oxserve.server.responses.store import DEFAULT_MAX_STORED, InFlight, ResponseRecord, ResponseStore
@@ -60,7 +61,7 @@ def add_responses_routes(app: FastAPI, serving: OpenAIServing, in_flight: InFlig
         items = history(req) + req.input_items()
         response_id = f"resp_{uuid.uuid4().hex}"
         job, turn = await serving.prepare_chat(req.to_chat(items), response_id)
-        group = await serving.submit(job, req.stream)
+        group = await serving.submit(job, req.stream, quota_of(request))
         record = ResponseRecord(response_id, req, items, job.model)
         record.emit("response.created", response=record.body())
         if req.store:
