@@ -95,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
         app, host=args.host, port=args.port, log_level=args.log_level, access_log=args.access_log,
         # After the drain only stragglers are left (a client not sending or not reading): 2 s for them.
         timeout_graceful_shutdown=2, log_config=None,  # keep the logging set up above
-        http=deadline_protocol(args.header_read_timeout, args.body_read_timeout), limit_concurrency=args.max_connections,
+        http=deadline_protocol(args.header_read_timeout, args.body_read_timeout, args.max_connections),
         ws="none",  # no websocket routes: an upgrade request is answered as plain HTTP
     )  # fmt: skip
     server = DrainingServer(config, app.state.server, args.shutdown_timeout)

@@ -6,6 +6,10 @@ next request's headers (from the moment the connection opens, or the last respon
 and another for its body (from the end of its headers). A connection past its headers
 deadline is closed; one past its body deadline gets a 408 in OpenAI's error shape and is
 closed. A request whose body has arrived has no deadline: a long generation is not slow input.
+
+Past `max_connections` open connections (or requests running) a new request gets a 503 in the
+same error shape, with `Retry-After`, and its connection is closed (uvicorn's own limit
+answers in plain text).
 """
 
 from __future__ import annotations
@@ -19,20 +23,39 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from oxserve.server.protocol import APIError
 
 
-def deadline_protocol(header_timeout: float, body_timeout: float) -> type[H11Protocol]:
-    """uvicorn's h11 protocol with these read deadlines (seconds), for `uvicorn.Config(http=...)`."""
-    return type("DeadlineH11Protocol", (DeadlineH11Protocol,), {"header_timeout": header_timeout, "body_timeout": body_timeout})
+def deadline_protocol(header_timeout: float, body_timeout: float, max_connections: int | None = None) -> type[H11Protocol]:
+    """uvicorn's h11 protocol with these read deadlines (seconds) and connection limit, for
+    `uvicorn.Config(http=...)` (without uvicorn's `limit_concurrency`)."""
+    limits = {"header_timeout": header_timeout, "body_timeout": body_timeout, "max_connections": max_connections}
+    return type("DeadlineH11Protocol", (DeadlineH11Protocol,), limits)
 
 
 class DeadlineH11Protocol(H11Protocol):
     header_timeout = 10.0
     body_timeout = 60.0
+    max_connections: int | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._deadline: asyncio.TimerHandle | None = None
         self._waiting_for: str | None = None
+        self._app, self.app = self.app, self._app_within_limit
         self._follow()
+
+    async def _app_within_limit(self, scope, receive, send) -> None:
+        # This connection and this request's task are counted already.
+        limit = self.max_connections
+        if limit is None or scope["type"] != "http" or (len(self.connections) <= limit and len(self.tasks) <= limit):
+            return await self._app(scope, receive, send)
+        self.logger.warning("refusing a request: %d connections open, %d requests running (--max-connections %d)",
+                            len(self.connections), len(self.tasks), limit)  # fmt: skip
+        error = APIError(503, f"the server is at its connection limit ({limit}); retry later", "server_error", None,
+                         "too_many_connections")  # fmt: skip
+        body = json.dumps(error.body()).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                   (b"retry-after", b"1"), (b"connection", b"close")]  # fmt: skip
+        await send({"type": "http.response.start", "status": 503, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)

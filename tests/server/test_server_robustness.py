@@ -310,7 +310,9 @@ def test_read_deadlines_and_the_connection_limit(tiny_model, tmp_path):
         address = ("127.0.0.1", int(s.base_url.rsplit(":", 1)[1]))
         silent = [socket.create_connection(address) for _ in range(6)]
         time.sleep(0.2)
-        assert httpx.get(s.base_url + "/v1/models").status_code == 503  # the limit is taken
+        refused = httpx.get(s.base_url + "/v1/models")  # the limit is taken
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "too_many_connections"
+        assert refused.headers["retry-after"] == "1" and refused.headers["connection"] == "close"
         half_headers = socket.create_connection(address)
         half_headers.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Ty")
         opened = time.monotonic()
