@@ -17,6 +17,8 @@ A request the engine finishes with "error" (it isolated the request as the cause
 step) fails its group with an `EngineError`. An exception that escapes `step()` (a fault
 outside the forward) fails the requests that were running and the loop goes on serving.
 If the loop itself dies, `is_alive` turns false: /health answers 503 and the server exits.
+A step that never returns (a hung kernel) cannot be interrupted; `declare_stalled` fails
+every request from the event loop side instead and `is_alive` turns false the same way.
 """
 
 from __future__ import annotations
@@ -73,25 +75,25 @@ class RequestGroup:
         self.admitted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._front = engine
         self._unfinished = set(range(len(requests)))  # reader side: not yet read to the end
-        self._ended: set[int] = set()  # delivery side: a final output or a failure delivered
+        self.ended: set[int] = set()  # delivery side: a final output or a failure delivered
         self.generated = 0  # tokens of the ended requests' outputs
         self._on_done: Callable[[int], None] | None = None
 
     def when_done(self, callback: Callable[[int], None]) -> None:
         """Call `callback(generated tokens)` once every request has ended (now, if they have),
         whether or not anyone reads the outputs."""
-        if len(self._ended) == len(self.requests):
+        if len(self.ended) == len(self.requests):
             callback(self.generated)
         else:
             self._on_done = callback
 
     def settle(self, index: int, output: RequestOutput | None) -> None:
         """Delivery side: request `index` ended with `output` (None: it failed)."""
-        if index in self._ended:
+        if index in self.ended:
             return
-        self._ended.add(index)
+        self.ended.add(index)
         self.generated += len(output.outputs[0].token_ids) if output is not None else 0
-        if len(self._ended) == len(self.requests) and self._on_done is not None:
+        if len(self.ended) == len(self.requests) and self._on_done is not None:
             self._on_done(self.generated)
 
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -181,6 +183,9 @@ class AsyncEngine:
         self._owners: dict[str, _Owner] = {}  # engine thread only
         self._outbox = _Outbox()  # engine thread only
         self._dead = False  # set once by the engine thread if its loop dies
+        self._stalled = False  # set once by the event loop if a step never returned
+        self._step_started: float | None = None  # set by the engine thread while a step runs
+        self._groups: set[RequestGroup] = set()  # event loop only: submitted, not all ended
         self._loop: asyncio.AbstractEventLoop | None = None
         built: queue.Queue[LLMEngine | BaseException] = queue.Queue()
         self._thread = threading.Thread(target=self._run, args=(config, built), name="oxserve-engine", daemon=True)
@@ -210,13 +215,34 @@ class AsyncEngine:
         self._loop = asyncio.get_running_loop()
 
     async def stop(self) -> None:
-        """Abort whatever is left and end the engine thread."""
+        """Abort whatever is left and end the engine thread (a stalled one is left behind: it
+        is a daemon, gone with the process)."""
         self._commands.put(_STOP)
-        await asyncio.to_thread(self._thread.join)
+        if not self._stalled:
+            await asyncio.to_thread(self._thread.join)
+
+    def stalled_for(self) -> float:
+        """Seconds the step now running has taken (0: none runs)."""
+        started = self._step_started
+        return 0.0 if started is None else time.monotonic() - started
+
+    def declare_stalled(self) -> None:
+        """A step has run too long to be a step: fail every request now, from this side (the
+        engine thread is stuck in it), and every later submit; `is_alive` turns false."""
+        self._stalled = self._dead = True
+        error = EngineError("the engine stalled while running this request; the server restarts")
+        for group in list(self._groups):
+            if not group.admitted.done():
+                group.resolve_admission(_stopped())
+                continue
+            for index in set(range(len(group.requests))) - group.ended:
+                group.settle(index, None)
+                group.queue.put_nowait((index, error))
+        self._groups.clear()
 
     @property
     def is_alive(self) -> bool:
-        return self._thread.is_alive()
+        return self._thread.is_alive() and not self._stalled
 
     async def submit(self, requests: list[EngineRequest], priority: int = 0) -> RequestGroup:
         """Queue the requests (at `priority`: lower runs first, under the priority policy);
@@ -225,6 +251,7 @@ class AsyncEngine:
         Raises ValueError (bad input), QueueFullError or EngineError; then nothing is queued.
         """
         group = RequestGroup(requests, self, priority)
+        self._groups.add(group)
         self._commands.put(_Submit(group))
         if self._dead:  # the loop died before or while this was queued: nobody may read it
             group.resolve_admission(_stopped())
@@ -232,6 +259,9 @@ class AsyncEngine:
             await group.admitted
         except asyncio.CancelledError:
             group.abort()  # queued behind the submit, so it runs after the requests were added
+            raise
+        except BaseException:
+            self._groups.discard(group)
             raise
         return group
 
@@ -255,6 +285,8 @@ class AsyncEngine:
                     group.settle(index, item)
             else:
                 group.settle(index, None)
+            if len(group.ended) == len(group.requests):
+                self._groups.discard(group)
             group.queue.put_nowait((index, item))
 
     # ---- engine thread ------------------------------------------------------------------
@@ -376,6 +408,7 @@ class AsyncEngine:
                 self._outbox.outputs.append((owner.group, owner.index, output))
 
     def _step(self) -> None:
+        self._step_started = time.monotonic()
         try:
             outputs = self._engine.step()
         except Exception as e:
@@ -383,6 +416,8 @@ class AsyncEngine:
             log.exception("engine step failed; failing the requests in it: %s", ", ".join(failed))
             self._fail(failed, e)
             return
+        finally:
+            self._step_started = None
         for out in outputs:
             owner = self._owners.pop(out.request_id) if out.finished else self._owners[out.request_id]
             failed = out.finished and out.outputs[0].finish_reason == "error"  # the engine isolated it as the fault

@@ -57,6 +57,9 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
                        help="YAML of API keys, each with a name and optional limits (requests_per_minute, tokens_per_minute, "
                             "max_concurrent); with --api-key, both are accepted")  # fmt: skip
     group.add_argument("--api-key-protects-metrics", action="store_true", help="require the API key on /metrics too")
+    group.add_argument("--step-timeout", type=float, default=120.0,
+                       help="seconds one engine step may run; past it the engine is taken as hung: every request fails "
+                            "and the server exits with status 1 for a supervisor to restart (0: no limit; default: %(default)s)")  # fmt: skip
     group.add_argument("--header-read-timeout", type=float, default=10.0,
                        help="seconds a connection may take to send a request's headers before it is closed (default: %(default)s)")  # fmt: skip
     group.add_argument("--body-read-timeout", type=float, default=60.0,
@@ -77,6 +80,8 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.max_waiting < 1 or args.max_waiting_tokens < 1:
         raise SystemExit(f"--max-waiting and --max-waiting-tokens must be >= 1, got {args.max_waiting}, {args.max_waiting_tokens}")
+    if args.step_timeout < 0:
+        raise SystemExit(f"--step-timeout must be >= 0 (0: no limit), got {args.step_timeout}")
     if args.batch_concurrency < 1:
         raise SystemExit(f"--batch-concurrency must be >= 1, got {args.batch_concurrency}")
     if min(args.header_read_timeout, args.body_read_timeout) <= 0 or args.max_connections < 1:
@@ -98,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
         http=deadline_protocol(args.header_read_timeout, args.body_read_timeout, args.max_connections),
         ws="none",  # no websocket routes: an upgrade request is answered as plain HTTP
     )  # fmt: skip
-    server = DrainingServer(config, app.state.server, args.shutdown_timeout)
+    server = DrainingServer(config, app.state.server, args.shutdown_timeout, args.step_timeout or None)
     server.run()
     # Non-zero when the engine died: a supervisor restarts the server.
     return 0 if server.started and not server.engine_died else 1
@@ -135,12 +140,14 @@ def api_keys_from(args: argparse.Namespace) -> dict[str, KeyQuota] | None:
 
 
 class DrainingServer(uvicorn.Server):
-    """uvicorn, except that the first SIGTERM/SIGINT drains instead of closing the socket."""
+    """uvicorn, except that the first SIGTERM/SIGINT drains instead of closing the socket, and
+    that it stops (exit status 1) when its engine dies or a step runs past `step_timeout`."""
 
-    def __init__(self, config: uvicorn.Config, state: ServerState, timeout: float):
+    def __init__(self, config: uvicorn.Config, state: ServerState, timeout: float, step_timeout: float | None = None):
         super().__init__(config)
         self.state = state
         self.timeout = timeout
+        self.step_timeout = step_timeout
         self._loop: asyncio.AbstractEventLoop | None = None
         self.engine_died = False
 
@@ -153,11 +160,19 @@ class DrainingServer(uvicorn.Server):
             watch.cancel()
 
     async def _watch_engine(self) -> None:
-        """A server whose engine is gone can only fail requests: stop it (exit status 1)."""
+        """A server whose engine is gone can only fail requests: stop it (exit status 1). A
+        step that runs past the step timeout is a hung engine: its requests are failed first."""
+        engine = self.state.engine
         while not self.should_exit:
             await asyncio.sleep(ENGINE_WATCH_INTERVAL_S)
-            if not self.state.engine.is_alive and not self.should_exit:
-                log.critical("the engine thread is gone; the server stops (exit status 1)")
+            stalled = engine.stalled_for()
+            if self.step_timeout is not None and stalled > self.step_timeout and engine.is_alive:
+                s = engine.snapshot
+                log.critical("an engine step has run for %.1f s (--step-timeout %g s) with %d request(s) running and %d "
+                             "waiting; failing them all", stalled, self.step_timeout, s.num_running, s.num_waiting)  # fmt: skip
+                engine.declare_stalled()
+            if not engine.is_alive and not self.should_exit:
+                log.critical("the engine thread is gone or hung; the server stops (exit status 1)")
                 self.engine_died = True
                 self.should_exit = True
 

@@ -80,7 +80,7 @@ def test_health_and_metrics_are_open_and_the_key_is_never_logged(server):
     assert metrics.status_code == 200 and "oxserve:" in metrics.text
     # The bearer scheme is case-insensitive (RFC 7235).
     assert httpx.get(f"{server.base_url}/v1/models", headers={"Authorization": f"bearer {KEY}"}).status_code == 200
-    assert "API key required (from OXSERVE_API_KEY)" in server.log() and KEY not in server.log()
+    assert "1 API key(s) required (from OXSERVE_API_KEY)" in server.log() and KEY not in server.log()
 
 
 def test_models_card_and_retrieve(server):

@@ -302,6 +302,31 @@ def test_the_server_exits_1_when_its_engine_loop_dies(tiny_model, tmp_path):
         assert "the engine thread is gone" in s.log()
 
 
+def test_a_step_past_the_step_timeout_fails_every_request_and_the_server_exits_1(tiny_model, tmp_path):
+    """A step that never comes back (planted: one that sleeps a minute) cannot be interrupted:
+    past --step-timeout the stream in flight ends with an error event, the request in the
+    stalled step gets a 500, and the process exits with status 1 long
+    before the step would have ended."""
+    stall = 7
+    faults = {"stall_token": stall, "stall_s": 60}
+    with serve(tiny_model, "--step-timeout", "1", log_dir=tmp_path, env={FAULTS_ENV: json.dumps(faults)}) as s:
+        answers = {}
+        with httpx.stream("POST", s.base_url + "/v1/completions", json={**LONG, "stream": True}, timeout=60) as r:
+            events = r.iter_lines()
+            assert next(e for e in events if e.startswith("data: {"))
+            started = time.monotonic()
+            worker = threading.Thread(target=lambda: answers.update(stalled=post(s.base_url, "/v1/completions",
+                                                                                  {**LONG, "prompt": [11, stall]})))  # fmt: skip
+            worker.start()
+            rest = [e for e in events if e]
+        worker.join()
+        assert time.monotonic() - started < 20
+        assert json.loads(rest[-2][6:])["error"]["type"] == "server_error" and rest[-1] == "data: [DONE]"
+        assert answers["stalled"].status_code == 500 and "stalled" in answers["stalled"].json()["error"]["message"]
+        assert s.proc.wait(timeout=30) == 1 and time.monotonic() - started < 40
+        assert "an engine step has run for" in s.log()
+
+
 def test_read_deadlines_and_the_connection_limit(tiny_model, tmp_path):
     """Connections that send nothing, half their headers or half their body are closed on
     their deadline (the last with a 408); past --max-connections a request gets 503."""
