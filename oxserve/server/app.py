@@ -10,12 +10,14 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from oxserve.faults import Faults
+from oxserve.server import openapi
 from oxserve.server.async_engine import AsyncEngine
 from oxserve.server.auth import RequireAPIKey
 from oxserve.server.batch.routes import add_batch_routes
@@ -23,11 +25,11 @@ from oxserve.server.batch.runner import BatchRunner
 from oxserve.server.batch.store import BatchStore
 from oxserve.server.chat_turn import ChatParsing
 from oxserve.server.metrics import ServerMetrics
-from oxserve.server.protocol import APIError, read_body
+from oxserve.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, read_body, validation_error
 from oxserve.server.quotas import EnforceQuotas, KeyQuota
 from oxserve.server.responses import add_responses_routes
 from oxserve.server.serving import OpenAIServing
-from oxserve.server.tokenize import TokenizeServing
+from oxserve.server.tokenize import DetokenizeRequest, TokenizeRequest, TokenizeServing
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +130,10 @@ def build_app(engine: AsyncEngine, model_name: str, parsing: ChatParsing | None 
     async def api_error(request: Request, e: APIError) -> Response:
         return _error_response(e, retry_after=engine.retry_after())
 
+    @app.exception_handler(RequestValidationError)  # a query or path parameter FastAPI parsed (bodies are the routes')
+    async def invalid_parameter(request: Request, e: RequestValidationError) -> Response:
+        return _error_response(validation_error(e))
+
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException) -> Response:
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
@@ -138,7 +144,8 @@ def build_app(engine: AsyncEngine, model_name: str, parsing: ChatParsing | None 
         log.exception("unhandled error on %s", request.url.path)
         return _error_response(APIError(500, "internal server error (the server's log has the details)", "server_error"))
 
-    @app.get("/health")
+    @app.get("/health", response_class=Response, responses={200: {"description": "Serving (empty body)", "content": {}},
+                                                           503: {"description": "Draining, or the engine is gone (empty body)", "content": {}}})  # fmt: skip
     async def health() -> Response:
         ok = engine.is_alive and not state.draining
         return Response(status_code=200 if ok else 503)
@@ -161,19 +168,19 @@ def build_app(engine: AsyncEngine, model_name: str, parsing: ChatParsing | None 
         serving.check_model(model)
         return model_card()
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", openapi_extra=openapi.body(TokenizeRequest))
     async def tokenize(request: Request) -> dict:
         return await tokenizing.tokenize(await read_body(request))
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", openapi_extra=openapi.body(DetokenizeRequest))
     async def detokenize(request: Request) -> dict:
         return await tokenizing.detokenize(await read_body(request))
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=openapi.body(CompletionRequest, streams=True))
     async def completions(request: Request) -> Response:
         return await serving.completions(await read_body(request), request)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=openapi.body(ChatCompletionRequest, streams=True))
     async def chat_completions(request: Request) -> Response:
         return await serving.chat(await read_body(request), request)
 
@@ -181,6 +188,7 @@ def build_app(engine: AsyncEngine, model_name: str, parsing: ChatParsing | None 
     responses = add_responses_routes(app, serving, state)
     if store is not None:
         add_batch_routes(app, store, batches)
+    openapi.install(app)
     return app
 
 

@@ -11,6 +11,7 @@ import json
 from dataclasses import replace
 from typing import Any, Literal
 
+from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.requests import ClientDisconnect, Request
 
@@ -60,12 +61,15 @@ def parse_body(model: type[BaseModel], body: bytes) -> Any:
         raise validation_error(e) from None
 
 
-def validation_error(e: ValidationError) -> APIError:
-    errors = e.errors(include_url=False)
+def validation_error(e: ValidationError | RequestValidationError) -> APIError:
+    """A 400 naming up to three problems. A query or path parameter (FastAPI's error) is named
+    without its location ("limit", not "query.limit")."""
+    errors = e.errors(include_url=False) if isinstance(e, ValidationError) else list(e.errors())
     if errors and errors[0]["type"] == "json_invalid":
         return bad_request(f"the body is not valid JSON: {errors[0]['msg']}")
-    parts = [f"{'.'.join(map(str, err['loc'])) or 'body'}: {err['msg']}" for err in errors[:3]]
-    param = ".".join(map(str, errors[0]["loc"])) if errors and errors[0]["loc"] else None
+    locs = [err["loc"][1:] if isinstance(e, RequestValidationError) else err["loc"] for err in errors]
+    parts = [f"{'.'.join(map(str, loc)) or 'body'}: {err['msg']}" for loc, err in zip(locs, errors[:3])]
+    param = ".".join(map(str, locs[0])) if locs and locs[0] else None
     return bad_request("; ".join(parts), param)
 
 
@@ -74,10 +78,38 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+# What SamplingParams and the routes accept, stated in the API schema only: the checks stay
+# where they are, with their own messages. By field, then by JSON type (the branch of a union).
+DOCUMENTED_BOUNDS: dict[str, dict[str, dict[str, Any]]] = {
+    "temperature": {"number": {"minimum": 0}},
+    "top_p": {"number": {"exclusiveMinimum": 0, "maximum": 1}},
+    "min_p": {"number": {"minimum": 0, "maximum": 1}},
+    "top_k": {"integer": {"minimum": -1}},
+    "presence_penalty": {"number": {"minimum": -2, "maximum": 2}},
+    "frequency_penalty": {"number": {"minimum": -2, "maximum": 2}},
+    "repetition_penalty": {"number": {"exclusiveMinimum": 0}},
+    "max_tokens": {"integer": {"minimum": 0}},
+    "max_completion_tokens": {"integer": {"minimum": 1}},
+    "logprobs": {"integer": {"minimum": 0, "maximum": 20}},
+    "top_logprobs": {"integer": {"minimum": 0, "maximum": 20}},
+    "prompt_logprobs": {"integer": {"minimum": 0, "maximum": 20}},
+    "prompt": {"string": {"minLength": 1}, "array": {"minItems": 1}},
+    "stop": {"string": {"minLength": 1}},
+    "stop_token_ids": {"array": {"items": {"type": "integer", "minimum": 0}}},
+}
+
+
+def _document_bounds(schema: dict[str, Any]) -> None:
+    for name, bounds in DOCUMENTED_BOUNDS.items():
+        field = schema.get("properties", {}).get(name)
+        for branch in [] if field is None else field.get("anyOf", [field]):
+            branch.update(bounds.get(branch.get("type"), {}))
+
+
 class _SamplingRequest(BaseModel):
     """Fields both endpoints share; unknown fields (e.g. `user`) are ignored, as OpenAI does."""
 
-    model_config = ConfigDict(strict=True, allow_inf_nan=False)
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, json_schema_extra=_document_bounds)
 
     model: str | None = None
     n: int = Field(1, ge=1, le=MAX_N)

@@ -17,6 +17,7 @@ from starlette.datastructures import UploadFile
 from starlette.formparsers import MultiPartException, MultiPartParser
 from starlette.responses import Response
 
+from oxserve.server import openapi
 from oxserve.server.batch.lines import ENDPOINTS, parse_lines
 from oxserve.server.batch.runner import BatchRunner
 from oxserve.server.batch.store import ENDED, BatchStore, StoreError
@@ -44,7 +45,8 @@ def add_batch_routes(app: FastAPI, store: BatchStore, runner: BatchRunner) -> No
         except StoreError as e:
             raise APIError(507, f"{e}; retry later", "server_error", None, "insufficient_storage") from None
 
-    @app.post("/v1/files")
+    @app.post("/v1/files", openapi_extra=openapi.multipart({"file": {"type": "string", "format": "binary"},
+                                                             "purpose": {"type": "string", "enum": ["batch"]}}, ["file", "purpose"]))  # fmt: skip
     async def upload(request: Request) -> dict[str, Any]:
         body = await read_body(request)
         form = await _multipart(request, body)
@@ -82,7 +84,7 @@ def add_batch_routes(app: FastAPI, store: BatchStore, runner: BatchRunner) -> No
             raise not_found("file", file_id)
         return {"id": file_id, "object": "file", "deleted": True}
 
-    @app.post("/v1/batches")
+    @app.post("/v1/batches", openapi_extra=openapi.body(CreateBatchRequest))
     async def create_batch(request: Request) -> dict[str, Any]:
         req: CreateBatchRequest = parse_body(CreateBatchRequest, await read_body(request))
         if req.endpoint not in ENDPOINTS:

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Callable
 from fastapi import FastAPI, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from oxserve.server import openapi
 from oxserve.server.protocol import APIError, bad_request, read_body
 from oxserve.server.quotas import quota_of
 from oxserve.server.responses.events import generate
@@ -53,7 +54,7 @@ def add_responses_routes(app: FastAPI, serving: OpenAIServing, in_flight: InFlig
             raise bad_request(f"the response {previous.id!r} is still {previous.status}; wait for it to end", "previous_response_id")
         return previous.history + parse_items(previous.output, "previous_response_id")
 
-    @app.post("/v1/responses")
+    @app.post("/v1/responses", openapi_extra=openapi.body(ResponsesRequest, streams=True))
     async def create(request: Request) -> Response:
         req = parse_request(await read_body(request))
         if req.background and not req.store:
