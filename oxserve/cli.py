@@ -21,6 +21,7 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("run-batch",): ("oxserve.commands.run_batch", "answer a Batch API JSONL file offline, in input order"),
     ("bench", "throughput"): ("oxserve.bench.throughput", "offline throughput: oxserve vs HF transformers generate"),
     ("bench", "serve"): ("oxserve.bench.serve", "load-test any OpenAI-compatible endpoint"),
+    ("bench", "soak"): ("oxserve.bench.soak", "hours of mixed traffic, client faults and server kills: nothing lost or corrupted"),
     ("bench", "ceilings"): ("oxserve.commands.ceilings", "measure this machine's memory bandwidth and matmul rates"),
     ("bench", "kernels"): ("oxserve.bench.kernels", "check and time every model op at model shapes"),
     ("profile",): ("oxserve.profiling.cli", "run a workload with telemetry; write trace.json and a report"),

@@ -1,0 +1,114 @@
+"""The server a soak runs against: an `oxserve serve` process it starts, kills and restarts on
+the same port and batch store, with its resident memory over each life."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+START_TIMEOUT_S = 600.0  # a first start may build the default model
+
+
+WARM_UP_S = 30.0  # memory growth of a life is counted from its first RSS sample this long after it came up
+
+
+@dataclass
+class Life:
+    """One run of the server process: when it came up, its RSS over time, how it ended."""
+
+    started: float
+    rss_start_mib: float
+    rss_end_mib: float = 0.0
+    ended_by: str = "end"  # "SIGKILL", "SIGTERM" or "end" (the soak's own stop)
+    exit_code: int | None = None
+    samples: list[tuple[float, float]] = field(default_factory=list)  # (seconds since start, RSS MiB)
+
+    @property
+    def growth_mib(self) -> float:
+        """RSS at its end over RSS once warm (its start, for a life shorter than the warm-up)."""
+        warm = next((rss for t, rss in self.samples if t >= WARM_UP_S), self.rss_start_mib)
+        return self.rss_end_mib - warm
+
+
+@dataclass
+class SoakServer:
+    server_args: list[str]
+    workdir: Path
+    port: int = 0
+    lives: list[Life] = field(default_factory=list)
+    proc: subprocess.Popen | None = None
+    down_since: float | None = None  # set while the server is being killed or restarted
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        if not self.port:
+            self.port = _free_port()
+        cmd = [sys.executable, "-m", "oxserve.cli", "serve", "--port", str(self.port), "--no-access-log",
+               "--batch-store", str(self.workdir / "batches.sqlite"), *self.server_args]  # fmt: skip
+        log = self.workdir / f"server-{len(self.lives)}.log"
+        with open(log, "w") as out:  # the child keeps its own descriptor
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited with {self.proc.returncode} while starting; see {log}")
+            try:
+                if httpx.get(f"{self.base_url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the server did not come up in {START_TIMEOUT_S:.0f} s; see {log}")
+            time.sleep(0.2)
+        self.lives.append(Life(time.monotonic(), self.rss_mib()))
+        self.down_since = None
+
+    def sample(self) -> None:
+        """Record the running life's RSS now."""
+        life = self.lives[-1]
+        if self.down_since is None and self.proc.poll() is None:
+            life.samples.append((time.monotonic() - life.started, self.rss_mib()))
+
+    def rss_mib(self) -> float:
+        with open(f"/proc/{self.proc.pid}/status") as f:
+            kb = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+        return kb / 1024
+
+    def restart(self, sig: signal.Signals, drain_timeout: float) -> int:
+        """Stop the process with `sig` (SIGTERM: it drains first) and start it again; returns
+        its exit code."""
+        self.down_since = time.monotonic()
+        life = self.lives[-1]
+        life.rss_end_mib, life.ended_by = self.rss_mib(), sig.name
+        self.proc.send_signal(sig)
+        life.exit_code = self.proc.wait(timeout=drain_timeout + 30)
+        self.start()
+        return life.exit_code
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.lives[-1].rss_end_mib = self.rss_mib()
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.lives[-1].exit_code = self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.lives[-1].exit_code = self.proc.wait()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
