@@ -59,18 +59,10 @@ class SoakServer:
         log = self.workdir / f"server-{len(self.lives)}.log"
         with open(log, "w") as out:  # the child keeps its own descriptor
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited with {self.proc.returncode} while starting; see {log}")
-            try:
-                if httpx.get(f"{self.base_url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the server did not come up in {START_TIMEOUT_S:.0f} s; see {log}")
-            time.sleep(0.2)
+        try:
+            wait_until_serving(self.proc, self.base_url, START_TIMEOUT_S)
+        except RuntimeError as e:
+            raise RuntimeError(f"{e}; see {log}") from None
         self.lives.append(Life(time.monotonic(), self.rss_mib()))
         self.down_since = None
 
@@ -106,6 +98,22 @@ class SoakServer:
         except subprocess.TimeoutExpired:
             os.kill(self.proc.pid, signal.SIGKILL)
             self.lives[-1].exit_code = self.proc.wait()
+
+
+def wait_until_serving(proc: subprocess.Popen, base_url: str, timeout: float) -> None:
+    """Until the server's /health answers 200; RuntimeError if it exits or takes longer."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode} while starting")
+        try:
+            if httpx.get(f"{base_url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the server did not come up in {timeout:.0f} s")
+        time.sleep(0.2)
 
 
 def _free_port() -> int:

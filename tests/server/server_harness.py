@@ -11,7 +11,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
@@ -22,6 +21,7 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
+from oxserve.bench.soak_server import wait_until_serving
 from oxserve.default_model import build_checkpoint, make_text_config
 
 # 3 KDA layers + 1 MLA/DSA layer, dense and MoE MLPs: every code path, a few ms per step.
@@ -78,18 +78,10 @@ def serve(model: Path, *args: str, log_dir: Path, env: dict[str, str] | None = N
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=environment)
     server = ServerProcess(proc, port, log_path)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited with {proc.returncode}:\n{server.log()}")
-            try:
-                if httpx.get(f"{server.base_url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"server did not come up:\n{server.log()}")
-            time.sleep(0.2)
+        try:
+            wait_until_serving(proc, server.base_url, timeout=120)
+        except RuntimeError as e:
+            raise RuntimeError(f"{e}:\n{server.log()}") from None
         yield server
     finally:
         if proc.poll() is None:
