@@ -221,6 +221,10 @@ class LLMEngine:
     def running_request_ids(self) -> list[str]:
         return [r.request_id for r in self.scheduler.running]
 
+    def unstarted_request_ids(self) -> list[str]:
+        """Waiting requests that have never run (a preempted or requeued one has started)."""
+        return [r.request_id for r in self.scheduler.waiting if not (r.num_preemptions or r.num_failed_steps)]
+
     # ---- the loop ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         tracer = self.runner.tracer

@@ -52,6 +52,10 @@ class EngineError(Exception):
     """A request failed inside the engine (HTTP 500); the engine keeps serving."""
 
 
+class QueueTimeoutError(EngineError):
+    """The request waited `max_queue_time` without starting; the server is overloaded (HTTP 503)."""
+
+
 @dataclass
 class RequestTiming:
     arrival: float
@@ -171,11 +175,12 @@ class AsyncEngine:
     snapshot: EngineStats  # the engine's counters, published by the engine thread after each loop turn
 
     def __init__(self, config: EngineConfig, max_waiting: int, metrics: MetricsSink | None = None,
-                 max_waiting_tokens: int | None = None):  # fmt: skip
+                 max_waiting_tokens: int | None = None, max_queue_time: float | None = None):  # fmt: skip
         if max_waiting < 1 or (max_waiting_tokens is not None and max_waiting_tokens < 1):
             raise ValueError(f"max_waiting and max_waiting_tokens must be >= 1, got {max_waiting}, {max_waiting_tokens}")
         self.max_waiting = max_waiting
         self.max_waiting_tokens = max_waiting_tokens  # None: bounded by requests only
+        self.max_queue_time = max_queue_time  # seconds a request may wait to start (None: no bound)
         self.scheduling_policy = config.scheduler.scheduling_policy
         self.metrics = metrics
         self.finishes = FinishRate()  # event loop only: for Retry-After
@@ -317,6 +322,8 @@ class AsyncEngine:
                     self._apply(command)
                 except Exception:
                     log.exception("engine command %r failed", command)
+            if self.max_queue_time is not None:
+                self._expire(self.max_queue_time)
             self._flush()  # admissions now, not after a step that may take a while
             if self._engine.has_unfinished_requests():
                 self._step()
@@ -406,6 +413,20 @@ class AsyncEngine:
             output = self._engine.abort_request(rid)
             if owner is not None and output is not None:
                 self._outbox.outputs.append((owner.group, owner.index, output))
+
+    def _expire(self, max_age: float) -> None:
+        """Fail the requests that have waited `max_age` seconds since they were submitted
+        without starting: their clients are better told now than served after they left."""
+        now = time.monotonic()
+        for rid in self._engine.unstarted_request_ids():
+            owner = self._owners.get(rid)
+            waited = 0.0 if owner is None else now - owner.group.timings[owner.index].arrival
+            if waited > max_age:
+                self._owners.pop(rid)
+                self._engine.abort_request(rid)
+                error = QueueTimeoutError(f"the server is overloaded: the request waited {waited:.0f} s without starting "
+                                          f"(the bound is {max_age:g} s); retry later")  # fmt: skip
+                self._outbox.outputs.append((owner.group, owner.index, error))
 
     def _step(self) -> None:
         self._step_started = time.monotonic()

@@ -42,6 +42,9 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     group.add_argument("--max-waiting-tokens", type=int, default=1 << 20,
                        help="tokens the waiting requests may hold (prompts not computed yet); beyond it, 429 with "
                             "Retry-After, and a request holding more is refused with 400 (default: %(default)s)")  # fmt: skip
+    group.add_argument("--max-queue-time", type=float, default=600.0,
+                       help="seconds a request may wait to start; past it, 503 (code queue_timeout): its client has "
+                            "likely given up (openai's default timeout is 600 s; 0: no bound; default: %(default)s)")  # fmt: skip
     group.add_argument("--shutdown-timeout", type=float, default=30.0,
                        help="on SIGTERM, seconds to let in-flight requests finish before aborting them (default: %(default)s)")  # fmt: skip
     group.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
@@ -80,6 +83,8 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.max_waiting < 1 or args.max_waiting_tokens < 1:
         raise SystemExit(f"--max-waiting and --max-waiting-tokens must be >= 1, got {args.max_waiting}, {args.max_waiting_tokens}")
+    if args.max_queue_time < 0:
+        raise SystemExit(f"--max-queue-time must be >= 0 (0: no bound), got {args.max_queue_time}")
     if args.step_timeout < 0:
         raise SystemExit(f"--step-timeout must be >= 0 (0: no limit), got {args.step_timeout}")
     if args.batch_concurrency < 1:
@@ -91,7 +96,8 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise SystemExit(str(e)) from None
     keys = api_keys_from(args)
-    engine = AsyncEngine(engine_config_from_args(args), args.max_waiting, max_waiting_tokens=args.max_waiting_tokens)
+    engine = AsyncEngine(engine_config_from_args(args), args.max_waiting, max_waiting_tokens=args.max_waiting_tokens,
+                         max_queue_time=args.max_queue_time or None)  # fmt: skip
     model_name = args.served_model_name or args.model or "oxserve-default"
     log.info("serving %s (%s) as %r, max_model_len %d", engine.model_path, args.dtype, model_name, engine.max_model_len)
     batch_store = args.batch_store or data_dir() / "batches.sqlite"

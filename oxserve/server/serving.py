@@ -22,7 +22,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from oxserve.engine.engine import PromptError, check_prompt_ids
 from oxserve.outputs import CompletionOutput, RequestOutput
 from oxserve.sampling_params import SamplingParams
-from oxserve.server.async_engine import AsyncEngine, EngineError, EngineRequest, QueueFullError, RequestGroup
+from oxserve.server.async_engine import AsyncEngine, EngineError, EngineRequest, QueueFullError, QueueTimeoutError, RequestGroup
 from oxserve.server.chat_turn import ChatParsing, ChatTurn
 from oxserve.server.logprobs import LogprobFormatter, joined
 from oxserve.server.protocol import (
@@ -372,6 +372,8 @@ class OpenAIServing:
 def engine_error(e: Exception) -> APIError:
     if isinstance(e, QueueFullError):
         return APIError(429, str(e), "requests", None, "rate_limit_exceeded")
+    if isinstance(e, QueueTimeoutError):
+        return APIError(503, str(e), "server_error", None, "queue_timeout")
     if isinstance(e, EngineError):
         return APIError(500, str(e), "server_error")
     return bad_request(str(e))

@@ -327,6 +327,27 @@ def test_a_step_past_the_step_timeout_fails_every_request_and_the_server_exits_1
         assert "an engine step has run for" in s.log()
 
 
+def test_a_request_that_waits_past_the_queue_bound_gets_a_503(tiny_model, tmp_path):
+    """One batch place, held by a request whose prefill stalls 3 s: the one submitted behind
+    it has waited past --max-queue-time 1 when the engine looks again, and is told so (503,
+    Retry-After) instead of being served to a client that may be gone; the first is served."""
+    stall = 7
+    faults = {"stall_token": stall, "stall_s": 3}
+    with serve(tiny_model, "--max-queue-time", "1", "--max-num-seqs", "1", log_dir=tmp_path,
+               env={FAULTS_ENV: json.dumps(faults)}) as s:  # fmt: skip
+        answers = {}
+        first = threading.Thread(target=lambda: answers.update(first=post(s.base_url, "/v1/completions",
+                                                                          {**LONG, "prompt": [11, stall], "max_tokens": 3})))  # fmt: skip
+        first.start()
+        time.sleep(0.5)
+        late = post(s.base_url, "/v1/completions", {**LONG, "max_tokens": 3})
+        first.join()
+        assert late.status_code == 503 and late.json()["error"]["code"] == "queue_timeout" and "retry-after" in late.headers
+        assert answers["first"].status_code == 200
+        assert post(s.base_url, "/v1/completions", {**LONG, "max_tokens": 3}).status_code == 200
+        assert s.metrics()["oxserve:num_requests_waiting"] == 0
+
+
 def test_read_deadlines_and_the_connection_limit(tiny_model, tmp_path):
     """Connections that send nothing, half their headers or half their body are closed on
     their deadline (the last with a 408); past --max-connections a request gets 503."""
