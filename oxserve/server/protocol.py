@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi.exceptions import RequestValidationError
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 from starlette.requests import ClientDisconnect, Request
 
 from oxserve.sampling_params import SamplingParams
@@ -20,6 +20,12 @@ from oxserve.structured import StructuredOutputs
 
 MAX_BODY_BYTES = 32 * 2**20
 MAX_N = 128  # choices per prompt; a guard against one request filling the whole queue
+# Every stop string is looked for in every choice's new text at every step: bounded, so that
+# one request cannot make each step slow (OpenAI takes 4 strings; vLLM no bound).
+MAX_STOP_STRINGS = 64
+MAX_STOP_LENGTH = 1024
+MAX_STOP_TOKEN_IDS = 1024
+StopString = Annotated[str, StringConstraints(max_length=MAX_STOP_LENGTH)]
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # as vLLM; seed + choice index stays in torch's range
 
 
@@ -116,7 +122,7 @@ class _SamplingRequest(BaseModel):
     temperature: float = 1.0
     top_p: float = 1.0
     seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
-    stop: str | list[str] | None = None
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float = 0.0
@@ -127,7 +133,7 @@ class _SamplingRequest(BaseModel):
     min_p: float = 0.0
     repetition_penalty: float = 1.0
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     include_stop_str_in_output: bool = False
     return_tokens_as_token_ids: bool = False
     priority: int = Field(0, ge=-(2**31), le=2**31 - 1)  # --scheduling-policy priority: lower runs first

@@ -37,6 +37,9 @@ BAD_INPUTS = [
     ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "hi", "logprobs": 21}, 400, "logprobs"),
     ("/v1/completions", {"prompt": "hi", "stop": [""]}, 400, "stop"),
+    ("/v1/completions", {"prompt": "hi", "stop": ["x"] * 65}, 400, "stop"),
+    ("/v1/completions", {"prompt": "hi", "stop": "x" * 1025}, 400, "stop"),
+    ("/v1/completions", {"prompt": "hi", "stop_token_ids": [1] * 1025}, 400, "stop_token_ids"),
     ("/v1/completions", {"prompt": "hi", "seed": 2**70}, 400, "seed"),
     ("/v1/completions", b'{"prompt": "hi", "repetition_penalty": 1e999}', 400, "repetition_penalty"),  # JSON's inf
     ("/v1/completions", b'{"prompt": "hi", "temperature": 1e999}', 400, "temperature"),
