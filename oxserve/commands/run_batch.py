@@ -35,7 +35,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _answer_all(args: argparse.Namespace, lines) -> int:
-    engine = AsyncEngine(engine_config_from_args(args), max_waiting=max(len(lines), 1))
+    # Every line is queued at once (the engine batches them): room for each one's choices.
+    choices = sum(n if isinstance(n := line.body.get("n", 1), int) and n > 0 else 1 for line in lines)
+    engine = AsyncEngine(engine_config_from_args(args), max_waiting=max(choices, 1))
     engine.start()
     serving = OpenAIServing(engine, args.served_model_name or args.model or "oxserve-default", ChatParsing())
     start = time.perf_counter()

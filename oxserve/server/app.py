@@ -105,7 +105,7 @@ def build_app(engine: AsyncEngine, model_name: str, parsing: ChatParsing | None 
     tokenizing = TokenizeServing(serving)
     state = ServerState(engine)
     store = BatchStore(batch_store, Faults.from_env().batch_store_max_pages) if batch_store is not None else None
-    batches = BatchRunner(store, serving, engine, batch_concurrency) if store is not None else None
+    batches = BatchRunner(store, serving, engine, batch_concurrency, accepting=lambda: not state.draining) if store else None
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

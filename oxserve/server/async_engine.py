@@ -247,7 +247,9 @@ class AsyncEngine:
 
     @property
     def is_alive(self) -> bool:
-        return self._thread.is_alive() and not self._stalled
+        # _dead is set before the failures of a dying loop are handed over: whoever reads them
+        # already sees the engine gone.
+        return self._thread.is_alive() and not (self._dead or self._stalled)
 
     async def submit(self, requests: list[EngineRequest], priority: int = 0) -> RequestGroup:
         """Queue the requests (at `priority`: lower runs first, under the priority policy);

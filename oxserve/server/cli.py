@@ -70,8 +70,8 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     group.add_argument("--max-connections", type=int, default=1024,
                        help="open connections (and requests) beyond which a new request gets 503 (default: %(default)s)")  # fmt: skip
     group.add_argument("--batch-store", type=Path, default=None, metavar="PATH",
-                       help="SQLite file of the Files and Batch APIs' jobs, kept across restarts "
-                            "(default: batches.sqlite in oxserve's data directory)")  # fmt: skip
+                       help="SQLite file of the Files and Batch APIs' jobs, kept across restarts; one server at a time "
+                            "(default: batches-PORT.sqlite in oxserve's data directory)")  # fmt: skip
     group.add_argument("--batch-concurrency", type=int, default=8,
                        help="lines of a batch job in the engine at once, sent only while no request waits (default: %(default)s)")
     group.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"), help="(default: %(default)s)")
@@ -100,8 +100,11 @@ def run(args: argparse.Namespace) -> int:
                          max_queue_time=args.max_queue_time or None)  # fmt: skip
     model_name = args.served_model_name or args.model or "oxserve-default"
     log.info("serving %s (%s) as %r, max_model_len %d", engine.model_path, args.dtype, model_name, engine.max_model_len)
-    batch_store = args.batch_store or data_dir() / "batches.sqlite"
-    app = build_app(engine, model_name, parsing, keys, args.api_key_protects_metrics, batch_store, args.batch_concurrency)
+    batch_store = args.batch_store or data_dir() / f"batches-{args.port}.sqlite"  # a restart on this port resumes its jobs
+    try:
+        app = build_app(engine, model_name, parsing, keys, args.api_key_protects_metrics, batch_store, args.batch_concurrency)
+    except ValueError as e:  # the batch store: in use by another server, or of another version
+        raise SystemExit(str(e)) from None
     config = uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level, access_log=args.access_log,
         # After the drain only stragglers are left (a client not sending or not reading): 2 s for them.

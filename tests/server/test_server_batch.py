@@ -157,6 +157,25 @@ def test_a_job_survives_sigkill_and_resumes_without_redoing_a_line(tiny_model, t
             assert x["response"]["body"]["choices"][0]["text"] == direct["choices"][0]["text"]
 
 
+def test_lines_caught_in_an_engine_death_stay_unanswered_for_the_restart(tiny_model, tmp_path):
+    """The engine loop dies mid-job (planted): the lines it held fail with a 500 over HTTP, but
+    that is not their answer, so none is committed; the restarted server answers them all."""
+    store = tmp_path / "batches.sqlite"
+    lines = [_line(f"c{i}", {"prompt": [11, 12, 13], "max_tokens": 20, **GREEDY}) for i in range(12)]
+    faults = {FAULTS_ENV: json.dumps({"crash_loop_after_steps": 10})}
+    with serve(tiny_model, "--batch-store", str(store), log_dir=tmp_path, env=faults) as s:
+        client = s.client()
+        batch = client.batches.create(input_file_id=_upload(client, lines).id, endpoint="/v1/completions",
+                                      completion_window="24h")  # fmt: skip
+        assert s.proc.wait(timeout=60) == 1
+    with sqlite3.connect(store) as db:
+        answered, failed = db.execute("SELECT COUNT(response), COUNT(CASE WHEN status_code != 200 THEN 1 END) FROM lines").fetchone()
+    assert failed == 0 and answered < len(lines)
+    with serve(tiny_model, "--batch-store", str(store), log_dir=tmp_path) as s:
+        done = _wait(s.client(), batch.id, _ended)
+        assert done.status == "completed" and (done.request_counts.completed, done.request_counts.failed) == (len(lines), 0)
+
+
 def test_a_full_disk_pauses_the_job_and_interactive_requests_go_on(tiny_model, tmp_path):
     """The batch store may not grow (a planted SQLITE_FULL): a job whose answers cannot be
     written waits instead of losing them, a large upload gets a 507, and direct requests
@@ -185,6 +204,7 @@ def test_run_batch_answers_a_file_offline_in_input_order(tiny_model, tmp_path):
     prompts = _prompts(rng, 5)
     lines = [_line(f"c{i}", {"prompt": p, "max_tokens": 6, **GREEDY}) for i, p in enumerate(prompts)]
     lines.append(_line("chat", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **GREEDY}, url="/v1/chat/completions"))
+    lines.append(_line("two", {"prompt": prompts[0], "max_tokens": 6, "n": 2, **GREEDY}))  # two queue places
     lines.append(_line("bad", {"prompt": [999999]}))
     source, target = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     source.write_text("".join(json.dumps(x) + "\n" for x in lines))
@@ -194,9 +214,10 @@ def test_run_batch_answers_a_file_offline_in_input_order(tiny_model, tmp_path):
     assert done.returncode == 0, done.stderr
     output = [json.loads(x) for x in target.read_text().splitlines()]
     assert [x["custom_id"] for x in output] == [x["custom_id"] for x in lines]
-    assert [x["response"]["status_code"] for x in output] == [200] * 6 + [400]
+    assert [x["response"]["status_code"] for x in output] == [200] * 7 + [400]
     assert "vocabulary" in output[-1]["error"]["message"]
     assert output[5]["response"]["body"]["object"] == "chat.completion"
     llm = LLM(model=str(tiny_model), dtype="float32", deterministic=True, max_model_len=128)
     expected = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
     assert [x["response"]["body"]["choices"][0]["text"] for x in output[:5]] == [e.outputs[0].text for e in expected]
+    assert [c["text"] for c in output[6]["response"]["body"]["choices"]] == [expected[0].outputs[0].text] * 2

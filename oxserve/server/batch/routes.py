@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -39,9 +40,10 @@ def add_batch_routes(app: FastAPI, store: BatchStore, runner: BatchRunner) -> No
     def not_found(what: str, name: str) -> APIError:
         return APIError(404, f"no {what} with id {name!r}", "invalid_request_error", None, "not_found")
 
-    def stored(call, *args):
+    async def stored(method, *args):
+        """`method(*args)` on the store's thread; a write the store cannot make is a 507."""
         try:
-            return call(*args)
+            return await store.call(method, *args)
         except StoreError as e:
             raise APIError(507, f"{e}; retry later", "server_error", None, "insufficient_storage") from None
 
@@ -56,7 +58,7 @@ def add_batch_routes(app: FastAPI, store: BatchStore, runner: BatchRunner) -> No
         if purpose != "batch":
             raise bad_request(f"purpose must be 'batch' (the only use of files here), got {purpose!r}", "purpose")
         content = await file.read()
-        return stored(store.add_file, content, file.filename or "upload.jsonl", purpose)
+        return await stored(store.add_file, content, file.filename or "upload.jsonl", purpose)
 
     @app.get("/v1/files")
     async def list_files(purpose: str | None = None, limit: int = 10_000, after: str | None = None,
@@ -64,23 +66,23 @@ def add_batch_routes(app: FastAPI, store: BatchStore, runner: BatchRunner) -> No
         _check_limit(limit, 10_000)
         if order not in ("asc", "desc"):
             raise bad_request("order must be 'asc' or 'desc'", "order")
-        return _listing(store.files(purpose, limit + 1, after, order == "desc"), limit)
+        return _listing(await stored(store.files, purpose, limit + 1, after, order == "desc"), limit)
 
     @app.get("/v1/files/{file_id}")
     async def retrieve_file(file_id: str) -> dict[str, Any]:
-        if (found := store.file(file_id)) is None:
+        if (found := await stored(store.file, file_id)) is None:
             raise not_found("file", file_id)
         return found
 
     @app.get("/v1/files/{file_id}/content")
     async def file_content(file_id: str) -> Response:
-        if (content := store.file_content(file_id)) is None:
+        if (content := await stored(store.file_content, file_id)) is None:
             raise not_found("file", file_id)
         return Response(content, media_type="application/octet-stream")
 
     @app.delete("/v1/files/{file_id}")
     async def delete_file(file_id: str) -> dict[str, Any]:
-        if not stored(store.delete_file, file_id):
+        if not await stored(store.delete_file, file_id):
             raise not_found("file", file_id)
         return {"id": file_id, "object": "file", "deleted": True}
 
@@ -91,35 +93,35 @@ def add_batch_routes(app: FastAPI, store: BatchStore, runner: BatchRunner) -> No
             raise bad_request(f"endpoint must be one of {', '.join(ENDPOINTS)}, got {req.endpoint!r}", "endpoint")
         if req.completion_window not in COMPLETION_WINDOWS:
             raise bad_request(f"completion_window must be one of {', '.join(COMPLETION_WINDOWS)}", "completion_window")
-        content = store.file_content(req.input_file_id)
+        content = await stored(store.file_content, req.input_file_id)
         if content is None:
             raise not_found("file", req.input_file_id)
-        lines, errors = parse_lines(content, req.endpoint)
-        batch = stored(store.add_batch, req.endpoint, req.input_file_id, req.completion_window, req.metadata, lines, errors)
+        lines, errors = await asyncio.to_thread(parse_lines, content, req.endpoint)  # up to 32 MiB of JSON
+        batch = await stored(store.add_batch, req.endpoint, req.input_file_id, req.completion_window, req.metadata, lines, errors)
         runner.poke()
         return batch
 
     @app.get("/v1/batches")
     async def list_batches(limit: int = 20, after: str | None = None) -> dict[str, Any]:
         _check_limit(limit, 100)
-        return _listing(store.batches(limit + 1, after), limit)
+        return _listing(await stored(store.batches, limit + 1, after), limit)
 
     @app.get("/v1/batches/{batch_id}")
     async def retrieve_batch(batch_id: str) -> dict[str, Any]:
-        if (batch := store.batch(batch_id)) is None:
+        if (batch := await stored(store.batch, batch_id)) is None:
             raise not_found("batch", batch_id)
         return batch
 
     @app.post("/v1/batches/{batch_id}/cancel")
     async def cancel_batch(batch_id: str) -> dict[str, Any]:
-        if (batch := store.batch(batch_id)) is None:
+        if (batch := await stored(store.batch, batch_id)) is None:
             raise not_found("batch", batch_id)
         if batch["status"] in ENDED:
             raise APIError(409, f"the batch is already {batch['status']}", "invalid_request_error", None, "batch_ended")
         if batch["status"] != "cancelling":
-            stored(store.set_status, batch_id, "cancelling")
+            await stored(store.set_status, batch_id, "cancelling")
             runner.poke()
-        return store.batch(batch_id)
+        return await stored(store.batch, batch_id)
 
 
 def _check_limit(limit: int, most: int) -> None:

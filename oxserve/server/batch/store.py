@@ -8,18 +8,26 @@ A server killed at any point restarts with each job's finished lines in place: t
 takes up the lines that have no result yet, so no line is answered twice or lost. The
 output and error files are assembled from the lines, in input order, when a job ends.
 
-The store is used from the event loop only; each call is one short transaction.
+Every call runs on the store's own thread (`call`): a commit waits for its fsync, which must
+not stall the event loop's streams, and one thread means no two calls ever overlap. A lock
+file keeps a second server off the same store (two runners would answer one job twice).
 """
 
 from __future__ import annotations
 
+import asyncio
+import fcntl
 import json
 import sqlite3
 import time
 import uuid
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 SCHEMA_VERSION = 1
 _SCHEMA = (
@@ -54,10 +62,18 @@ class Line:
 
 class BatchStore:
     def __init__(self, path: Path, max_pages: int | None = None):
-        """`max_pages`: a planted full disk (sqlite's SQLITE_FULL past that many pages)."""
+        """`max_pages`: a planted full disk (sqlite's SQLITE_FULL past that many pages).
+        ValueError if another process holds the store."""
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
-        # Used from the event loop only; shutdown closes it from there too.
+        self._lock = open(path.with_name(path.name + ".lock"), "w")  # noqa: SIM115  (held until close)
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._lock.close()
+            raise ValueError(f"another oxserve server uses the batch store {path}; give this one its own --batch-store") from None
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="batch-store")
+        # Built here, used on the store's thread only (check_same_thread would refuse that hand-over).
         self.db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)  # transactions are explicit
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=FULL")  # a committed line survives power loss, not just a kill
@@ -73,8 +89,14 @@ class BatchStore:
         if max_pages is not None:
             self.db.execute(f"PRAGMA max_page_count={int(max_pages)}")
 
+    async def call(self, method: Callable[..., T], *args: Any) -> T:
+        """`method(*args)` (one of this store's) on the store's thread."""
+        return await asyncio.get_running_loop().run_in_executor(self._thread, method, *args)
+
     def close(self) -> None:
-        self.db.close()
+        self._thread.submit(self.db.close).result()
+        self._thread.shutdown()
+        self._lock.close()  # releases the lock
 
     def _write(self):
         return _Transaction(self.db)
