@@ -9,8 +9,8 @@ again on the same port and batch store. At the end it waits for every batch job,
 
 - no request lost (hung, or cut short while the server was up), none corrupted (an answer
   that parts from its reference where the reference was not a near tie), no error without
-  OpenAI's error body; requests cut by a kill are counted apart (the client saw the
-  connection drop);
+  OpenAI's error body, no 500 or stream error event; requests a restart cut off (a dropped
+  connection, an abort at the drain's timeout) are counted apart;
 - every batch job completed with each line answered exactly once, each answer judged as above;
 - the engine idle with its cache free (`/metrics`), and the resident memory of the last
   server's life grown by at most `--max-rss-growth-mib`.
@@ -38,7 +38,21 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from oxserve.bench.serve import percentile
 from oxserve.bench.soak_server import SoakServer
-from oxserve.bench.soak_traffic import CUT, FAILURES, KINDS, LOST, OK, Outcome, judge, make_pool, plain, reference_of, stream
+from oxserve.bench.soak_traffic import (
+    ABORTED,
+    CUT,
+    FAILURES,
+    KINDS,
+    LOST,
+    OK,
+    SERVER_ERROR,
+    Outcome,
+    judge,
+    make_pool,
+    plain,
+    reference_of,
+    stream,
+)
 
 KIND_WEIGHTS = (0.4, 0.4, 0.1, 0.1)  # plain, stream, leave, give_up
 
@@ -121,14 +135,17 @@ async def _one(client, server: SoakServer, model, req, ref, kind, tie, rng, rest
     sent = time.monotonic()
     try:
         if kind == "plain":
-            return await plain(client, server.base_url, model, req, ref, tie)
-        if kind == "give_up":
-            return await plain(client, server.base_url, model, req, ref, tie, give_up_after=rng.uniform(0.05, 1.0))
-        return await stream(client, server.base_url, model, req, ref, tie, rng.randrange(1, 4) if kind == "leave" else None)
+            outcome = await plain(client, server.base_url, model, req, ref, tie)
+        elif kind == "give_up":
+            outcome = await plain(client, server.base_url, model, req, ref, tie, give_up_after=rng.uniform(0.05, 1.0))
+        else:
+            outcome = await stream(client, server.base_url, model, req, ref, tie, rng.randrange(1, 4) if kind == "leave" else None)
     except httpx.TransportError as e:
-        # The connection failed or dropped: expected only around a restart.
-        cut = server.down_since is not None or any(t >= sent for t in restarts)
-        return Outcome(kind, CUT if cut else LOST, None, f"{type(e).__name__}: {e}"[:120])
+        outcome = Outcome(kind, LOST, None, f"{type(e).__name__}: {e}"[:120])
+    # A dropped connection, an abort or a server error is expected only around a restart.
+    if outcome.result in (LOST, ABORTED, SERVER_ERROR) and (server.down_since is not None or any(t >= sent for t in restarts)):
+        outcome.result = CUT
+    return outcome
 
 
 async def _sample_rss(server: SoakServer, every_s: float = 5.0) -> None:
@@ -162,12 +179,16 @@ async def _submit_batch(server: SoakServer, model, pool, rng, batches, restarts)
             return
         except (openai.APIConnectionError, openai.InternalServerError):
             await asyncio.sleep(1.0)
+    batches.append((None, lines))  # never created: a failure of the soak
 
 
 async def _check_batches(server: SoakServer, batches, pool, refs, tie) -> dict:
     client = openai.AsyncOpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=3)
     report = Counter(jobs=len(batches))
     for batch_id, lines in batches:
+        if batch_id is None:
+            report["uncreated_jobs"] += 1
+            continue
         deadline = time.monotonic() + 600
         while (batch := await client.batches.retrieve(batch_id)).status not in ("completed", "failed", "cancelled"):
             if time.monotonic() > deadline:
@@ -176,7 +197,9 @@ async def _check_batches(server: SoakServer, batches, pool, refs, tie) -> dict:
         if batch.status != "completed":
             report["unfinished_jobs"] += 1
             continue
-        output = [json.loads(x) for x in (await client.files.content(batch.output_file_id)).text.splitlines()]
+        output = [] if batch.output_file_id is None else \
+            [json.loads(x) for x in (await client.files.content(batch.output_file_id)).text.splitlines()]  # fmt: skip
+        report["failed_lines"] += batch.request_counts.failed
         ids = Counter(x["custom_id"] for x in output)
         report["lines"] += len(lines)
         report["missing_lines"] += sum(1 for k in range(len(lines)) if ids[f"line-{k}"] == 0)
@@ -206,10 +229,11 @@ def summarize(args, outcomes: list[Outcome], batches: dict, idle: dict, server: 
     ttft = [o.latency_s for o in outcomes if o.kind == "stream" and o.result == OK and o.latency_s is not None]
     growth = max(life.growth_mib for life in server.lives)
     failures = {r: results[r] for r in FAILURES if results[r]}
-    batch_failures = {k: v for k, v in batches.items() if k in ("unfinished_jobs", "missing_lines", "duplicated_lines", "corrupted_lines") and v}
+    bad = ("uncreated_jobs", "unfinished_jobs", "missing_lines", "duplicated_lines", "corrupted_lines", "failed_lines")
+    batch_failures = {k: v for k, v in batches.items() if k in bad and v}
     checks = {
         "no request lost or corrupted": not failures,
-        "every batch line answered once, none corrupted": not batch_failures,
+        "every batch line answered once, none failed or corrupted": not batch_failures,
         "engine idle, cache free": not any(idle.values()),
         f"RSS growth <= {args.max_rss_growth_mib:g} MiB": growth <= args.max_rss_growth_mib,
     }

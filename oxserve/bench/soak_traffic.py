@@ -19,9 +19,13 @@ import httpx
 
 KINDS = ("plain", "stream", "leave", "give_up")  # batch lines are sent by the batch jobs
 # Outcomes. Failures of the server: "corrupted", "lost" (no answer, no error: hung or cut
-# short while the server was up), "bad_error" (an error without OpenAI's error body).
-OK, CORRUPTED, ERROR, CUT, LEFT, LOST, BAD_ERROR = "ok", "corrupted", "error", "cut", "left", "lost", "bad_error"
-FAILURES = (CORRUPTED, LOST, BAD_ERROR)
+# short while the server was up), "bad_error" (an error without OpenAI's error body),
+# "server_error" (a 500, or a stream's error event, while no restart explains it). "error"
+# is a clear refusal (429, 503 while draining); "cut" a request a restart cut off.
+OK, CORRUPTED, ERROR, SERVER_ERROR, CUT, LEFT, LOST, BAD_ERROR = (
+    "ok", "corrupted", "error", "server_error", "cut", "left", "lost", "bad_error")
+ABORTED = "aborted"  # the server aborted it (a drain past its timeout): a failure unless a restart explains it
+FAILURES = (CORRUPTED, LOST, BAD_ERROR, SERVER_ERROR)
 
 
 @dataclass(frozen=True)
@@ -64,13 +68,13 @@ def reference_of(choice: dict) -> Reference:
 
 def judge(tokens: list[str], ref: Reference, tie_margin: float) -> tuple[str, str]:
     """(OK or CORRUPTED, why) for an answer's tokens against the reference."""
+    if len(tokens) != len(ref.tokens):  # ignore_eos and a fixed max_tokens: the length never varies
+        return CORRUPTED, f"{len(tokens)} tokens instead of {len(ref.tokens)}"
     for i, (got, want) in enumerate(zip(tokens, ref.tokens)):
         if got != want:
             if ref.margins[i] < tie_margin:
                 return OK, ""  # a near tie: either pick is right, and the rest follows from it
             return CORRUPTED, f"token {i}: {got} instead of {want} (reference margin {ref.margins[i]:.3g})"
-    if len(tokens) != len(ref.tokens):
-        return CORRUPTED, f"{len(tokens)} tokens instead of {len(ref.tokens)}"
     return OK, ""
 
 
@@ -80,7 +84,8 @@ def error_outcome(kind: str, response: httpx.Response, start: float) -> Outcome:
         clear = isinstance(error["message"], str) and bool(error["message"])
     except (ValueError, KeyError, TypeError):
         clear = False
-    return Outcome(kind, ERROR if clear else BAD_ERROR, time.monotonic() - start, f"HTTP {response.status_code}")
+    result = BAD_ERROR if not clear else SERVER_ERROR if response.status_code == 500 else ERROR
+    return Outcome(kind, result, time.monotonic() - start, f"HTTP {response.status_code}")
 
 
 async def plain(client: httpx.AsyncClient, url: str, model: str, req: PoolRequest, ref: Reference, tie: float,
@@ -93,14 +98,17 @@ async def plain(client: httpx.AsyncClient, url: str, model: str, req: PoolReques
         return Outcome(kind, LEFT if give_up_after is not None else LOST, time.monotonic() - start, "timed out")
     if r.status_code != 200:
         return error_outcome(kind, r, start)
-    result, why = judge(r.json()["choices"][0]["logprobs"]["tokens"], ref, tie)
+    choice = r.json()["choices"][0]
+    if choice["finish_reason"] == "abort":  # a drain past its timeout aborts what runs
+        return Outcome(kind, ABORTED, time.monotonic() - start)
+    result, why = judge(choice["logprobs"]["tokens"], ref, tie)
     return Outcome(kind, result, time.monotonic() - start, why)
 
 
 async def stream(client: httpx.AsyncClient, url: str, model: str, req: PoolRequest, ref: Reference, tie: float,
                  leave_after: int | None = None) -> Outcome:  # fmt: skip
     kind = "stream" if leave_after is None else "leave"
-    start, first, tokens, done = time.monotonic(), None, [], False
+    start, first, tokens, done, aborted = time.monotonic(), None, [], False, False
     async with client.stream("POST", f"{url}/v1/completions", json=req.body(model, stream=True), timeout=600) as r:
         if r.status_code != 200:
             await r.aread()
@@ -113,8 +121,9 @@ async def stream(client: httpx.AsyncClient, url: str, model: str, req: PoolReque
                 continue
             chunk = json.loads(line[6:])
             if "error" in chunk:
-                return Outcome(kind, ERROR, None, f"error event: {chunk['error'].get('message', '')[:80]}")
+                return Outcome(kind, SERVER_ERROR, None, f"error event: {chunk['error'].get('message', '')[:80]}")
             for c in chunk.get("choices", []):
+                aborted = aborted or c.get("finish_reason") == "abort"
                 if c.get("logprobs") and c["logprobs"]["tokens"]:
                     first = first or time.monotonic()
                     tokens += c["logprobs"]["tokens"]
@@ -122,5 +131,7 @@ async def stream(client: httpx.AsyncClient, url: str, model: str, req: PoolReque
                 return Outcome(kind, LEFT, None if first is None else first - start)
     if not done:
         return Outcome(kind, LOST, None, "the stream ended without [DONE] or an error event")
+    if aborted:
+        return Outcome(kind, ABORTED, None if first is None else first - start)
     result, why = judge(tokens, ref, tie)
     return Outcome(kind, result, None if first is None else first - start, why)

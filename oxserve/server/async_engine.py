@@ -44,6 +44,9 @@ log = logging.getLogger(__name__)
 EngineRequest = tuple[str, Prompt, SamplingParams]  # (request id, prompt, params with n == 1)
 
 
+STOP_TIMEOUT_S = 60.0  # how long stop() waits for the engine thread to finish its step
+
+
 class QueueFullError(Exception):
     """The waiting queue is at `max_waiting`; the client should retry later (HTTP 429)."""
 
@@ -220,11 +223,13 @@ class AsyncEngine:
         self._loop = asyncio.get_running_loop()
 
     async def stop(self) -> None:
-        """Abort whatever is left and end the engine thread (a stalled one is left behind: it
-        is a daemon, gone with the process)."""
+        """Abort whatever is left and end the engine thread. A thread stuck in a step is left
+        behind after STOP_TIMEOUT_S (it is a daemon, gone with the process)."""
         self._commands.put(_STOP)
         if not self._stalled:
-            await asyncio.to_thread(self._thread.join)
+            await asyncio.to_thread(self._thread.join, STOP_TIMEOUT_S)
+        if self._thread.is_alive():
+            log.error("the engine thread did not stop (a step that never returns); leaving it behind")
 
     def stalled_for(self) -> float:
         """Seconds the step now running has taken (0: none runs)."""
@@ -266,6 +271,7 @@ class AsyncEngine:
             await group.admitted
         except asyncio.CancelledError:
             group.abort()  # queued behind the submit, so it runs after the requests were added
+            self._groups.discard(group)  # nobody reads it; if admitted, its aborted outputs end it anyway
             raise
         except BaseException:
             self._groups.discard(group)

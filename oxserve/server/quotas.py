@@ -166,6 +166,7 @@ def load_keys(path: Path) -> dict[str, KeyQuota]:
 
 
 SCOPE_KEY = "oxserve.quota"  # where the middleware leaves a request's KeyQuota for its route
+UNCOUNTED_PATHS = ("/health", "/metrics")  # probes: never refused for a quota
 
 
 def quota_of(raw: Request | None) -> KeyQuota | None:
@@ -183,8 +184,9 @@ class EnforceQuotas:
         self.keys = {k.encode(): q for k, q in keys.items()}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        quota = self.keys.get(bearer_token(scope) or b"") if scope["type"] == "http" else None
-        if quota is None:  # no key, or an open route without one: the key check has decided
+        counted = scope["type"] == "http" and scope["path"] not in UNCOUNTED_PATHS
+        quota = self.keys.get(bearer_token(scope) or b"") if counted else None
+        if quota is None:  # no key (the key check has decided), or a probe
             return await self.app(scope, receive, send)
         try:
             quota.admit(counts_request=scope["method"] == "POST")

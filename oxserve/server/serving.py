@@ -334,7 +334,7 @@ class OpenAIServing:
             raise engine_error(e) from None
         finally:
             if group.abort():
-                log.info("%s: client disconnected; aborted", job.response_id)
+                log.info("%s: %s; aborted", job.response_id, "client disconnected" if raw is not None else "cancelled")
         if finals is not None:
             _log_finished(job, finals, time.monotonic() - start)
         return finals

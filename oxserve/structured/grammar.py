@@ -47,7 +47,12 @@ class GrammarCompiler:
             if (grammar := self._checked.get(constraint)) is not None:
                 self._checked.move_to_end(constraint)
                 return grammar
-        grammar = _to_grammar(constraint)
+        try:
+            grammar = _to_grammar(constraint)
+        except ValueError:
+            raise
+        except Exception as e:  # llguidance's readers raise plain Exceptions for bad input (GBNF without a root)
+            raise ValueError(f"the {constraint.kind} constraint does not parse: {e}") from None
         error = llg.LLMatcher.validate_grammar(grammar, self.tokenizer)
         if error:
             raise ValueError(f"the {constraint.kind} constraint cannot be compiled: {error.strip()}")

@@ -44,6 +44,7 @@ BAD_INPUTS = [
     ("/v1/completions", b'{"prompt": "hi", "repetition_penalty": 1e999}', 400, "repetition_penalty"),  # JSON's inf
     ("/v1/completions", b'{"prompt": "hi", "temperature": 1e999}', 400, "temperature"),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 1.0}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "guided_grammar": ""}, 400, "grammar"),  # found by the fuzzer: was a 500
     ("/v1/completions", {"prompt": "hi", "prompt_logprobs": 21}, 400, "prompt_logprobs"),
     ("/v1/completions", {"prompt": "hi", "prompt_logprobs": 1, "stream": True}, 400, "prompt_logprobs"),
     ("/v1/completions", {"prompt": [999999]}, 400, "vocabulary"),

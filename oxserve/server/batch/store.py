@@ -1,4 +1,5 @@
-"""Files and batch jobs in SQLite: every finished line is committed (WAL, fsync) as it lands.
+"""Files and batch jobs in SQLite: every answered line is committed (WAL, fsync) as it lands,
+before the line counts as done.
 
     files    id, purpose, filename, bytes, created_at, content
     batches  one row per job: status, counts, timestamps, input/output/error file ids, errors
