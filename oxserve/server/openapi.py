@@ -34,6 +34,8 @@ ERRORS: dict[int | str, dict[str, Any]] = {
     "4XX": {"description": "A client error (OpenAI's error shape)", "content": {"application/json": {"schema": {"$ref": REF.format(model="ErrorBody")}}}},
     "5XX": {"description": "A server error (OpenAI's error shape)", "content": {"application/json": {"schema": {"$ref": REF.format(model="ErrorBody")}}}},
 }  # fmt: skip
+# One server-sent event: its `data` is a JSON chunk, or [DONE] at the end.
+SSE_EVENT = {"type": "object", "properties": {"data": {"type": "string"}}, "required": ["data"]}
 _MODEL = "x-oxserve-model"  # the parsing model, carried on the route until `install` takes it off
 
 
@@ -44,7 +46,7 @@ def body(model: type[BaseModel], streams: bool = False) -> dict[str, Any]:
     if streams:
         extra["responses"] = {"200": {"description": "The answer; server-sent events with stream: true",
                                       "content": {"application/json": {"schema": {"type": "object"}},
-                                                  "text/event-stream": {"schema": {"type": "string"}}}}}  # fmt: skip
+                                                  "text/event-stream": {"schema": SSE_EVENT}}}}  # fmt: skip
     return extra
 
 

@@ -5,6 +5,7 @@ the schema forbids must be refused; the server serving and idle after each run."
 
 from __future__ import annotations
 
+import os
 import httpx
 import pytest
 import schemathesis
@@ -21,7 +22,7 @@ from schemathesis.checks import (
 )
 from server_harness import serve, tiny_model  # noqa: F401  (tiny_model: fixture)
 
-EXAMPLES = 40  # per operation and mode
+EXAMPLES = int(os.environ.get("OXSERVE_FUZZ_EXAMPLES", "40"))  # per operation and mode; more for a deeper local run
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance,
           negative_data_rejection, allow_header_conformance]  # fmt: skip
 
