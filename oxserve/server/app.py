@@ -159,11 +159,11 @@ def build_app(engine: AsyncEngine, model_name: str, parsing: ChatParsing | None 
         return {"id": model_name, "object": "model", "created": int(time.time()), "owned_by": "oxserve",
                 "root": model_name, "parent": None, "max_model_len": engine.max_model_len}  # fmt: skip
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=openapi.answers(openapi.ModelList))
     async def models() -> dict:
         return {"object": "list", "data": [model_card()]}
 
-    @app.get("/v1/models/{model:path}")  # a served name may hold slashes (org/name)
+    @app.get("/v1/models/{model:path}", responses=openapi.answers(openapi.ModelCard))  # a served name may hold slashes (org/name)
     async def retrieve_model(model: str) -> dict:
         serving.check_model(model)
         return model_card()
@@ -176,11 +176,13 @@ def build_app(engine: AsyncEngine, model_name: str, parsing: ChatParsing | None 
     async def detokenize(request: Request) -> dict:
         return await tokenizing.detokenize(await read_body(request))
 
-    @app.post("/v1/completions", openapi_extra=openapi.body(CompletionRequest, streams=True))
+    @app.post("/v1/completions", openapi_extra=openapi.body(CompletionRequest),
+              responses=openapi.answers(openapi.Completion, streams=True))  # fmt: skip
     async def completions(request: Request) -> Response:
         return await serving.completions(await read_body(request), request)
 
-    @app.post("/v1/chat/completions", openapi_extra=openapi.body(ChatCompletionRequest, streams=True))
+    @app.post("/v1/chat/completions", openapi_extra=openapi.body(ChatCompletionRequest),
+              responses=openapi.answers(openapi.ChatCompletion, streams=True))  # fmt: skip
     async def chat_completions(request: Request) -> Response:
         return await serving.chat(await read_body(request), request)
 

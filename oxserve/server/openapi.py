@@ -8,7 +8,7 @@ error body for 4xx and 5xx (`install`): `/openapi.json` is the API, for `/docs` 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
@@ -39,15 +39,87 @@ SSE_EVENT = {"type": "object", "properties": {"data": {"type": "string"}}, "requ
 _MODEL = "x-oxserve-model"  # the parsing model, carried on the route until `install` takes it off
 
 
-def body(model: type[BaseModel], streams: bool = False) -> dict[str, Any]:
-    """`openapi_extra` for a route whose JSON body `model` parses (`streams`: with
-    `"stream": true` it answers server-sent events)."""
-    extra: dict[str, Any] = {_MODEL: model, "requestBody": {"required": True, "content": {"application/json": {"schema": {"$ref": REF.format(model=model.__name__)}}}}}  # fmt: skip
+def body(model: type[BaseModel]) -> dict[str, Any]:
+    """`openapi_extra` for a route whose JSON body `model` parses."""
+    return {_MODEL: model, "requestBody": {"required": True, "content": {"application/json": {"schema": {"$ref": REF.format(model=model.__name__)}}}}}  # fmt: skip
+
+
+def answers(model: type[BaseModel] | None, streams: bool = False) -> dict[int | str, dict[str, Any]]:
+    """`responses` for a route whose 200 is `model` (None: a JSON object) and, with `streams`,
+    server-sent events when the request says `"stream": true`."""
+    answer: dict[str, Any] = {"description": "The answer"}
+    if model is not None:
+        answer["model"] = model
+    else:
+        answer["content"] = {"application/json": {"schema": {"type": "object"}}}
     if streams:
-        extra["responses"] = {"200": {"description": "The answer; server-sent events with stream: true",
-                                      "content": {"application/json": {"schema": {"type": "object"}},
-                                                  "text/event-stream": {"schema": SSE_EVENT}}}}  # fmt: skip
-    return extra
+        answer["description"] = "The answer; server-sent events with stream: true"
+        answer.setdefault("content", {})["text/event-stream"] = {"schema": SSE_EVENT}
+    return {200: answer}
+
+
+# Success bodies, for the schema only (the routes build their answers as plain dicts). Fields
+# beyond these may be present (vLLM's extras, prompt_logprobs, reasoning_content, ...).
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: dict[str, Any] | None
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+
+
+class Completion(BaseModel):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str | None
+    tool_calls: list[dict[str, Any]] | None = None
+    reasoning_content: str | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: dict[str, Any] | None
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    root: str
+    parent: str | None
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[ModelCard]
 
 
 def multipart(fields: dict[str, dict[str, Any]], required: list[str]) -> dict[str, Any]:

@@ -22,6 +22,8 @@ from schemathesis.checks import (
 )
 from server_harness import serve, tiny_model  # noqa: F401  (tiny_model: fixture)
 
+from oxserve.server import openapi
+
 EXAMPLES = int(os.environ.get("OXSERVE_FUZZ_EXAMPLES", "40"))  # per operation and mode; more for a deeper local run
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance,
           negative_data_rejection, allow_header_conformance]  # fmt: skip
@@ -68,6 +70,14 @@ def test_every_operation_survives_its_fuzzed_inputs(fuzzed_server, mode):
 
 
 def test_the_schema_declares_every_body(fuzzed_server):
+    base = fuzzed_server.base_url
+    # The declared success bodies are what the routes answer, logprobs and all.
+    completion = httpx.post(f"{base}/v1/completions", json={"prompt": [11, 12], "max_tokens": 3, "logprobs": 2}).json()
+    chat = httpx.post(f"{base}/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+                                                           "logprobs": True, "top_logprobs": 2}).json()  # fmt: skip
+    openapi.Completion.model_validate(completion)
+    openapi.ChatCompletion.model_validate(chat)
+    openapi.ModelList.model_validate(httpx.get(f"{base}/v1/models").json())
     spec = httpx.get(f"{fuzzed_server.base_url}/openapi.json").json()
     for path, ops in spec["paths"].items():
         for method, op in ops.items():

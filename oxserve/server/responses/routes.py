@@ -54,7 +54,7 @@ def add_responses_routes(app: FastAPI, serving: OpenAIServing, in_flight: InFlig
             raise bad_request(f"the response {previous.id!r} is still {previous.status}; wait for it to end", "previous_response_id")
         return previous.history + parse_items(previous.output, "previous_response_id")
 
-    @app.post("/v1/responses", openapi_extra=openapi.body(ResponsesRequest, streams=True))
+    @app.post("/v1/responses", openapi_extra=openapi.body(ResponsesRequest), responses=openapi.answers(None, streams=True))
     async def create(request: Request) -> Response:
         req = parse_request(await read_body(request))
         if req.background and not req.store:
