@@ -247,8 +247,17 @@ def summarize(args, outcomes: list[Outcome], batches: dict, idle: dict, server: 
         "latency_p99_s": round(percentile(plain_latency, 99), 3) if plain_latency else None,
         "ttft_p99_s": round(percentile(ttft, 99), 3) if ttft else None,
         "rss_mib": [(round(life.rss_start_mib), round(life.rss_end_mib)) for life in server.lives],
+        # A leak climbs to the end; an allocator's high-water mark levels off.
+        "rss_trend_mib": [_quartiles([rss for _, rss in life.samples]) for life in server.lives],
         "rss_growth_mib": round(growth, 1), "checks": checks, "failures": examples, "passed": all(checks.values()),
     }  # fmt: skip
+
+
+def _quartiles(values: list[float]) -> list[int]:
+    """Values at 0, 25, 50, 75 and 100% of the way through (empty: none)."""
+    if not values:
+        return []
+    return [round(values[min(len(values) - 1, int(q * (len(values) - 1)))]) for q in (0, 0.25, 0.5, 0.75, 1)]
 
 
 def format_summary(s: dict) -> str:
@@ -256,6 +265,7 @@ def format_summary(s: dict) -> str:
              f"outcomes: {s['results']}", *(f"  {k}: {v}" for k, v in s["by_kind"].items()),
              f"batches: {s['batches']}",
              f"plain latency p50 {s['latency_p50_s']} s, p99 {s['latency_p99_s']} s; stream TTFT p99 {s['ttft_p99_s']} s", f"RSS (start, end) MiB per life: {s['rss_mib']}; largest growth once warm {s['rss_growth_mib']} MiB",
+             f"RSS through each life (0/25/50/75/100%): {s['rss_trend_mib']}",
              f"idle at the end: {s['idle']}", *(f"[{'pass' if ok else 'FAIL'}] {name}" for name, ok in s["checks"].items()),
              *(f"  e.g. {x}" for x in s["failures"]), f"workdir: {s.get('workdir')}"]  # fmt: skip
     return "\n".join(lines)

@@ -33,7 +33,10 @@ from oxserve.server.tokenize import DetokenizeRequest, TokenizeRequest, Tokenize
 
 log = logging.getLogger(__name__)
 
-ABORT_GRACE_S = 2.0  # after the drain timeout: for aborted requests to send their last chunk
+# After the drain timeout: for aborted requests to send their answer. An abort takes effect
+# at the end of the engine's current step, which under load can take seconds.
+ABORT_GRACE_S = 10.0
+ABORT_FLUSH_S = 0.5  # once the engine is empty: for the aborted answers to be sent
 
 
 class ServerState:
@@ -66,11 +69,21 @@ class ServerState:
         except TimeoutError:
             log.warning("drain timeout: aborting %d request(s)", self.in_flight)
             self.engine.abort(None)
-            try:
-                await asyncio.wait_for(self.idle.wait(), ABORT_GRACE_S)
-            except TimeoutError:
+            if not await self._aborts_answered(ABORT_GRACE_S):
                 log.warning("%d request(s) still in flight (a client not sending or not reading); closing anyway", self.in_flight)
         log.info("drained")
+
+    async def _aborts_answered(self, timeout: float) -> bool:
+        """Until every request has gone (True), or the engine holds none and their answers had
+        ABORT_FLUSH_S to go out (a client still sending its body holds no engine request)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and not self.idle.is_set():
+            s = self.engine.snapshot
+            if s.num_running == 0 and s.num_waiting == 0:
+                await asyncio.sleep(ABORT_FLUSH_S)
+                break
+            await asyncio.sleep(0.05)
+        return self.idle.is_set()
 
 
 class TrackRequests:
@@ -88,8 +101,23 @@ class TrackRequests:
             error = APIError(503, "the server is shutting down; retry on another replica", "service_unavailable", None, "server_shutting_down")
             return await _error_response(error, retry_after=self.state.engine.retry_after())(scope, receive, send)
         self.state.enter()
+        started = False
+
+        async def send_tracked(message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
         try:
-            await self.app(scope, receive, send)
+            await self.app(scope, receive, send_tracked)
+        except asyncio.CancelledError:
+            # uvicorn cancels what is left when its shutdown times out: an answer in OpenAI's
+            # shape rather than its plain-text 500.
+            if not started:
+                error = APIError(503, "the server is shutting down; retry on another replica", "service_unavailable",
+                                 None, "server_shutting_down")  # fmt: skip
+                await _error_response(error)(scope, receive, send)
+            raise
         finally:
             self.state.leave()
 

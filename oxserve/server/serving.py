@@ -337,6 +337,8 @@ class OpenAIServing:
                 log.info("%s: %s; aborted", job.response_id, "client disconnected" if raw is not None else "cancelled")
         if finals is not None:
             _log_finished(job, finals, time.monotonic() - start)
+            if any(f.outputs[0].finish_reason == "abort" for f in finals):  # the server aborted it: no partial answer
+                raise SHUT_DOWN
         return finals
 
     async def _sse(
@@ -362,11 +364,20 @@ class OpenAIServing:
             log.info("%s: failed mid-stream: %s", job.response_id, error.message)
             yield _sse(error.body())
         else:
+            if any(f.outputs[0].finish_reason == "abort" for f in finals):  # the server aborted it, not the client
+                yield _sse(SHUT_DOWN.body())
+                yield "data: [DONE]\n\n"
+                return
             _log_finished(job, finals, time.monotonic() - start)
             if usage:
                 tokens = sum(len(f.outputs[0].token_ids) for f in finals)
                 yield _sse({**_chunk(job, kind, [], False), "usage": job.usage(tokens)})
         yield "data: [DONE]\n\n"
+
+
+# A request the server aborted (a drain past --shutdown-timeout) while its client waited.
+SHUT_DOWN = APIError(503, "the server is shutting down and aborted this request before it finished; retry it",
+                     "server_error", None, "server_shutting_down")  # fmt: skip
 
 
 def engine_error(e: Exception) -> APIError:
