@@ -37,6 +37,8 @@ log = logging.getLogger(__name__)
 # at the end of the engine's current step, which under load can take seconds.
 ABORT_GRACE_S = 10.0
 ABORT_FLUSH_S = 0.5  # once the engine is empty: for the aborted answers to be sent
+SHUTTING_DOWN = APIError(503, "the server is shutting down; retry on another replica", "service_unavailable", None,
+                         "server_shutting_down")  # fmt: skip
 
 
 class ServerState:
@@ -98,8 +100,7 @@ class TrackRequests:
         if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
             return await self.app(scope, receive, send)
         if self.state.draining:
-            error = APIError(503, "the server is shutting down; retry on another replica", "service_unavailable", None, "server_shutting_down")
-            return await _error_response(error, retry_after=self.state.engine.retry_after())(scope, receive, send)
+            return await _error_response(SHUTTING_DOWN, retry_after=self.state.engine.retry_after())(scope, receive, send)
         self.state.enter()
         started = False
 
@@ -114,9 +115,7 @@ class TrackRequests:
             # uvicorn cancels what is left when its shutdown times out: an answer in OpenAI's
             # shape rather than its plain-text 500.
             if not started:
-                error = APIError(503, "the server is shutting down; retry on another replica", "service_unavailable",
-                                 None, "server_shutting_down")  # fmt: skip
-                await _error_response(error)(scope, receive, send)
+                await _error_response(SHUTTING_DOWN)(scope, receive, send)
             raise
         finally:
             self.state.leave()

@@ -45,6 +45,7 @@ EngineRequest = tuple[str, Prompt, SamplingParams]  # (request id, prompt, param
 
 
 STOP_TIMEOUT_S = 60.0  # how long stop() waits for the engine thread to finish its step
+EXPIRY_CHECK_S = 1.0  # how often the engine thread looks for requests past max_queue_time (not every step)
 
 
 class QueueFullError(Exception):
@@ -193,6 +194,7 @@ class AsyncEngine:
         self._dead = False  # set once by the engine thread if its loop dies
         self._stalled = False  # set once by the event loop if a step never returned
         self._step_started: float | None = None  # set by the engine thread while a step runs
+        self._next_expiry = 0.0  # engine thread only: when to look for requests past max_queue_time
         self._groups: set[RequestGroup] = set()  # event loop only: submitted, not all ended
         self._loop: asyncio.AbstractEventLoop | None = None
         built: queue.Queue[LLMEngine | BaseException] = queue.Queue()
@@ -330,7 +332,8 @@ class AsyncEngine:
                     self._apply(command)
                 except Exception:
                     log.exception("engine command %r failed", command)
-            if self.max_queue_time is not None:
+            if self.max_queue_time is not None and time.monotonic() >= self._next_expiry:
+                self._next_expiry = time.monotonic() + EXPIRY_CHECK_S
                 self._expire(self.max_queue_time)
             self._flush()  # admissions now, not after a step that may take a while
             if self._engine.has_unfinished_requests():
