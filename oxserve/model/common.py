@@ -9,6 +9,7 @@ from torch import nn
 
 from oxserve.kernels.moe import clamped_glu
 from oxserve.model.linear import Linear, empty_param, loadable
+from oxserve.parallel.tensor import SINGLE, TensorParallel
 
 
 class RMSNorm(nn.Module):
@@ -26,13 +27,16 @@ class RMSNorm(nn.Module):
 
 
 class DenseMLP(nn.Module):
-    """act(clamp(gate)) * clamp(up), projected down: the dense layers and the shared experts."""
+    """act(clamp(gate)) * clamp(up), projected down: the dense layers and the shared experts.
+    Under tensor parallelism a rank holds its share of the intermediate channels, and its
+    output is a partial sum for the caller to reduce."""
 
-    def __init__(self, hidden: int, intermediate: int, swiglu_limit: float, act: Callable[[torch.Tensor], torch.Tensor]):
+    def __init__(self, hidden: int, intermediate: int, swiglu_limit: float, act: Callable[[torch.Tensor], torch.Tensor],
+                 tp: TensorParallel = SINGLE):  # fmt: skip
         super().__init__()
-        self.intermediate = intermediate
-        self.gate_up_proj = Linear(hidden, (intermediate, intermediate))  # [gate; up], fused at load time
-        self.down_proj = Linear(intermediate, hidden)
+        self.intermediate = tp.local(intermediate, "intermediate size")
+        self.gate_up_proj = Linear(hidden, (intermediate, intermediate), tp, "column")  # [gate; up], fused at load time
+        self.down_proj = Linear(intermediate, hidden, tp, "row")
         self.swiglu_limit = swiglu_limit
         self.act = act
 

@@ -25,7 +25,8 @@ def forced_logits(
     model: Glm5NextForCausalLM, tokens: list[int], chunk: int, decode_from: int | None = None,
     shuffle: random.Random | None = None, cache_plan: CachePlan | None = None, kda_replay: int = 0,
 ) -> torch.Tensor:
-    """Logits [L, V] (fp32) of every position of `tokens`.
+    """Logits [L, V] (fp32) of every position of `tokens` (under tensor parallelism: on the
+    first rank; None on the others, which run the same steps with it).
 
     Positions before `decode_from` (default: all) are prefilled in chunks of `chunk` tokens;
     the rest are decoded one token per step. The request uses state slot 1 of 2, and with
@@ -51,4 +52,4 @@ def forced_logits(
         batch.logits_indices = torch.arange(end - start)  # every position, not just the last
         with torch.inference_mode():
             outs.append(model.compute_logits(model(torch.tensor(tokens[start:end]), batch, caches)))
-    return torch.cat(outs).float()
+    return None if outs[0] is None else torch.cat(outs).float()

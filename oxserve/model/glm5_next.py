@@ -1,4 +1,9 @@
-"""The glm5_next text decoder on a flat packed batch (see `ForwardBatch`)."""
+"""The glm5_next text decoder on a flat packed batch (see `ForwardBatch`).
+
+With tensor parallelism (`oxserve.parallel.tensor`) each block's output is a partial sum,
+reduced here, once per attention and once per MLP; the embedding and head are cut by
+vocabulary, and only the first rank gets logits.
+"""
 
 from __future__ import annotations
 
@@ -19,23 +24,25 @@ from oxserve.model.linear import Linear, empty_param, loadable
 from oxserve.model.mla import MLAttention
 from oxserve.model.moe import MoE
 from oxserve.model.mtp import MTPLayer
+from oxserve.parallel.tensor import SINGLE, TensorParallel
 from oxserve.telemetry import Tracer, span
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: TextModelConfig, index: int):
+    def __init__(self, cfg: TextModelConfig, index: int, tp: TensorParallel = SINGLE):
         super().__init__()
         self.name = f"L{index}"
+        self.tp = tp
         self.is_mla = cfg.is_mla_layer(index)
         if self.is_mla:
-            self.self_attn = MLAttention(cfg, cfg.is_full_indexer_layer(index), f"L{index}.mla")
+            self.self_attn = MLAttention(cfg, cfg.is_full_indexer_layer(index), f"L{index}.mla", tp)
         else:
-            self.self_attn = KDAttention(cfg, f"L{index}.kda")
+            self.self_attn = KDAttention(cfg, f"L{index}.kda", tp)
         self.sparse = cfg.mlp_layer_types[index] == "sparse"
         if self.sparse:
-            self.mlp = MoE(cfg, f"L{index}.moe")
+            self.mlp = MoE(cfg, f"L{index}.moe", tp)
         else:
-            self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size, cfg.swiglu_limit, activation(cfg.hidden_act))
+            self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size, cfg.swiglu_limit, activation(cfg.hidden_act), tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         hc = (cfg.hidden_size, cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps)
@@ -53,6 +60,7 @@ class DecoderLayer(nn.Module):
             x, selection = self.self_attn(x, batch, cache, selection)
         else:
             x, selection = self.self_attn(x, batch, cache), None
+        x = self.tp.reduce(x)
         with span(tracer, f"{self.name}.hc.expand"):
             streams = HyperConnection.expand(post, comb, x, streams)
         with span(tracer, f"{self.name}.hc.collapse"):
@@ -63,6 +71,7 @@ class DecoderLayer(nn.Module):
         else:
             with span(tracer, f"{self.name}.mlp.dense"):
                 x = self.mlp(x)
+        x = self.tp.reduce(x)
         with span(tracer, f"{self.name}.hc.expand"):
             return HyperConnection.expand(post, comb, x, streams), selection
 
@@ -71,19 +80,21 @@ class Glm5NextForCausalLM(nn.Module):
     """The decoder. With `with_mtp`, also the checkpoint's MTP layer (a drafter for
     speculative decoding that shares this model's embedding and head)."""
 
-    def __init__(self, cfg: TextModelConfig, with_mtp: bool = False):
+    def __init__(self, cfg: TextModelConfig, with_mtp: bool = False, tp: TensorParallel = SINGLE):
         super().__init__()
         self.config = cfg
-        self.embed_tokens = loadable(empty_param(cfg.vocab_size, cfg.hidden_size))
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.tp = tp
+        vocab_rows = tp.vocab_rows(cfg.vocab_size)  # this rank's slice: [rank * rows, (rank + 1) * rows)
+        self.embed_tokens = loadable(empty_param(vocab_rows, cfg.hidden_size), split=tp.split(-2, pad=True))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         # A Linear, so that quantization and kernel choices (swap_linears) reach the head too.
         # Tied: the embedding's parameter is the head's weight (the reference ties on the
         # top-level flag only).
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, tp, "vocab")
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens
-        self.mtp = MTPLayer(cfg, cfg.num_hidden_layers) if with_mtp else None
+        self.mtp = MTPLayer(cfg, cfg.num_hidden_layers, tp) if with_mtp else None
 
     def cache_specs(self, dtype: torch.dtype, plan: CachePlan | None = None, kda_replay: int = 0) -> list[LayerCacheSpec]:
         """What each decoder layer caches, in layer order, stored as `plan` says (default:
@@ -110,8 +121,16 @@ class Glm5NextForCausalLM(nn.Module):
             return self.norm(streams[batch.logits_indices].mean(1))
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self.embed_tokens)
+        if self.tp.size == 1:
+            return F.embedding(input_ids, self.embed_tokens)
+        rows = self.embed_tokens.shape[0]
+        local = input_ids - self.tp.rank * rows
+        mine = (local >= 0) & (local < rows)
+        embeds = F.embedding(local.clamp(0, rows - 1), self.embed_tokens) * mine.unsqueeze(-1)
+        return self.tp.reduce(embeds)
 
-    def compute_logits(self, hidden: torch.Tensor, tracer: Tracer | None = None) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, tracer: Tracer | None = None) -> torch.Tensor | None:
+        """Logits [S, vocab] (fp32); under tensor parallelism on the first rank only (None elsewhere)."""
         with span(tracer, "lm_head"):
-            return self.lm_head(hidden).float()
+            logits = self.tp.gather_to_first(self.lm_head(hidden).float())
+            return None if logits is None else logits[:, : self.config.vocab_size]

@@ -24,21 +24,27 @@ from oxserve.cache.spec import PagedTensor
 from oxserve.model.batch import ForwardBatch
 from oxserve.model.config import TextModelConfig
 from oxserve.model.linear import Linear, empty_param, loadable
+from oxserve.parallel.tensor import SINGLE, TensorParallel
 
 
 class Indexer(nn.Module):
-    def __init__(self, cfg: TextModelConfig):
+    """Under tensor parallelism a rank scores with its own heads; the head-weighted sums are
+    reduced across ranks before top-k, so every rank selects the same positions."""
+
+    def __init__(self, cfg: TextModelConfig, tp: TensorParallel = SINGLE):
         super().__init__()
-        self.n_heads = cfg.index_n_heads
+        self.tp = tp
+        self.n_heads = tp.local(cfg.index_n_heads, "index_n_heads")
+        self.head_weight_scale = cfg.index_n_heads**-0.5  # over all heads, wherever they are
         self.head_dim = cfg.index_head_dim
         self.kpool = cfg.index_kpool
         self.max_pools = cfg.index_topk // cfg.index_kpool
         self.with_tail = cfg.index_kpool_always_select_tail
-        self.wq_b = Linear(cfg.q_lora_rank, cfg.index_n_heads * cfg.index_head_dim)
+        self.wq_b = Linear(cfg.q_lora_rank, cfg.index_n_heads * cfg.index_head_dim, tp, "column")
         self.wk = Linear(cfg.hidden_size, cfg.index_head_dim)
         self.k_norm_weight = loadable(empty_param(cfg.index_head_dim))
         self.k_norm_bias = loadable(empty_param(cfg.index_head_dim))
-        self.weights_proj = Linear(cfg.hidden_size, cfg.index_n_heads)
+        self.weights_proj = Linear(cfg.hidden_size, cfg.index_n_heads, tp, "column")
         self.compress_ape = loadable(empty_param(cfg.index_kpool, cfg.index_head_dim))
         self.compress_gate = loadable(empty_param(cfg.index_head_dim, cfg.hidden_size))
 
@@ -54,7 +60,7 @@ class Indexer(nn.Module):
     def forward(self, x: torch.Tensor, q_resid: torch.Tensor, batch: ForwardBatch, cache: MLACache) -> torch.Tensor:
         self._write_keys(x, batch, cache)
         q = self.wq_b(q_resid).view(x.shape[0], self.n_heads, self.head_dim).float()
-        head_weights = self.weights_proj(x).float() * self.n_heads**-0.5
+        head_weights = self.weights_proj(x).float() * self.head_weight_scale
         pos = batch.positions
         seq_lens = batch.seq_lens
         parts = []
@@ -98,7 +104,7 @@ class Indexer(nn.Module):
             keys = cache.pool_keys_at(batch.pool_rows(request.unsqueeze(1).expand_as(grid), grid, self.kpool)).float()
         # [N, H, Dk] x [N|1, P, Dk] -> [N, H, P]; relu per head, then the weighted head sum.
         scores = F.relu(torch.matmul(q, keys.transpose(1, 2)) * self.head_dim**-0.5)
-        index_scores = (head_weights.unsqueeze(1) @ scores).squeeze(1)
+        index_scores = self.tp.reduce((head_weights.unsqueeze(1) @ scores).squeeze(1))
         visible = pool_ids.unsqueeze(0) < visible_pools.unsqueeze(1)
         index_scores = index_scores.masked_fill(~visible, float("-inf"))
         chosen = index_scores.topk(min(self.max_pools, num_pools), dim=-1).indices

@@ -15,17 +15,19 @@ from oxserve.model.activations import activation
 from oxserve.model.batch import ForwardBatch
 from oxserve.model.config import TextModelConfig
 from oxserve.model.linear import Linear, copy_loader, empty_param, loadable
+from oxserve.parallel.tensor import SINGLE, TensorParallel
 from oxserve.telemetry import span
 
 
 class ForgetGate(nn.Module):
-    def __init__(self, cfg: TextModelConfig):
+    def __init__(self, cfg: TextModelConfig, tp: TensorParallel = SINGLE):
         super().__init__()
         self.head_dim = cfg.linear_head_dim
+        heads = tp.local(cfg.linear_num_heads, "linear_num_heads")
         self.f_a_proj = Linear(cfg.hidden_size, cfg.linear_head_dim)
-        self.f_b_proj = Linear(cfg.linear_head_dim, cfg.kda_dim)
-        self.dt_bias = loadable(empty_param(cfg.kda_dim, dtype=torch.float32))
-        self.A_log = loadable(empty_param(cfg.linear_num_heads, dtype=torch.float32))
+        self.f_b_proj = Linear(cfg.linear_head_dim, cfg.kda_dim, tp, "column")
+        self.dt_bias = loadable(empty_param(heads * self.head_dim, dtype=torch.float32), split=tp.split(0))
+        self.A_log = loadable(empty_param(heads, dtype=torch.float32), split=tp.split(0))
         self.lower_bound = cfg.linear_lower_bound
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -38,23 +40,27 @@ class ForgetGate(nn.Module):
 
 
 class KDAttention(nn.Module):
-    def __init__(self, cfg: TextModelConfig, name: str):
+    """Under tensor parallelism a rank holds whole heads (their projections, conv channels and
+    states); its output is a partial sum (row-parallel o_proj) for the caller to reduce."""
+
+    def __init__(self, cfg: TextModelConfig, name: str, tp: TensorParallel = SINGLE):
         super().__init__()
         self.name = name
-        self.num_heads = cfg.linear_num_heads
+        self.num_heads = tp.local(cfg.linear_num_heads, "linear_num_heads")
         self.head_dim = cfg.linear_head_dim
-        self.dim = cfg.kda_dim
+        self.dim = self.num_heads * self.head_dim
         self.conv_kernel = cfg.linear_conv_kernel_dim
-        self.qkv_proj = Linear(cfg.hidden_size, (self.dim,) * 3)  # [q; k; v], fused at load time
+        self.qkv_proj = Linear(cfg.hidden_size, (cfg.kda_dim,) * 3, tp, "column")  # [q; k; v], fused at load time
         conv_rows = copy_loader((self.dim,) * 3, reshape=lambda t: t.reshape(t.shape[0], -1))  # [C, 1, K] -> [C, K]
-        self.conv_weight = loadable(empty_param(3 * self.dim, self.conv_kernel, dtype=torch.float32), conv_rows)
+        self.conv_weight = loadable(empty_param(3 * self.dim, self.conv_kernel, dtype=torch.float32), conv_rows,
+                                    tp.split(0, (cfg.kda_dim,) * 3))  # fmt: skip
         self.conv_act = activation(cfg.hidden_act)
-        self.forget_gate = ForgetGate(cfg)
-        self.b_proj = Linear(cfg.hidden_size, cfg.linear_num_heads)
+        self.forget_gate = ForgetGate(cfg, tp)
+        self.b_proj = Linear(cfg.hidden_size, cfg.linear_num_heads, tp, "column")
         self.g_a_proj = Linear(cfg.hidden_size, cfg.linear_head_dim)
-        self.g_b_proj = Linear(cfg.linear_head_dim, cfg.kda_dim)
+        self.g_b_proj = Linear(cfg.linear_head_dim, cfg.kda_dim, tp, "column")
         self.o_norm_weight = loadable(empty_param(cfg.linear_head_dim))
-        self.o_proj = Linear(cfg.kda_dim, cfg.hidden_size)
+        self.o_proj = Linear(cfg.kda_dim, cfg.hidden_size, tp, "row")
         self.norm_eps = cfg.rms_norm_eps
         self.lower_bound = cfg.linear_lower_bound
 

@@ -1,14 +1,18 @@
 """Projections and parameters that load themselves.
 
 Every projection of the model is a `Linear`; `swap_linears` replaces them all (before the
-weights load) with another implementation, which is how quantization and tensor
-parallelism enter without touching the model's maths. A parameter carries its own
+weights load) with another implementation, which is how quantization and kernel
+choices enter without touching the model's maths. A parameter carries its own
 `weight_loader(param, tensor, shard) -> values written`, so the checkpoint loader only maps
 names to (parameter, `Shard`) and never needs to know how a parameter is stored:
 
     q_proj.weight -> Shard(part=0) ─┐
     k_proj.weight -> Shard(part=1) ─┼─> qkv_proj.weight rows [0:Q | Q:Q+K | Q+K:Q+K+V]
     v_proj.weight -> Shard(part=2) ─┘
+
+Under tensor parallelism a parameter also carries a `Split` (`param.tp_split`): the loader
+cuts each checkpoint tensor to this rank's piece before the parameter's loader sees it, so
+every loader (fused, quantized, kernel-packed) works on local shapes only.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from oxserve.parallel.tensor import SINGLE, Split, TensorParallel
 
 
 @dataclass(frozen=True)
@@ -70,21 +76,37 @@ def copy_loader(
     return load
 
 
-def loadable(param: nn.Parameter, loader: WeightLoader | None = None) -> nn.Parameter:
+def loadable(param: nn.Parameter, loader: WeightLoader | None = None, split: Split | None = None) -> nn.Parameter:
     param.weight_loader = loader or copy_loader()
+    param.tp_split = split
     return param
 
 
 class Linear(nn.Module):
     """y = x W^T, no bias. `out_features` may list the row counts of parts fused into one
-    weight at load time (q|k|v, gate|up); the checkpoint fills each part separately."""
+    weight at load time (q|k|v, gate|up); the checkpoint fills each part separately.
 
-    def __init__(self, in_features: int, out_features: int | tuple[int, ...]):
+    Sizes are the full model's. `parallel` says how `tp` ranks share the weight: "column"
+    (each holds its share of every part's output rows), "row" (its share of the input
+    columns: outputs are partial sums, for `tp.reduce`), "vocab" (output rows rounded up
+    among ranks, zero-padded), or None (replicated)."""
+
+    def __init__(self, in_features: int, out_features: int | tuple[int, ...], tp: TensorParallel = SINGLE,
+                 parallel: str | None = None):  # fmt: skip
         super().__init__()
         parts = (out_features,) if isinstance(out_features, int) else tuple(out_features)
+        split = None
+        if parallel == "column":
+            parts, split = tuple(tp.local(p, "output features") for p in parts), tp.split(-2, parts)
+        elif parallel == "row":
+            in_features, split = tp.local(in_features, "input features"), tp.split(-1)
+        elif parallel == "vocab":
+            parts, split = (tp.vocab_rows(sum(parts)),), tp.split(-2, pad=True)
+        elif parallel is not None:
+            raise ValueError(f"parallel must be column, row, vocab or None, got {parallel!r}")
         self.in_features = in_features
         self.out_parts = parts
-        self.weight = loadable(empty_param(sum(parts), in_features), copy_loader(parts))
+        self.weight = loadable(empty_param(sum(parts), in_features), copy_loader(parts), split)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight)

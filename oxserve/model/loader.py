@@ -5,7 +5,8 @@ Checkpoint names are accepted in both spellings the reference knows: the saved f
 in-memory form (`attn_hc.fn`, `forget_gate.f_a_proj`, `conv1d`, stacked `experts.gate_up_proj`).
 Each rule maps a checkpoint tensor to one of our parameters and the `Shard` of it that the
 tensor fills; the parameter's own `weight_loader` writes it (fusing q|k|v or gate|up, or
-later quantizing or sharding it), so this file knows names, not storage. After loading,
+later quantizing or sharding it), so this file knows names, not storage. Under tensor
+parallelism a parameter's `Split` first cuts the tensor to this rank's piece. After loading,
 every module with an `after_load()` hook gets it.
 
 The MTP layer (index num_hidden_layers) loads only when asked for; vision tensors are not
@@ -29,6 +30,7 @@ from safetensors import safe_open
 from oxserve.model.config import TextModelConfig
 from oxserve.model.glm5_next import Glm5NextForCausalLM
 from oxserve.model.linear import CheckpointError, Shard, copy_loader
+from oxserve.parallel.tensor import SINGLE, ShardError, Split, TensorParallel
 from oxserve.quantization.scheme import read_scheme
 from oxserve.quantization.w8a8 import use_prequantized_w8a8
 
@@ -77,8 +79,10 @@ _MTP_SHARED = re.compile(r"(shared_head\.head|embed_tokens)\.weight")
 class CheckpointLoad:
     """Counts what each parameter received, so a missing or doubled tensor is an error."""
 
-    def __init__(self, model: Glm5NextForCausalLM):
+    def __init__(self, model: Glm5NextForCausalLM, splits: dict[str, Split]):
+        """`splits`: tensor parallelism's cut of each parameter (by name) that has one."""
         self.params = dict(model.named_parameters())
+        self.splits = splits
         self.written = {name: 0 for name in self.params}
         self.seen: set[Target] = set()
 
@@ -91,8 +95,10 @@ class CheckpointLoad:
         self.seen.add(target)
         loader = getattr(param, "weight_loader", None) or copy_loader()
         try:
+            if (split := self.splits.get(target.param)) is not None:
+                tensor = split.take(tensor, whole=target.shard.part is None)
             self.written[target.param] += loader(param, tensor, target.shard)
-        except CheckpointError as e:
+        except (CheckpointError, ShardError) as e:
             raise CheckpointError(f"tensor {name} {e}") from None
         return True
 
@@ -117,20 +123,26 @@ def load_model(
     device: str | torch.device = "cpu",
     with_mtp: bool = False,
     transform: Callable[[Glm5NextForCausalLM], object] | None = None,
+    tp: TensorParallel = SINGLE,
 ) -> LoadedModel:
     """`transform` runs on the built model before any weight is read: the place to swap in
     other Linears (`swap_linears`) whose parameters then load the checkpoint themselves.
-    A pre-quantized checkpoint (compressed-tensors W8A8) gets its int8 modules first."""
+    A pre-quantized checkpoint (compressed-tensors W8A8) gets its int8 modules first.
+    `tp`: load this rank's piece of a tensor-parallel model."""
     path = Path(path)
     cfg = TextModelConfig.from_file(path)
     prequantized = read_scheme(json.loads((path / "config.json").read_text()))
+    if prequantized and tp.size > 1:
+        raise ValueError("tensor parallelism does not load pre-quantized (compressed-tensors) checkpoints yet")
     with _default_dtype(dtype), torch.device(device):
-        model = Glm5NextForCausalLM(cfg, with_mtp=with_mtp)
+        model = Glm5NextForCausalLM(cfg, with_mtp=with_mtp, tp=tp)
+        # Collected before any transform: a swapped-in module keeps its parameters' names.
+        splits = {name: p.tp_split for name, p in model.named_parameters() if getattr(p, "tp_split", None) is not None}
         if prequantized:
             use_prequantized_w8a8(model, _quantized_modules(path, cfg, with_mtp))
         if transform is not None:
             transform(model)
-    load = CheckpointLoad(model)
+    load = CheckpointLoad(model, splits)
     for name, read in _checkpoint(path):
         if name.startswith(VISION_PREFIXES):
             continue

@@ -24,6 +24,7 @@ from oxserve.model.common import RMSNorm
 from oxserve.model.config import TextModelConfig
 from oxserve.model.indexer import Indexer
 from oxserve.model.linear import Linear
+from oxserve.parallel.tensor import SINGLE, TensorParallel
 from oxserve.telemetry import span
 
 # Queries per gather block: bounds the [block, K, kv_lora_rank] gathered latents.
@@ -31,22 +32,27 @@ QUERY_BLOCK = 256
 
 
 class MLAttention(nn.Module):
-    def __init__(self, cfg: TextModelConfig, has_indexer: bool, name: str):
+    """Under tensor parallelism a rank holds its query heads (and its indexer heads); the
+    latent, its projection and its cache are replicated; the output is a partial sum
+    (row-parallel o_proj) for the caller to reduce."""
+
+    def __init__(self, cfg: TextModelConfig, has_indexer: bool, name: str, tp: TensorParallel = SINGLE):
         super().__init__()
         self.name = name
-        self.num_heads = cfg.num_attention_heads
+        self.num_heads = tp.local(cfg.num_attention_heads, "num_attention_heads")
         self.nope_dim = cfg.qk_nope_head_dim
         self.v_dim = cfg.v_head_dim
         self.kv_lora_rank = cfg.kv_lora_rank
         self.scale = cfg.qk_head_dim**-0.5
         self.q_a_proj = Linear(cfg.hidden_size, cfg.q_lora_rank)
         self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
-        self.q_b_proj = Linear(cfg.q_lora_rank, cfg.num_attention_heads * cfg.qk_head_dim)
+        self.q_b_proj = Linear(cfg.q_lora_rank, cfg.num_attention_heads * cfg.qk_head_dim, tp, "column")
         self.kv_a_proj_with_mqa = Linear(cfg.hidden_size, cfg.kv_lora_rank)
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps)
-        self.kv_b_proj = Linear(cfg.kv_lora_rank, cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim))
-        self.o_proj = Linear(cfg.num_attention_heads * cfg.v_head_dim, cfg.hidden_size)
-        self.indexer = Indexer(cfg) if has_indexer else None
+        kv_b_rows = cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim)
+        self.kv_b_proj = Linear(cfg.kv_lora_rank, kv_b_rows, tp, "column")
+        self.o_proj = Linear(cfg.num_attention_heads * cfg.v_head_dim, cfg.hidden_size, tp, "row")
+        self.indexer = Indexer(cfg, tp) if has_indexer else None
         self.w_uk: torch.Tensor | None = None  # [H, nope, C], set by after_load
         self.w_uv: torch.Tensor | None = None  # [H, v, C]
 

@@ -11,6 +11,7 @@ from oxserve.model.activations import activation
 from oxserve.model.common import DenseMLP
 from oxserve.model.config import TextModelConfig
 from oxserve.model.linear import copy_loader, empty_param, loadable
+from oxserve.parallel.tensor import SINGLE, TensorParallel
 from oxserve.telemetry import Tracer, span
 
 
@@ -47,13 +48,18 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    def __init__(self, cfg: TextModelConfig):
+    """Under tensor parallelism every rank holds every expert's share of its intermediate
+    channels (tensor-parallel within each expert); outputs are partial sums."""
+
+    def __init__(self, cfg: TextModelConfig, tp: TensorParallel = SINGLE):
         super().__init__()
         self.num_experts = cfg.n_routed_experts
-        inter = cfg.moe_intermediate_size
+        full = cfg.moe_intermediate_size
+        inter = tp.local(full, "moe_intermediate_size")
         # Stacked per expert; a checkpoint holds one tensor per expert (and part) or the whole stack.
-        self.gate_up_proj = loadable(empty_param(cfg.n_routed_experts, 2 * inter, cfg.hidden_size), copy_loader((inter, inter)))
-        self.down_proj = loadable(empty_param(cfg.n_routed_experts, cfg.hidden_size, inter))
+        self.gate_up_proj = loadable(empty_param(cfg.n_routed_experts, 2 * inter, cfg.hidden_size), copy_loader((inter, inter)),
+                                     tp.split(-2, (full, full)))  # fmt: skip
+        self.down_proj = loadable(empty_param(cfg.n_routed_experts, cfg.hidden_size, inter), split=tp.split(-1))
         self.swiglu_limit = cfg.swiglu_limit
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
@@ -76,14 +82,17 @@ class Experts(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, cfg: TextModelConfig, name: str):
+    """The router is replicated; routed and shared experts return partial sums under tensor
+    parallelism (one reduce for both, by the caller)."""
+
+    def __init__(self, cfg: TextModelConfig, name: str, tp: TensorParallel = SINGLE):
         super().__init__()
         self.name = name
         self.gate = Router(cfg)
-        self.experts = Experts(cfg)
+        self.experts = Experts(cfg, tp)
         shared = cfg.moe_intermediate_size * cfg.n_shared_experts
         act = activation(cfg.hidden_act)
-        self.shared_experts = DenseMLP(cfg.hidden_size, shared, cfg.swiglu_limit, act) if shared else None
+        self.shared_experts = DenseMLP(cfg.hidden_size, shared, cfg.swiglu_limit, act, tp) if shared else None
 
     def forward(self, x: torch.Tensor, tracer: Tracer | None = None) -> torch.Tensor:
         with span(tracer, f"{self.name}.router"):

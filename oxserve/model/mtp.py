@@ -28,19 +28,21 @@ from oxserve.model.config import TextModelConfig
 from oxserve.model.linear import Linear
 from oxserve.model.mla import MLAttention
 from oxserve.model.moe import MoE
+from oxserve.parallel.tensor import SINGLE, TensorParallel
 
 
 class MTPLayer(nn.Module):
-    def __init__(self, cfg: TextModelConfig, index: int):
+    def __init__(self, cfg: TextModelConfig, index: int, tp: TensorParallel = SINGLE):
         super().__init__()
+        self.tp = tp
         d, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.enorm = RMSNorm(d, eps)
         self.hnorm = RMSNorm(d, eps)
         self.eh_proj = Linear(2 * d, d)
         self.input_layernorm = RMSNorm(d, eps)
-        self.self_attn = MLAttention(cfg, has_indexer=True, name=f"L{index}.mla")
+        self.self_attn = MLAttention(cfg, has_indexer=True, name=f"L{index}.mla", tp=tp)
         self.post_attention_layernorm = RMSNorm(d, eps)
-        self.mlp = MoE(cfg, f"L{index}.moe")
+        self.mlp = MoE(cfg, f"L{index}.moe", tp)
         self.shared_head_norm = RMSNorm(d, eps)
 
     def cache_spec(self, dtype: torch.dtype, precision: LayerCachePrecision = LayerCachePrecision()) -> MLACacheSpec:
@@ -52,6 +54,6 @@ class MTPLayer(nn.Module):
         embeds = embeds.masked_fill((batch.positions == 0).unsqueeze(-1), 0.0)
         x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden)], dim=-1))
         attn, _ = self.self_attn(self.input_layernorm(x), batch, cache, None)
-        y = x + attn
-        z = y + self.mlp(self.post_attention_layernorm(y), batch.tracer)
+        y = x + self.tp.reduce(attn)
+        z = y + self.tp.reduce(self.mlp(self.post_attention_layernorm(y), batch.tracer))
         return self.shared_head_norm(z[batch.logits_indices])

@@ -1,0 +1,46 @@
+"""Run a model on N tensor-parallel ranks: real processes joined by a gloo process group."""
+
+from __future__ import annotations
+
+import random
+import socket
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from oxserve.model.forced import forced_logits
+from oxserve.model.loader import load_model
+from oxserve.parallel.tensor import TensorParallel
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _forced_on_rank(rank: int, size: int, port: int, path: str, tokens: list[int], chunk: int, decode_from: int | None,
+                    replay: int, shuffle_seed: int, out: str) -> None:  # fmt: skip
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
+                            timeout=timedelta(seconds=120))  # fmt: skip
+    try:
+        model = load_model(path, dtype=torch.float32, tp=TensorParallel(rank, size, dist.group.WORLD)).model
+        logits = forced_logits(model, tokens, chunk, decode_from, shuffle=random.Random(shuffle_seed), kda_replay=replay)
+        assert (logits is None) == (rank != 0), "logits belong on the first rank only"
+        if rank == 0:
+            torch.save(logits, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def tp_forced_logits(path: Path, size: int, tokens: list[int], chunk: int, decode_from: int | None, replay: int,
+                     shuffle_seed: int, workdir: Path) -> torch.Tensor:  # fmt: skip
+    """`forced_logits` of the checkpoint at `path` cut among `size` ranks, from the first rank."""
+    out = workdir / f"tp{size}-logits.pt"
+    args = (size, free_port(), str(path), tokens, chunk, decode_from, replay, shuffle_seed, str(out))
+    mp.start_processes(_forced_on_rank, args=args, nprocs=size, start_method="spawn")
+    return torch.load(out)
