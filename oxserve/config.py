@@ -139,7 +139,29 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = opt(
+        1, "ranks that split every layer (KDA and MLA heads, expert and MLP channels, the vocabulary): this process "
+        "is rank 0 and spawns the others on this host; joined by torch.distributed (gloo on CPU, NCCL on CUDA)",
+    )
+    master_addr: str = opt("127.0.0.1", "tensor parallelism: address rank 0 listens on for the process group")
+    master_port: int = opt(0, "tensor parallelism: port for the process group (0: a free one)")
+    collective_timeout: float = opt(
+        60.0, "tensor parallelism: seconds a collective may wait for a rank before the engine fails its requests and stops"
+    )
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.collective_timeout <= 0:
+            raise ValueError(f"collective_timeout must be > 0, got {self.collective_timeout}")
+        if not 0 <= self.master_port < 65536:
+            raise ValueError(f"master_port must be in [0, 65535], got {self.master_port}")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)

@@ -19,6 +19,16 @@ class LLM:
         self.engine = LLMEngine(engine_config({"model": model, **options}))
         self._counter = 0
 
+    def close(self) -> None:
+        """Stop the engine's tensor-parallel ranks (they also stop when this process exits)."""
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     @property
     def tokenizer(self):
         return self.engine.tokenizer

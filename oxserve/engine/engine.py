@@ -34,6 +34,8 @@ from oxserve.faults import Faults
 from oxserve.kernels.onednn import choose_linear_kernel
 from oxserve.model.loader import load_model
 from oxserve.outputs import CompletionOutput, RequestOutput
+from oxserve.parallel.tensor import SINGLE
+from oxserve.parallel.workers import ParallelError, RankPlan, WorkerGroup
 from oxserve.quantization.on_load import choose_quantization
 from oxserve.quantization.plan import QuantizationPlan
 from oxserve.sampling_params import SamplingParams
@@ -93,8 +95,28 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.device = torch.device(config.model.device)
+        check_parallel(config)
+        self.workers = WorkerGroup(config.parallel, self.device) if config.parallel.tensor_parallel_size > 1 else None
+        try:
+            self._build(config)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Stop the tensor-parallel ranks, if any (a no-op otherwise, and when called again)."""
+        if self.workers is not None:
+            self.workers.close()
+            self.workers = None
+
+    def _build(self, config: EngineConfig) -> None:
+        tp = self.workers.tp if self.workers is not None else SINGLE
+        self.threads = 0
         if self.device.type == "cpu":
             threads, why = choose_threads(config.model.threads)
+            if tp.size > 1 and config.model.threads is None:
+                threads, why = max(1, threads // tp.size), f"{why}, shared among {tp.size} tensor-parallel ranks"
+            self.threads = threads
             torch.set_num_threads(threads)
             log.info("oxserve: %d intra-op thread(s), %s", threads, why)
             if keep_freed_memory():
@@ -108,7 +130,7 @@ class LLMEngine:
         self.linear_kernel, kernel = choose_linear_kernel(config.model.linear_kernel, self.device, self.dtype)
         # Quantization first: the kernel choice takes the Linears it leaves.
         transforms = [t for t in (quantize and quantize.transform, kernel) if t is not None]
-        loaded = load_model(path, dtype=self.dtype, device=self.device, transform=lambda m: [t(m) for t in transforms])
+        loaded = load_model(path, dtype=self.dtype, device=self.device, transform=lambda m: [t(m) for t in transforms], tp=tp)
         log.info("oxserve: high-precision projection and LM head products through %s", self.linear_kernel)
         self.model_config = loaded.config
         Faults.from_env().plant_in_model(loaded.model)  # none unless the reliability suite asks
@@ -133,9 +155,14 @@ class LLMEngine:
         self.max_model_len = _fit_to_cache(limit, layout)
         self.eos_token_ids = frozenset(self._eos_ids(path))
         self.grammars = self._grammar_compiler()
+        num_checkpoints = self.prefix_caching.num_checkpoints if self.prefix_caching else 0
+        if self.workers is not None:
+            self.workers.start(RankPlan(str(path), config.model.dtype, str(self.device), config.model.linear_kernel,
+                                        max(1, self.threads), self.cache_plan, self.kda_replay, layout,
+                                        config.scheduler.deterministic, num_checkpoints, config.model.seed),
+                               loaded.model)  # fmt: skip
         self.runner = ModelRunner(loaded.model, layout, cache_specs, self.device, deterministic=config.scheduler.deterministic,
-                                  grammars=self.grammars,
-                                  num_checkpoints=self.prefix_caching.num_checkpoints if self.prefix_caching else 0)  # fmt: skip
+                                  grammars=self.grammars, num_checkpoints=num_checkpoints, workers=self.workers)  # fmt: skip
         self.role_token_ids = self.tokenizer.role_token_ids() if self.tokenizer is not None else frozenset()
         torch.manual_seed(config.model.seed)  # requests without their own seed draw from this
         self._texts: dict[str, OutputText] = {}
@@ -232,12 +259,13 @@ class LLMEngine:
             scheduled = self.scheduler.schedule()
         self.last_step = StepShape.of(scheduled)
         if not scheduled.scheduled:
-            self.runner.drop(scheduled.finished_request_ids)
-            self.runner.apply_cache_ops(scheduled)  # checkpoints of requests that just finished
+            self.runner.settle(scheduled)  # checkpoints of requests that just finished
             return []
         started = time.perf_counter()
         try:
             result = self.runner.execute(scheduled)
+        except ParallelError:
+            raise  # a lost rank: nothing can run, so there is nothing to isolate
         except Exception:
             return self._contain(scheduled)
         self.scheduler.observe_step(scheduled, time.perf_counter() - started)
@@ -406,6 +434,17 @@ def check_prompt_ids(token_ids: list[int], vocab_size: int, max_model_len: int, 
             "Reduce the prompt or max_tokens.",
             "max_tokens",
         )
+
+
+def check_parallel(config: EngineConfig) -> None:
+    """ValueError for what tensor parallelism does not run yet."""
+    if config.parallel.tensor_parallel_size == 1:
+        return
+    size = config.parallel.tensor_parallel_size
+    if config.model.quantization != "none" or config.model.quantization_plan:
+        raise ValueError(f"tensor_parallel_size={size} does not combine with W8A8 quantization yet")
+    if config.scheduler.speculative_config:
+        raise ValueError(f"tensor_parallel_size={size} does not combine with speculative decoding yet")
 
 
 def _fit_to_cache(limit: int, layout: CacheLayout) -> int:

@@ -37,7 +37,10 @@ def score_prompt_tokens(
     ranks: list[int] = []
     rows = max(1, MAX_LOGIT_ELEMENTS // model.config.vocab_size)
     for start in range(0, len(targets), rows):
-        logprobs = torch.log_softmax(model.compute_logits(hidden[start : start + rows]), dim=-1)
+        logits = model.compute_logits(hidden[start : start + rows])
+        if logits is None:  # a tensor-parallel rank but the first: it only lends its piece of the head
+            continue
+        logprobs = torch.log_softmax(logits, dim=-1)
         chunk_targets = targets[start : start + rows]
         entries += logprob_entries(logprobs, chunk_targets, row_top[start : start + rows])
         chosen = logprobs.gather(1, torch.tensor(chunk_targets, device=logprobs.device).unsqueeze(1))

@@ -4,10 +4,15 @@ The runner never decides policy: which requests run, and how many tokens each, a
 decided, as plain data. It owns the device-side state (the model, the cache tensors) and
 what it must remember of each request between steps (`RequestState`): its block table,
 its prompt and the output tokens fed so far (for penalties), and its random generator.
+
+Under tensor parallelism every rank has a runner over its piece of the model; rank 0's sends
+each step to the others (`WorkerGroup`) before running it, and only rank 0 gets logits and
+samples.
 """
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +32,7 @@ from oxserve.engine.sampler import SamplingRow, make_generator, sample
 from oxserve.engine.speculative import verify
 from oxserve.model.batch import BatchRequest, make_forward_batch
 from oxserve.model.glm5_next import Glm5NextForCausalLM
+from oxserve.parallel.workers import WorkerGroup
 from oxserve.sampling_params import SamplingParams
 from oxserve.structured.grammar import GrammarCompiler
 from oxserve.structured.masks import BatchMasks, RequestGrammar
@@ -53,8 +59,10 @@ class ModelRunner:
         deterministic: bool = False,
         grammars: GrammarCompiler | None = None,
         num_checkpoints: int = 0,
+        workers: WorkerGroup | None = None,
     ):
         self.model = model
+        self.workers = workers  # tensor parallelism, on rank 0: the other ranks
         self.layout = layout
         self.device = device
         self.deterministic = deterministic
@@ -71,6 +79,17 @@ class ModelRunner:
         for request_id in request_ids:
             self.requests.pop(request_id, None)
 
+    def settle(self, out: SchedulerOutput) -> None:
+        """A step with nothing to compute: forget finished requests, apply prefix-cache ops."""
+        if self.workers is not None:
+            self.workers.send("settle", out)
+        with self._guard("settling a step"):
+            self.drop(out.finished_request_ids)
+            self.apply_cache_ops(out)
+
+    def _guard(self, what: str):
+        return self.workers.guard(what) if self.workers is not None else nullcontext()
+
     @torch.inference_mode()
     def apply_cache_ops(self, out: SchedulerOutput) -> None:
         """Prefix caching's saves, restores and block copies, before anything else of the step."""
@@ -78,18 +97,27 @@ class ModelRunner:
             with span(self.tracer, "prefix_cache_ops", track="engine"):
                 self.checkpoints.apply(out.cache_ops, self.caches, self.rings, self.layout.num_blocks)
 
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput | None:
+        """The step's accepted tokens (None on a tensor-parallel rank but the first)."""
+        if self.workers is not None:
+            self.workers.send("step", out)
+        with self._guard("running a step"):
+            return self._execute(out)
+
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+    def _execute(self, out: SchedulerOutput) -> ModelRunnerOutput | None:
         self.apply_cache_ops(out)
         self._update_states(out)
         scheduled = sorted(out.scheduled, key=_batch_order)
         if self.deterministic:
             # One request per forward pass: kernels see the same shapes whoever else is running.
             passes = [self._forward([s]) for s in scheduled]
-            logits = torch.cat([p_logits for p_logits, _ in passes])
+            logits = None if passes[0][0] is None else torch.cat([p_logits for p_logits, _ in passes])
             prompt_logprobs = {rid: scored for _, p_scored in passes for rid, scored in p_scored.items()}
         else:
             logits, prompt_logprobs = self._forward(scheduled)
+        if logits is None:
+            return None  # a tensor-parallel rank but the first: rank 0 samples
         sampling = [s for s in scheduled if s.samples]
         with span(self.tracer, "sample", track="engine"):
             tokens, logprobs = self._sample(sampling, logits)

@@ -34,6 +34,7 @@ from typing import AsyncIterator, Callable, Protocol
 from oxserve.config import EngineConfig
 from oxserve.engine.engine import EngineStats, LLMEngine, Prompt
 from oxserve.faults import Faults, InjectedFault
+from oxserve.parallel.workers import ParallelError
 from oxserve.outputs import RequestOutput
 from oxserve.sampling_params import SamplingParams
 from oxserve.server.retry_after import FinishRate
@@ -318,6 +319,8 @@ class AsyncEngine:
         except BaseException:
             log.critical("the engine loop died; failing every request it held", exc_info=True)
             self._die()
+        finally:
+            self._engine.close()  # tensor-parallel ranks exit with the loop
 
     def _serve(self) -> None:
         crash_after = Faults.from_env().crash_loop_after_steps
@@ -443,6 +446,8 @@ class AsyncEngine:
         self._step_started = time.monotonic()
         try:
             outputs = self._engine.step()
+        except ParallelError:
+            raise  # a lost rank: the loop dies, and every request with it
         except Exception as e:
             failed = self._engine.running_request_ids()
             log.exception("engine step failed; failing the requests in it: %s", ", ".join(failed))

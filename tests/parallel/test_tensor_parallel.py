@@ -9,13 +9,13 @@ import random
 
 import pytest
 import torch
-
 from hf_reference import CONFIGS, LOGIT_TOL, build_reference, reference_run
+from tp_ranks import tp_forced_logits
+
 from oxserve.model.forced import forced_logits
 from oxserve.model.linear import Linear
 from oxserve.model.loader import load_model
 from oxserve.parallel.tensor import ShardError, Split, TensorParallel
-from tp_ranks import tp_forced_logits
 
 pytestmark = pytest.mark.slow
 

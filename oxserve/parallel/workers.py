@@ -1,0 +1,213 @@
+"""Tensor-parallel ranks in processes: the engine's process is rank 0, and spawns ranks
+1..N-1 on this host. Every rank holds its piece of the model and of the KDA states (the MLA
+latent cache is replicated), and runs the same step from the same plain-data message:
+
+    rank 0 (engine)                                ranks 1..N-1 (`serve_rank`)
+    init_process_group ──────────────────────────> init_process_group
+    load its piece, plan the cache
+    broadcast RankPlan (layout, dtypes) ─────────> load its piece, build a ModelRunner
+    all_gather fingerprints: refuse a mismatch <─> (model shapes, layout, versions)
+    per step: broadcast ("step", SchedulerOutput) > runner.execute (same collectives)
+    sample (the logits are gathered on rank 0)
+    close: broadcast None ───────────────────────> exit 0
+
+A rank that dies closes its sockets, and gloo fails the collective on the others at once; a
+rank that hangs fails it after `collective_timeout`. Either way rank 0 raises `ParallelError`,
+which stops the engine (its requests fail with a clear error): a group that lost a rank
+cannot compute anything, and its ranks may be mid-collective, so no step is retried.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import multiprocessing
+import signal
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+from importlib.metadata import version
+
+import torch
+import torch.distributed as dist
+
+from oxserve.cache.precision import CachePlan
+from oxserve.cache.spec import CacheLayout
+from oxserve.config import ParallelConfig
+from oxserve.parallel.tensor import TensorParallel
+
+log = logging.getLogger(__name__)
+
+JOIN_TIMEOUT_S = 10.0  # how long close() waits for a rank to exit before killing it
+
+
+class ParallelError(RuntimeError):
+    """A rank of the tensor-parallel group failed, hung or disagrees: the engine cannot go on."""
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """What every rank builds identically, decided by rank 0 once its own piece is loaded."""
+
+    model_path: str
+    dtype: str
+    device: str
+    linear_kernel: str
+    threads: int
+    cache_plan: CachePlan
+    kda_replay: int
+    layout: CacheLayout
+    deterministic: bool
+    num_checkpoints: int
+    seed: int
+
+
+def fingerprint(model: torch.nn.Module, layout: CacheLayout) -> dict:
+    """What must agree across ranks: versions, the model's config and local shapes, the cache."""
+    return {
+        "oxserve": version("oxserve"),
+        "torch": torch.__version__,
+        "config": repr(model.config),
+        "shapes": [(name, tuple(p.shape), str(p.dtype)) for name, p in model.named_parameters()],
+        "layout": layout,
+    }
+
+
+class WorkerGroup:
+    """Rank 0's handle on the other ranks: start them, send them each step, stop them."""
+
+    def __init__(self, config: ParallelConfig, device: torch.device):
+        self.size = config.tensor_parallel_size
+        port = config.master_port or _free_port(config.master_addr)
+        init = f"tcp://{config.master_addr}:{port}"
+        timeout = timedelta(seconds=config.collective_timeout)
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        spawn = multiprocessing.get_context("spawn")
+        self.processes = [
+            spawn.Process(target=serve_rank, args=(rank, self.size, init, backend, config.collective_timeout),
+                          name=f"oxserve-tp{rank}", daemon=True)  # fmt: skip
+            for rank in range(1, self.size)
+        ]
+        for process in self.processes:
+            process.start()
+        try:
+            dist.init_process_group(backend, init_method=init, rank=0, world_size=self.size, timeout=timeout)
+        except Exception as e:
+            self._stop_processes()
+            raise ParallelError(f"the {self.size} tensor-parallel ranks could not form a group at {init}: {e}") from e
+        self.tp = TensorParallel(0, self.size, dist.group.WORLD)
+        self.broken = False
+        log.info("oxserve: tensor parallelism over %d ranks (%s, %s)", self.size, backend, init)
+
+    def start(self, plan: RankPlan, model: torch.nn.Module) -> None:
+        """Hand every rank the plan, then check that they all built the same thing."""
+        self._collective(lambda: dist.broadcast_object_list([plan], src=0), "sharing the plan")
+        prints: list = [None] * self.size
+        self._collective(lambda: dist.all_gather_object(prints, fingerprint(model, plan.layout)), "comparing ranks")
+        for rank, other in enumerate(prints[1:], start=1):
+            if other != prints[0]:
+                differ = sorted(k for k in prints[0] if other.get(k) != prints[0][k])
+                raise ParallelError(f"tensor-parallel rank {rank} differs from rank 0 in {', '.join(differ)}: the ranks "
+                                    "must run the same oxserve, torch and checkpoint")  # fmt: skip
+
+    def send(self, kind: str, message) -> None:
+        """Every other rank runs `kind` ("step" or "settle") on `message` (a SchedulerOutput)."""
+        self._collective(lambda: dist.broadcast_object_list([(kind, message)], src=0), "sending a step")
+
+    def guard(self, what: str):
+        """A context for rank 0's own part of a step: a failed collective becomes ParallelError."""
+        return _Guard(self, what)
+
+    def _collective(self, run, what: str) -> None:
+        with self.guard(what):
+            run()
+
+    def dead_ranks(self) -> list[int]:
+        return [rank for rank, p in enumerate(self.processes, start=1) if not p.is_alive()]
+
+    def close(self) -> None:
+        """Stop every rank: tell them if the group still works, then make sure they exit."""
+        if not self.broken and dist.is_initialized():
+            try:
+                dist.broadcast_object_list([None], src=0)
+            except Exception:
+                log.warning("tensor-parallel ranks did not take the stop message; stopping them", exc_info=True)
+        self._stop_processes()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    def _stop_processes(self) -> None:
+        for process in self.processes:
+            process.join(JOIN_TIMEOUT_S)
+            if process.is_alive():
+                process.kill()
+                process.join()
+
+
+class _Guard:
+    def __init__(self, group: WorkerGroup, what: str):
+        self.group, self.what = group, what
+
+    def __enter__(self):
+        if self.group.broken:
+            raise ParallelError("the tensor-parallel group already failed; restart the engine")
+
+    def __exit__(self, kind, error, tb):
+        if error is None or isinstance(error, ParallelError):
+            return False
+        self.group.broken = True
+        dead = self.group.dead_ranks()
+        cause = f"rank(s) {', '.join(map(str, dead))} exited" if dead else f"{kind.__name__}: {error}"
+        raise ParallelError(f"tensor parallelism failed while {self.what}: {cause}") from error
+
+
+def serve_rank(rank: int, size: int, init: str, backend: str, timeout_s: float) -> None:
+    """A rank other than 0: join the group, build this rank's runner, run each step rank 0 sends."""
+    _die_with_parent()
+    dist.init_process_group(backend, init_method=init, rank=rank, world_size=size, timeout=timedelta(seconds=timeout_s))
+    try:
+        [plan] = _receive()
+        runner, model = _build_runner(plan, TensorParallel(rank, size, dist.group.WORLD))
+        dist.all_gather_object([None] * size, fingerprint(model, plan.layout))
+        while (message := _receive()[0]) is not None:
+            kind, out = message
+            runner.execute(out) if kind == "step" else runner.settle(out)
+    finally:
+        dist.destroy_process_group()
+
+
+def _receive() -> list:
+    box = [None]
+    dist.broadcast_object_list(box, src=0)
+    return box
+
+
+def _build_runner(plan: RankPlan, tp: TensorParallel):
+    from oxserve.engine.runner import ModelRunner
+    from oxserve.engine.engine import DTYPES
+    from oxserve.kernels.onednn import choose_linear_kernel
+    from oxserve.model.loader import load_model
+
+    device, dtype = torch.device(plan.device), DTYPES[plan.dtype]
+    torch.set_num_threads(plan.threads)
+    torch.manual_seed(plan.seed)
+    _, kernel = choose_linear_kernel(plan.linear_kernel, device, dtype)
+    model = load_model(plan.model_path, dtype=dtype, device=device, transform=kernel, tp=tp).model
+    specs = model.cache_specs(dtype, plan.cache_plan, kda_replay=plan.kda_replay)
+    runner = ModelRunner(model, plan.layout, specs, device, deterministic=plan.deterministic,
+                         num_checkpoints=plan.num_checkpoints)  # fmt: skip
+    return runner, model
+
+
+def _die_with_parent() -> None:
+    """Linux: this rank is killed when the engine's process dies, however it dies."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def _free_port(addr: str) -> int:
+    with socket.socket() as s:
+        s.bind((addr, 0))
+        return s.getsockname()[1]
