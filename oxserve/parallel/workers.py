@@ -73,6 +73,16 @@ def fingerprint(model: torch.nn.Module, layout: CacheLayout) -> dict:
     }
 
 
+def mismatch(prints: list[dict]) -> str | None:
+    """What differs between rank 0's fingerprint and another rank's, if anything."""
+    for rank, other in enumerate(prints[1:], start=1):
+        differ = sorted(k for k in prints[0] if other.get(k) != prints[0][k])
+        if differ:
+            return (f"tensor-parallel rank {rank} differs from rank 0 in {', '.join(differ)}: every rank must run the same "
+                    "oxserve, torch and checkpoint")  # fmt: skip
+    return None
+
+
 class WorkerGroup:
     """Rank 0's handle on the other ranks: start them, send them each step, stop them."""
 
@@ -104,11 +114,9 @@ class WorkerGroup:
         self._collective(lambda: dist.broadcast_object_list([plan], src=0), "sharing the plan")
         prints: list = [None] * self.size
         self._collective(lambda: dist.all_gather_object(prints, fingerprint(model, plan.layout)), "comparing ranks")
-        for rank, other in enumerate(prints[1:], start=1):
-            if other != prints[0]:
-                differ = sorted(k for k in prints[0] if other.get(k) != prints[0][k])
-                raise ParallelError(f"tensor-parallel rank {rank} differs from rank 0 in {', '.join(differ)}: the ranks "
-                                    "must run the same oxserve, torch and checkpoint")  # fmt: skip
+        if (problem := mismatch(prints)) is not None:
+            self.broken = True
+            raise ParallelError(problem)
 
     def send(self, kind: str, message) -> None:
         """Every other rank runs `kind` ("step" or "settle") on `message` (a SchedulerOutput)."""

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from oxserve import LLM, SamplingParams
-from oxserve.parallel.workers import ParallelError
+from oxserve.parallel.workers import ParallelError, mismatch
 
 pytestmark = pytest.mark.slow
 
@@ -67,3 +67,30 @@ def test_a_rank_that_dies_stops_the_engine_with_a_clear_error(tiny_model_dir):
     finally:
         llm.close()
     assert not any(p.is_alive() for p in ranks)
+
+
+def test_a_rank_that_hangs_stops_the_engine_after_the_collective_timeout(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir), tensor_parallel_size=2, collective_timeout=3, **OPTIONS)
+    engine = llm.engine
+    ranks = list(engine.workers.processes)
+    try:
+        engine.add_request("a", {"prompt_token_ids": list(range(2, 40))}, SamplingParams(max_tokens=50, ignore_eos=True))
+        engine.step()
+        os.kill(ranks[0].pid, signal.SIGSTOP)
+        started = time.monotonic()
+        with pytest.raises(ParallelError, match="failed while .*[Tt]imed out"):
+            for _ in range(50):
+                engine.step()
+        assert time.monotonic() - started < 3 + 5
+    finally:
+        llm.close()  # kills the stopped rank
+    assert not any(p.is_alive() for p in ranks)
+
+
+def test_ranks_that_built_different_things_are_named():
+    rank0 = {"oxserve": "0.1", "torch": "2.13.0", "config": "c", "shapes": [("w", (4, 2), "float32")], "layout": (8, 4, 2)}
+    assert mismatch([rank0, dict(rank0)]) is None
+    other = {**rank0, "shapes": [("w", (2, 2), "float32")], "torch": "2.12.0"}
+    assert mismatch([rank0, dict(rank0), other]) == (
+        "tensor-parallel rank 2 differs from rank 0 in shapes, torch: every rank must run the same oxserve, torch and checkpoint"
+    )
