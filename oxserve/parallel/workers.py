@@ -95,7 +95,7 @@ class WorkerGroup:
         spawn = multiprocessing.get_context("spawn")
         self.processes = [
             spawn.Process(target=serve_rank, args=(rank, self.size, init, backend, config.collective_timeout),
-                          name=f"oxserve-tp{rank}", daemon=True)  # fmt: skip
+                          name=f"oxserve-tp{rank}", daemon=True)
             for rank in range(1, self.size)
         ]
         for process in self.processes:
@@ -191,8 +191,8 @@ def _receive() -> list:
 
 
 def _build_runner(plan: RankPlan, tp: TensorParallel):
-    from oxserve.engine.runner import ModelRunner
     from oxserve.engine.engine import DTYPES
+    from oxserve.engine.runner import ModelRunner
     from oxserve.kernels.onednn import choose_linear_kernel
     from oxserve.model.loader import load_model
 
