@@ -80,12 +80,14 @@ class TensorParallel:
         return Split(axis, self.rank, self.size, parts, pad) if self.size > 1 else None
 
     def reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """The sum of every rank's partial `x`."""
+        """The sum of every rank's partial `x`, added in fp32 and rounded once, as one rank's
+        matmul would: summing bf16 partials rounds N times (0.18 nats of divergence from the
+        single-process model at TP 2 on the default model, where fp32 sums keep it at rounding)."""
         if self.size == 1:
             return x
-        x = x.contiguous()
-        dist.all_reduce(x, group=self.group)
-        return x
+        total = x.float().contiguous()
+        dist.all_reduce(total, group=self.group)
+        return total.to(x.dtype)
 
     def gather_to_first(self, x: torch.Tensor) -> torch.Tensor | None:
         """Every rank's `x` side by side along the last axis, on the first rank (None elsewhere):
