@@ -80,9 +80,8 @@ class TensorParallel:
         return Split(axis, self.rank, self.size, parts, pad) if self.size > 1 else None
 
     def reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """The sum of every rank's partial `x`, added in fp32 and rounded once, as one rank's
-        matmul would: summing bf16 partials rounds N times (0.18 nats of divergence from the
-        single-process model at TP 2 on the default model, where fp32 sums keep it at rounding)."""
+        """The sum of every rank's partial `x`, added in fp32 and rounded once (a sum in bf16
+        would round at every rank's addition beyond the second)."""
         if self.size == 1:
             return x
         total = x.float().contiguous()
