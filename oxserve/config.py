@@ -144,15 +144,26 @@ class ParallelConfig:
         1, "ranks that split every layer (KDA and MLA heads, expert and MLP channels, the vocabulary): this process "
         "is rank 0 and spawns the others on this host; joined by torch.distributed (gloo on CPU, NCCL on CUDA)",
     )
-    master_addr: str = opt("127.0.0.1", "tensor parallelism: address rank 0 listens on for the process group")
-    master_port: int = opt(0, "tensor parallelism: port for the process group (0: a free one)")
-    collective_timeout: float = opt(
-        60.0, "tensor parallelism: seconds a collective may wait for a rank before the engine fails its requests and stops"
+    layer_split_size: int = opt(
+        1, "ranks that split the MLA layers' caches (Layer Split): each stores, and runs the attention of, only its own "
+        "block of MLA layers, so the same per-rank cache memory holds about this many times the tokens; combines with "
+        "tensor parallelism as tensor_parallel_size x layer_split_size ranks",
     )
+    master_addr: str = opt("127.0.0.1", "parallel ranks: address rank 0 listens on for the process group")
+    master_port: int = opt(0, "parallel ranks: port for the process group (0: a free one)")
+    collective_timeout: float = opt(
+        60.0, "parallel ranks: seconds a collective may wait for a rank before the engine fails its requests and stops"
+    )
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.layer_split_size
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.layer_split_size < 1:
+            raise ValueError(f"layer_split_size must be >= 1, got {self.layer_split_size}")
         if self.collective_timeout <= 0:
             raise ValueError(f"collective_timeout must be > 0, got {self.collective_timeout}")
         if not 0 <= self.master_port < 65536:

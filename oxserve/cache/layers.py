@@ -186,4 +186,4 @@ class KDACache:
             kda_decode.replay_fold(self.recurrent, self.ring, slots, rings.prefills, rings.prefill_counts)
 
 
-LayerCache = MLACache | KDACache
+LayerCache = MLACache | KDACache | None  # None: a layer whose cache another rank holds (Layer Split)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import replace
 
 from oxserve.cache.manager import PrefixCaching
 from oxserve.cache.spec import (
@@ -39,6 +40,16 @@ def plan_cache(cache: CacheConfig, scheduler: SchedulerConfig, specs: list[Layer
             "raise it or lower max_num_seqs"
         )
     return CacheLayout(num_blocks, block_size, num_slots)
+
+
+def plan_split_cache(cache: CacheConfig, scheduler: SchedulerConfig, specs_by_rank: list[list[LayerCacheSpec]],
+                     max_model_len: int) -> CacheLayout:  # fmt: skip
+    """`plan_cache` when each rank caches other layers (Layer Split), with `cache_memory_gib`
+    per rank: the same block size everywhere, and the blocks the fullest rank can hold."""
+    multiple = block_multiple([spec for specs in specs_by_rank for spec in specs])
+    cache = replace(cache, block_size=cache.block_size or math.lcm(DEFAULT_BLOCK_TOKENS, multiple))
+    layouts = [plan_cache(cache, scheduler, specs, max_model_len) for specs in specs_by_rank]
+    return min(layouts, key=lambda layout: layout.num_blocks)
 
 
 def kda_state_bytes(specs: list[LayerCacheSpec]) -> int:

@@ -140,7 +140,18 @@ class KDACacheSpec:
         return KDACache(self.conv.allocate(layout, device), self.recurrent.allocate(layout, device), ring)
 
 
-LayerCacheSpec = MLACacheSpec | KDACacheSpec
+@dataclass(frozen=True)
+class ElsewhereCacheSpec:
+    """A layer whose cache another rank holds (Layer Split): nothing here."""
+
+    paged: tuple[PagedTensor, ...] = ()
+    states: tuple[StateTensor, ...] = ()
+
+    def allocate(self, layout: CacheLayout, device) -> None:
+        return None
+
+
+LayerCacheSpec = MLACacheSpec | KDACacheSpec | ElsewhereCacheSpec
 
 
 def replay_length(specs: list[LayerCacheSpec]) -> int:

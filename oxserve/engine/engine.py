@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from oxserve.cache.manager import CacheManager
-from oxserve.cache.planner import plan_cache, plan_prefix_caching
+from oxserve.cache.planner import plan_prefix_caching, plan_split_cache
 from oxserve.cache.precision import CachePlan, LayerCachePrecision
 from oxserve.cache.spec import CacheLayout
 from oxserve.config import EngineConfig
@@ -34,7 +34,7 @@ from oxserve.faults import Faults
 from oxserve.kernels.onednn import choose_linear_kernel
 from oxserve.model.loader import load_model
 from oxserve.outputs import CompletionOutput, RequestOutput
-from oxserve.parallel.tensor import SINGLE
+from oxserve.parallel.groups import ALONE
 from oxserve.parallel.workers import ParallelError, RankPlan, WorkerGroup
 from oxserve.quantization.on_load import choose_quantization
 from oxserve.quantization.plan import QuantizationPlan
@@ -96,7 +96,7 @@ class LLMEngine:
         self.config = config
         self.device = torch.device(config.model.device)
         check_parallel(config)
-        self.workers = WorkerGroup(config.parallel, self.device) if config.parallel.tensor_parallel_size > 1 else None
+        self.workers = WorkerGroup(config.parallel, self.device) if config.parallel.world_size > 1 else None
         try:
             self._build(config)
         except BaseException:
@@ -104,18 +104,19 @@ class LLMEngine:
             raise
 
     def close(self) -> None:
-        """Stop the tensor-parallel ranks, if any (a no-op otherwise, and when called again)."""
+        """Stop the parallel ranks, if any (a no-op otherwise, and when called again)."""
         if self.workers is not None:
             self.workers.close()
             self.workers = None
 
     def _build(self, config: EngineConfig) -> None:
-        tp = self.workers.tp if self.workers is not None else SINGLE
+        placement = self.workers.placement if self.workers is not None else ALONE
         self.threads = 0
         if self.device.type == "cpu":
             threads, why = choose_threads(config.model.threads)
-            if tp.size > 1 and config.model.threads is None:
-                threads, why = max(1, threads // tp.size), f"{why}, shared among {tp.size} tensor-parallel ranks"
+            if placement.world_size > 1 and config.model.threads is None:
+                ranks = placement.world_size
+                threads, why = max(1, threads // ranks), f"{why}, shared among {ranks} parallel ranks"
             self.threads = threads
             torch.set_num_threads(threads)
             log.info("oxserve: %d intra-op thread(s), %s", threads, why)
@@ -130,7 +131,8 @@ class LLMEngine:
         self.linear_kernel, kernel = choose_linear_kernel(config.model.linear_kernel, self.device, self.dtype)
         # Quantization first: the kernel choice takes the Linears it leaves.
         transforms = [t for t in (quantize and quantize.transform, kernel) if t is not None]
-        loaded = load_model(path, dtype=self.dtype, device=self.device, transform=lambda m: [t(m) for t in transforms], tp=tp)
+        loaded = load_model(path, dtype=self.dtype, device=self.device, transform=lambda m: [t(m) for t in transforms],
+                            tp=placement.tp, ls=placement.ls)  # fmt: skip
         log.info("oxserve: high-precision projection and LM head products through %s", self.linear_kernel)
         self.model_config = loaded.config
         Faults.from_env().plant_in_model(loaded.model)  # none unless the reliability suite asks
@@ -147,8 +149,11 @@ class LLMEngine:
         self.kda_replay = config.cache.kda_replay_len if config.cache.kda_decode == "replay" else 0  # ring length
         if self.speculative:  # drafts are undone by moving ring counts: rings that hold a token and its drafts
             self.kda_replay = max(self.kda_replay, self.speculative.num_speculative_tokens + 1)
-        cache_specs = loaded.model.cache_specs(self.dtype, self.cache_plan, kda_replay=self.kda_replay)
-        layout = plan_cache(config.cache, config.scheduler, cache_specs, limit)
+        # Under Layer Split each rank caches its own MLA layers: blocks that fit on every rank.
+        specs_by_rank = [loaded.model.cache_specs(self.dtype, self.cache_plan, kda_replay=self.kda_replay, ls_rank=s)
+                         for s in range(placement.ls.size)]  # fmt: skip
+        cache_specs = specs_by_rank[placement.ls.rank]
+        layout = plan_split_cache(config.cache, config.scheduler, specs_by_rank, limit)
         self.prefix_caching = plan_prefix_caching(config.cache, cache_specs, layout, prefill_cost(loaded.model))
         self.cache = CacheManager(layout.num_blocks, layout.block_size, layout.num_slots, self.prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.cache)
@@ -437,14 +442,15 @@ def check_prompt_ids(token_ids: list[int], vocab_size: int, max_model_len: int, 
 
 
 def check_parallel(config: EngineConfig) -> None:
-    """ValueError for what tensor parallelism does not run yet."""
-    if config.parallel.tensor_parallel_size == 1:
+    """ValueError for what tensor parallelism and Layer Split do not run yet."""
+    parallel = config.parallel
+    if parallel.world_size == 1:
         return
-    size = config.parallel.tensor_parallel_size
+    layout = f"tensor_parallel_size={parallel.tensor_parallel_size} x layer_split_size={parallel.layer_split_size}"
     if config.model.quantization != "none" or config.model.quantization_plan:
-        raise ValueError(f"tensor_parallel_size={size} does not combine with W8A8 quantization yet")
+        raise ValueError(f"{layout} does not combine with W8A8 quantization yet")
     if config.scheduler.speculative_config:
-        raise ValueError(f"tensor_parallel_size={size} does not combine with speculative decoding yet")
+        raise ValueError(f"{layout} does not combine with speculative decoding yet")
 
 
 def _fit_to_cache(limit: int, layout: CacheLayout) -> int:

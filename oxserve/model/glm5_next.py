@@ -2,7 +2,9 @@
 
 With tensor parallelism (`oxserve.parallel.tensor`) each block's output is a partial sum,
 reduced here, once per attention and once per MLP; the embedding and head are cut by
-vocabulary, and only the first rank gets logits.
+vocabulary, and only the first rank gets logits. Under Layer Split
+(`oxserve.parallel.layer_split`) an MLA layer's attention runs on its owner alone, which
+shares the output with the other ranks.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from torch import nn
 
 from oxserve.cache.layers import LayerCache
 from oxserve.cache.precision import CachePlan
-from oxserve.cache.spec import LayerCacheSpec
+from oxserve.cache.spec import ElsewhereCacheSpec, LayerCacheSpec
 from oxserve.model.activations import activation
 from oxserve.model.batch import ForwardBatch
 from oxserve.model.common import DenseMLP, RMSNorm
@@ -24,15 +26,18 @@ from oxserve.model.linear import Linear, empty_param, loadable
 from oxserve.model.mla import MLAttention
 from oxserve.model.moe import MoE
 from oxserve.model.mtp import MTPLayer
+from oxserve.parallel.layer_split import WHOLE, LayerSplit, layer_owners
 from oxserve.parallel.tensor import SINGLE, TensorParallel
 from oxserve.telemetry import Tracer, span
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: TextModelConfig, index: int, tp: TensorParallel = SINGLE):
+    def __init__(self, cfg: TextModelConfig, index: int, tp: TensorParallel = SINGLE, ls: LayerSplit = WHOLE,
+                 owner: int | None = None):  # fmt: skip
         super().__init__()
         self.name = f"L{index}"
         self.tp = tp
+        self.ls, self.owner = ls, owner  # owner: the Layer Split rank that runs this attention (None: every rank)
         self.is_mla = cfg.is_mla_layer(index)
         if self.is_mla:
             self.self_attn = MLAttention(cfg, cfg.is_full_indexer_layer(index), f"L{index}.mla", tp)
@@ -56,11 +61,16 @@ class DecoderLayer(nn.Module):
         with span(tracer, f"{self.name}.hc.collapse"):
             post, comb, x = self.attn_hc.collapse(streams)
             x = self.input_layernorm(x)
-        if self.is_mla:
+        if not self.ls.owns(self.owner):  # another rank holds this layer's cache and runs it
+            x, selection = self.ls.share(torch.empty_like(x), self.owner), None
+        elif self.is_mla:
             x, selection = self.self_attn(x, batch, cache, selection)
+            x = self.tp.reduce(x)
+            if self.owner is not None:
+                with span(tracer, f"{self.name}.layer_split.share"):
+                    x = self.ls.share(x, self.owner)
         else:
-            x, selection = self.self_attn(x, batch, cache), None
-        x = self.tp.reduce(x)
+            x, selection = self.tp.reduce(self.self_attn(x, batch, cache)), None
         with span(tracer, f"{self.name}.hc.expand"):
             streams = HyperConnection.expand(post, comb, x, streams)
         with span(tracer, f"{self.name}.hc.collapse"):
@@ -80,13 +90,15 @@ class Glm5NextForCausalLM(nn.Module):
     """The decoder. With `with_mtp`, also the checkpoint's MTP layer (a drafter for
     speculative decoding that shares this model's embedding and head)."""
 
-    def __init__(self, cfg: TextModelConfig, with_mtp: bool = False, tp: TensorParallel = SINGLE):
+    def __init__(self, cfg: TextModelConfig, with_mtp: bool = False, tp: TensorParallel = SINGLE, ls: LayerSplit = WHOLE):
         super().__init__()
         self.config = cfg
-        self.tp = tp
+        self.tp, self.ls = tp, ls
+        self.owners = layer_owners(cfg, ls.size)
         vocab_rows = tp.vocab_rows(cfg.vocab_size)  # this rank's slice: [rank * rows, (rank + 1) * rows)
         self.embed_tokens = loadable(empty_param(vocab_rows, cfg.hidden_size), split=tp.split(-2, pad=True))
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp) for i in range(cfg.num_hidden_layers))
+        # Every rank builds (and loads) every layer, owned or not: ranks hold the same shapes.
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp, ls, self.owners[i]) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         # A Linear, so that quantization and kernel choices (swap_linears) reach the head too.
         # Tied: the embedding's parameter is the head's weight (the reference ties on the
@@ -96,13 +108,18 @@ class Glm5NextForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens
         self.mtp = MTPLayer(cfg, cfg.num_hidden_layers, tp) if with_mtp else None
 
-    def cache_specs(self, dtype: torch.dtype, plan: CachePlan | None = None, kda_replay: int = 0) -> list[LayerCacheSpec]:
+    def cache_specs(self, dtype: torch.dtype, plan: CachePlan | None = None, kda_replay: int = 0,
+                    ls_rank: int | None = None) -> list[LayerCacheSpec]:  # fmt: skip
         """What each decoder layer caches, in layer order, stored as `plan` says (default:
         the model's dtype; fp32 KDA states). `kda_replay`: KDA layers' ReplaySSM ring
-        length (0: write-back decode)."""
+        length (0: write-back decode). Under Layer Split, what Layer Split rank `ls_rank`
+        (default: this one) caches: nothing for the layers other ranks own."""
         plan = plan or CachePlan()
+        ls_rank = self.ls.rank if ls_rank is None else ls_rank
 
         def spec(i: int, attn: nn.Module) -> LayerCacheSpec:
+            if self.owners[i] not in (None, ls_rank):
+                return ElsewhereCacheSpec()
             if isinstance(attn, KDAttention):
                 return attn.cache_spec(dtype, plan.for_layer(i), kda_replay)
             return attn.cache_spec(dtype, plan.for_layer(i))
@@ -130,7 +147,10 @@ class Glm5NextForCausalLM(nn.Module):
         return self.tp.reduce(embeds)
 
     def compute_logits(self, hidden: torch.Tensor, tracer: Tracer | None = None) -> torch.Tensor | None:
-        """Logits [S, vocab] (fp32); under tensor parallelism on the first rank only (None elsewhere)."""
+        """Logits [S, vocab] (fp32); under tensor parallelism or Layer Split on the first rank
+        only (None elsewhere)."""
+        if self.ls.rank != 0:  # the first Layer Split rank's TP group computes them for everyone
+            return None
         with span(tracer, "lm_head"):
             logits = self.tp.gather_to_first(self.lm_head(hidden).float())
             return None if logits is None else logits[:, : self.config.vocab_size]

@@ -30,6 +30,7 @@ from safetensors import safe_open
 from oxserve.model.config import TextModelConfig
 from oxserve.model.glm5_next import Glm5NextForCausalLM
 from oxserve.model.linear import CheckpointError, Shard, copy_loader
+from oxserve.parallel.layer_split import WHOLE, LayerSplit
 from oxserve.parallel.tensor import SINGLE, ShardError, Split, TensorParallel
 from oxserve.quantization.scheme import read_scheme
 from oxserve.quantization.w8a8 import use_prequantized_w8a8
@@ -124,18 +125,20 @@ def load_model(
     with_mtp: bool = False,
     transform: Callable[[Glm5NextForCausalLM], object] | None = None,
     tp: TensorParallel = SINGLE,
+    ls: LayerSplit = WHOLE,
 ) -> LoadedModel:
     """`transform` runs on the built model before any weight is read: the place to swap in
     other Linears (`swap_linears`) whose parameters then load the checkpoint themselves.
     A pre-quantized checkpoint (compressed-tensors W8A8) gets its int8 modules first.
-    `tp`: load this rank's piece of a tensor-parallel model."""
+    `tp`: load this rank's piece of a tensor-parallel model; `ls`: its share of the MLA
+    layers under Layer Split (every rank loads every layer)."""
     path = Path(path)
     cfg = TextModelConfig.from_file(path)
     prequantized = read_scheme(json.loads((path / "config.json").read_text()))
     if prequantized and tp.size > 1:
         raise ValueError("tensor parallelism does not load pre-quantized (compressed-tensors) checkpoints yet")
     with _default_dtype(dtype), torch.device(device):
-        model = Glm5NextForCausalLM(cfg, with_mtp=with_mtp, tp=tp)
+        model = Glm5NextForCausalLM(cfg, with_mtp=with_mtp, tp=tp, ls=ls)
         # Collected before any transform: a swapped-in module keeps its parameters' names.
         splits = {name: p.tp_split for name, p in model.named_parameters() if getattr(p, "tp_split", None) is not None}
         if prequantized:

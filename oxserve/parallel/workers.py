@@ -1,6 +1,7 @@
-"""Tensor-parallel ranks in processes: the engine's process is rank 0, and spawns ranks
-1..N-1 on this host. Every rank holds its piece of the model and of the KDA states (the MLA
-latent cache is replicated), and runs the same step from the same plain-data message:
+"""Parallel ranks in processes: the engine's process is rank 0, and spawns ranks 1..N-1 on
+this host (N = tensor_parallel_size x layer_split_size, placed by `oxserve.parallel.groups`).
+Every rank holds its piece of the model and of the KDA states, and the MLA caches of its own
+layers (all of them without Layer Split), and runs the same step from the same message:
 
     rank 0 (engine)                                ranks 1..N-1 (`serve_rank`)
     init_process_group ──────────────────────────> init_process_group
@@ -34,15 +35,16 @@ import torch.distributed as dist
 from oxserve.cache.precision import CachePlan
 from oxserve.cache.spec import CacheLayout
 from oxserve.config import ParallelConfig
-from oxserve.parallel.tensor import TensorParallel
+from oxserve.parallel.groups import Placement, form_groups
 
 log = logging.getLogger(__name__)
 
 JOIN_TIMEOUT_S = 10.0  # how long close() waits for a rank to exit before killing it
+BROKEN_JOIN_TIMEOUT_S = 2.0  # the same after a failure: a rank that lost its group exits at once, or is hung
 
 
 class ParallelError(RuntimeError):
-    """A rank of the tensor-parallel group failed, hung or disagrees: the engine cannot go on."""
+    """A parallel rank failed, hung or disagrees: the engine cannot go on."""
 
 
 @dataclass(frozen=True)
@@ -78,7 +80,7 @@ def mismatch(prints: list[dict]) -> str | None:
     for rank, other in enumerate(prints[1:], start=1):
         differ = sorted(k for k in prints[0] if other.get(k) != prints[0][k])
         if differ:
-            return (f"tensor-parallel rank {rank} differs from rank 0 in {', '.join(differ)}: every rank must run the same "
+            return (f"parallel rank {rank} differs from rank 0 in {', '.join(differ)}: every rank must run the same "
                     "oxserve, torch and checkpoint")  # fmt: skip
     return None
 
@@ -87,27 +89,29 @@ class WorkerGroup:
     """Rank 0's handle on the other ranks: start them, send them each step, stop them."""
 
     def __init__(self, config: ParallelConfig, device: torch.device):
-        self.size = config.tensor_parallel_size
+        self.size = config.world_size
+        tp, ls = config.tensor_parallel_size, config.layer_split_size
+        self.broken = False
         port = config.master_port or _free_port(config.master_addr)
         init = f"tcp://{config.master_addr}:{port}"
         timeout = timedelta(seconds=config.collective_timeout)
         backend = "nccl" if device.type == "cuda" else "gloo"
         spawn = multiprocessing.get_context("spawn")
         self.processes = [
-            spawn.Process(target=serve_rank, args=(rank, self.size, init, backend, config.collective_timeout),
-                          name=f"oxserve-tp{rank}", daemon=True)
+            spawn.Process(target=serve_rank, args=(rank, tp, ls, init, backend, config.collective_timeout),
+                          name=f"oxserve-rank{rank}", daemon=True)
             for rank in range(1, self.size)
         ]
         for process in self.processes:
             process.start()
         try:
             dist.init_process_group(backend, init_method=init, rank=0, world_size=self.size, timeout=timeout)
+            self.placement = form_groups(0, tp, ls, timeout)
         except Exception as e:
             self._stop_processes()
-            raise ParallelError(f"the {self.size} tensor-parallel ranks could not form a group at {init}: {e}") from e
-        self.tp = TensorParallel(0, self.size, dist.group.WORLD)
-        self.broken = False
-        log.info("oxserve: tensor parallelism over %d ranks (%s, %s)", self.size, backend, init)
+            raise ParallelError(f"the {self.size} parallel ranks could not form a group at {init}: {e}") from e
+        log.info("oxserve: %d parallel ranks: tensor parallelism %d x Layer Split %d (%s, %s)", self.size, tp, ls, backend,
+                 init)  # fmt: skip
 
     def start(self, plan: RankPlan, model: torch.nn.Module) -> None:
         """Hand every rank the plan, then check that they all built the same thing."""
@@ -139,14 +143,15 @@ class WorkerGroup:
             try:
                 dist.broadcast_object_list([None], src=0)
             except Exception:
-                log.warning("tensor-parallel ranks did not take the stop message; stopping them", exc_info=True)
+                log.warning("parallel ranks did not take the stop message; stopping them", exc_info=True)
         self._stop_processes()
         if dist.is_initialized():
             dist.destroy_process_group()
 
     def _stop_processes(self) -> None:
+        wait = BROKEN_JOIN_TIMEOUT_S if self.broken else JOIN_TIMEOUT_S
         for process in self.processes:
-            process.join(JOIN_TIMEOUT_S)
+            process.join(wait)
             if process.is_alive():
                 process.kill()
                 process.join()
@@ -158,7 +163,7 @@ class _Guard:
 
     def __enter__(self):
         if self.group.broken:
-            raise ParallelError("the tensor-parallel group already failed; restart the engine")
+            raise ParallelError("the parallel ranks' group already failed; restart the engine")
 
     def __exit__(self, kind, error, tb):
         if error is None or isinstance(error, ParallelError):
@@ -166,17 +171,21 @@ class _Guard:
         self.group.broken = True
         dead = self.group.dead_ranks()
         cause = f"rank(s) {', '.join(map(str, dead))} exited" if dead else f"{kind.__name__}: {error}"
-        raise ParallelError(f"tensor parallelism failed while {self.what}: {cause}") from error
+        raise ParallelError(f"parallel ranks failed while {self.what}: {cause}") from error
 
 
-def serve_rank(rank: int, size: int, init: str, backend: str, timeout_s: float) -> None:
+def serve_rank(rank: int, tp: int, ls: int, init: str, backend: str, timeout_s: float) -> None:
     """A rank other than 0: join the group, build this rank's runner, run each step rank 0 sends."""
     _die_with_parent()
-    dist.init_process_group(backend, init_method=init, rank=rank, world_size=size, timeout=timedelta(seconds=timeout_s))
+    timeout = timedelta(seconds=timeout_s)
+    dist.init_process_group(backend, init_method=init, rank=rank, world_size=tp * ls, timeout=timeout)
     try:
+        placement = form_groups(rank, tp, ls, timeout)
         [plan] = _receive()
-        runner, model = _build_runner(plan, TensorParallel(rank, size, dist.group.WORLD))
-        dist.all_gather_object([None] * size, fingerprint(model, plan.layout))
+        if plan is None:  # rank 0 could not build its part: it stops the group before it starts
+            return
+        runner, model = _build_runner(plan, placement)
+        dist.all_gather_object([None] * tp * ls, fingerprint(model, plan.layout))
         while (message := _receive()[0]) is not None:
             kind, out = message
             runner.execute(out) if kind == "step" else runner.settle(out)
@@ -190,7 +199,7 @@ def _receive() -> list:
     return box
 
 
-def _build_runner(plan: RankPlan, tp: TensorParallel):
+def _build_runner(plan: RankPlan, placement: Placement):
     from oxserve.engine.engine import DTYPES
     from oxserve.engine.runner import ModelRunner
     from oxserve.kernels.onednn import choose_linear_kernel
@@ -200,7 +209,7 @@ def _build_runner(plan: RankPlan, tp: TensorParallel):
     torch.set_num_threads(plan.threads)
     torch.manual_seed(plan.seed)
     _, kernel = choose_linear_kernel(plan.linear_kernel, device, dtype)
-    model = load_model(plan.model_path, dtype=dtype, device=device, transform=kernel, tp=tp).model
+    model = load_model(plan.model_path, dtype=dtype, device=device, transform=kernel, tp=placement.tp, ls=placement.ls).model
     specs = model.cache_specs(dtype, plan.cache_plan, kda_replay=plan.kda_replay)
     runner = ModelRunner(model, plan.layout, specs, device, deterministic=plan.deterministic,
                          num_checkpoints=plan.num_checkpoints)  # fmt: skip

@@ -1,6 +1,6 @@
-"""Tensor parallelism against the single-process model and HF: each case cuts a random tiny
-model among 2 or 4 real processes (gloo) and teacher-forces a fresh prompt through chunked
-prefill and decode steps. Reduction order changes rounding, so logits are compared with the
+"""Tensor parallelism and Layer Split against the single-process model and HF: each case cuts
+a random tiny model among 2 or 4 real processes (gloo) and teacher-forces a fresh prompt
+through chunked prefill and decode steps. Reduction order changes rounding, so logits are compared with the
 parity tolerance, up to the first near tie of a router or indexer choice."""
 
 from __future__ import annotations
@@ -12,24 +12,28 @@ import torch
 from hf_reference import CONFIGS, LOGIT_TOL, build_reference, reference_run
 from tp_ranks import tp_forced_logits
 
+from oxserve.model.config import TextModelConfig
 from oxserve.model.forced import forced_logits
 from oxserve.model.linear import Linear
 from oxserve.model.loader import load_model
+from oxserve.parallel.layer_split import layer_owners
 from oxserve.parallel.tensor import ShardError, Split, TensorParallel
 
 pytestmark = pytest.mark.slow
 
-# (config, ranks, overrides): KDA + shared indexer at TP 2; tied head, shared experts, 2-wide
-# conv and grouped routing at TP 4 with ReplaySSM decode; a vocabulary that does not divide.
+# (config, tp, ls, overrides, replay): KDA + shared indexer at TP 2; tied head, shared experts,
+# 2-wide conv and grouped routing at TP 4 with ReplaySSM decode; Layer Split 2 owning a full
+# layer with its shared layer on one rank; TP 2 x LS 2 with a vocabulary that does not divide.
 CASES = [
-    ("kpool4_shared", 2, {}, 0),
-    ("variants", 4, {}, 3),
-    ("kpool16", 2, {"vocab_size": 509}, 0),
+    ("kpool4_shared", 2, 1, {}, 0),
+    ("variants", 4, 1, {}, 3),
+    ("kpool4_shared", 1, 2, {}, 0),
+    ("kpool16", 2, 2, {"vocab_size": 509}, 3),
 ]
 
 
-@pytest.mark.parametrize("name,size,overrides,replay", CASES, ids=[f"{c[0]}-tp{c[1]}" for c in CASES])
-def test_tp_logits_match_single_process_and_hf(name, size, overrides, replay, tmp_path):
+@pytest.mark.parametrize("name,tp,ls,overrides,replay", CASES, ids=[f"{c[0]}-tp{c[1]}-ls{c[2]}" for c in CASES])
+def test_parallel_logits_match_single_process_and_hf(name, tp, ls, overrides, replay, tmp_path):
     seed = random.SystemRandom().randrange(2**31)
     print(f"reference {name} seed {seed}")
     ref = build_reference(name, tmp_path / "model", seed, text={**CONFIGS[name], **overrides})
@@ -40,12 +44,12 @@ def test_tp_logits_match_single_process_and_hf(name, size, overrides, replay, tm
     assert compared >= 20, f"a near tie at position {compared} leaves too little to compare"
     single = forced_logits(load_model(ref.path, dtype=torch.float32).model, tokens, 13, 41,
                            shuffle=random.Random(seed), kda_replay=replay)  # fmt: skip
-    ours = tp_forced_logits(ref.path, size, tokens, 13, 41, replay, seed, tmp_path)
+    ours = tp_forced_logits(ref.path, tp, ls, tokens, 13, 41, replay, seed, tmp_path)
     assert ours.shape == hf.logits.shape
     scale = float(hf.logits.abs().max())
     for other, label in ((hf.logits, "HF"), (single, "the single-process model")):
         err = float((ours[:compared] - other[:compared]).abs().max())
-        assert err <= LOGIT_TOL * scale, f"TP={size} vs {label}: max |dlogit| {err:.3g} at scale {scale:.3g}"
+        assert err <= LOGIT_TOL * scale, f"TP={tp} x LS={ls} vs {label}: max |dlogit| {err:.3g} at scale {scale:.3g}"
 
 
 def test_split_cuts_parts_and_pads_the_vocabulary():
@@ -62,3 +66,11 @@ def test_split_cuts_parts_and_pads_the_vocabulary():
 def test_dimensions_that_do_not_divide_are_refused():
     with pytest.raises(ShardError, match="output features=6 does not divide by tensor_parallel_size=4"):
         Linear(8, 6, TensorParallel(0, 4), "column")
+
+
+def test_layer_split_owns_a_full_layer_with_its_shared_layers():
+    cfg = TextModelConfig.from_hf_dict(CONFIGS["kpool4_shared"])  # MLA layers 3 (full), 4 (shared), 7 (full)
+    assert layer_owners(cfg, 1) == [None] * 8
+    assert layer_owners(cfg, 2) == [None, None, None, 0, 0, None, None, 1]
+    with pytest.raises(ShardError, match="layer_split_size=3 exceeds the model's 2 MLA layer group"):
+        layer_owners(cfg, 3)

@@ -1,6 +1,6 @@
-"""The engine with tensor parallelism: rank 0 in this process, the other ranks spawned and
-joined over gloo. It must generate what the single-process engine generates, and a rank that
-dies must stop it within seconds, with a clear error and no process left behind."""
+"""The engine with tensor parallelism or Layer Split: rank 0 in this process, the other ranks
+spawned and joined over gloo. It must generate what the single-process engine generates, and
+a rank that dies must stop it within seconds, with a clear error and no process left behind."""
 
 from __future__ import annotations
 
@@ -10,8 +10,16 @@ import signal
 import time
 
 import pytest
+import torch
+from tiny_models import TINY_SHAPE
 
 from oxserve import LLM, SamplingParams
+from oxserve.cache.planner import plan_cache, plan_split_cache
+from oxserve.cache.spec import ElsewhereCacheSpec
+from oxserve.config import CacheConfig, SchedulerConfig
+from oxserve.default_model import build_checkpoint, make_text_config
+from oxserve.model.loader import load_model
+from oxserve.parallel.layer_split import LayerSplit
 from oxserve.parallel.workers import ParallelError, mismatch
 
 pytestmark = pytest.mark.slow
@@ -21,11 +29,11 @@ OPTIONS = dict(dtype="float32", num_blocks=30, block_size=4, max_num_batched_tok
                enable_prefix_caching=True)  # fmt: skip
 
 
-def _run(model_dir, prompts, size):
+def _run(model_dir, prompts, tp, ls=1):
     greedy = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     scoring = SamplingParams(max_tokens=10, temperature=0.0, prompt_logprobs=2, ignore_eos=True)
     seeded = SamplingParams(max_tokens=10, temperature=0.8, seed=11, ignore_eos=True)
-    with LLM(str(model_dir), tensor_parallel_size=size, **OPTIONS) as llm:
+    with LLM(str(model_dir), tensor_parallel_size=tp, layer_split_size=ls, **OPTIONS) as llm:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], [scoring, seeded, greedy, greedy])
         # A second turn of each, one at a time (no prompt logprobs): it starts from the first turn's cached blocks and KDA states.
         turns = [p + o.outputs[0].token_ids + [7, 8, 9] for p, o in zip(prompts, outs)]
@@ -34,15 +42,24 @@ def _run(model_dir, prompts, size):
     return outs, stats
 
 
-def test_tp2_engine_generates_what_one_process_generates(tiny_model_dir):
+@pytest.fixture(scope="module")
+def two_mla_model_dir(tmp_path_factory):
+    """The tiny model with 8 layers: MLA layers 3 and 7, one for each of two Layer Split ranks."""
+    text = make_text_config(**{**TINY_SHAPE, "num_hidden_layers": 8})
+    return build_checkpoint(tmp_path_factory.mktemp("two-mla"), text, seed=5, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("tp,ls", [(2, 1), (1, 2)], ids=["tp2", "ls2"])
+def test_parallel_engine_generates_what_one_process_generates(tiny_model_dir, two_mla_model_dir, tp, ls):
+    model_dir = two_mla_model_dir if ls > 1 else tiny_model_dir
     rng = random.Random()
     shared = [rng.randrange(2, 8000) for _ in range(20)]
     prompts = [shared + [rng.randrange(2, 8000) for _ in range(n)] for n in (30, 5, 12, 40)]
-    single, _ = _run(tiny_model_dir, prompts, 1)
-    tp, stats = _run(tiny_model_dir, prompts, 2)
+    single, _ = _run(model_dir, prompts, 1)
+    parallel, stats = _run(model_dir, prompts, tp, ls)
     assert stats.num_preemptions > 0, "the pool was meant to force preemption"
     assert stats.prefix_hits > 0, "the second round was meant to start from cached prefixes"
-    for a, b in zip(single, tp):
+    for a, b in zip(single, parallel):
         assert b.outputs[0].token_ids == a.outputs[0].token_ids
         if a.prompt_logprobs is not None:
             for x, y in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
@@ -92,5 +109,19 @@ def test_ranks_that_built_different_things_are_named():
     assert mismatch([rank0, dict(rank0)]) is None
     other = {**rank0, "shapes": [("w", (2, 2), "float32")], "torch": "2.12.0"}
     assert mismatch([rank0, dict(rank0), other]) == (
-        "tensor-parallel rank 2 differs from rank 0 in shapes, torch: every rank must run the same oxserve, torch and checkpoint"
+        "parallel rank 2 differs from rank 0 in shapes, torch: every rank must run the same oxserve, torch and checkpoint"
     )
+
+
+def test_layer_split_2_holds_twice_the_tokens_in_the_same_memory_per_rank(two_mla_model_dir):
+    """Capacity, from the planner alone (the specs need no process group)."""
+    cache, scheduler = CacheConfig(cache_memory_gib=0.01), SchedulerConfig(max_num_seqs=4)
+    whole = load_model(two_mla_model_dir, dtype=torch.float32).model
+    split = load_model(two_mla_model_dir, dtype=torch.float32, ls=LayerSplit(0, 2)).model
+    one = plan_cache(cache, scheduler, whole.cache_specs(torch.float32), 4096)
+    per_rank = [split.cache_specs(torch.float32, ls_rank=s) for s in range(2)]
+    assert [isinstance(spec, ElsewhereCacheSpec) for spec in per_rank[0]] != [
+        isinstance(spec, ElsewhereCacheSpec) for spec in per_rank[1]], "each rank caches other layers"  # fmt: skip
+    two = plan_split_cache(cache, scheduler, per_rank, 4096)
+    assert two.block_size == one.block_size
+    assert two.num_blocks >= 1.8 * one.num_blocks, (one, two)

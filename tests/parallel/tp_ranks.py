@@ -1,4 +1,4 @@
-"""Run a model on N tensor-parallel ranks: real processes joined by a gloo process group."""
+"""Run a model on tp × ls ranks (tensor parallelism, Layer Split): real processes joined by a gloo process group."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch.multiprocessing as mp
 
 from oxserve.model.forced import forced_logits
 from oxserve.model.loader import load_model
-from oxserve.parallel.tensor import TensorParallel
+from oxserve.parallel.groups import form_groups
 
 
 def free_port() -> int:
@@ -22,13 +22,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _forced_on_rank(rank: int, size: int, port: int, path: str, tokens: list[int], chunk: int, decode_from: int | None,
+def _forced_on_rank(rank: int, tp: int, ls: int, port: int, path: str, tokens: list[int], chunk: int, decode_from: int | None,
                     replay: int, shuffle_seed: int, out: str) -> None:  # fmt: skip
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
-                            timeout=timedelta(seconds=120))  # fmt: skip
+    timeout = timedelta(seconds=120)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=tp * ls, timeout=timeout)
     try:
-        model = load_model(path, dtype=torch.float32, tp=TensorParallel(rank, size, dist.group.WORLD)).model
+        placement = form_groups(rank, tp, ls, timeout)
+        model = load_model(path, dtype=torch.float32, tp=placement.tp, ls=placement.ls).model
         logits = forced_logits(model, tokens, chunk, decode_from, shuffle=random.Random(shuffle_seed), kda_replay=replay)
         assert (logits is None) == (rank != 0), "logits belong on the first rank only"
         if rank == 0:
@@ -37,10 +38,10 @@ def _forced_on_rank(rank: int, size: int, port: int, path: str, tokens: list[int
         dist.destroy_process_group()
 
 
-def tp_forced_logits(path: Path, size: int, tokens: list[int], chunk: int, decode_from: int | None, replay: int,
+def tp_forced_logits(path: Path, tp: int, ls: int, tokens: list[int], chunk: int, decode_from: int | None, replay: int,
                      shuffle_seed: int, workdir: Path) -> torch.Tensor:  # fmt: skip
-    """`forced_logits` of the checkpoint at `path` cut among `size` ranks, from the first rank."""
-    out = workdir / f"tp{size}-logits.pt"
-    args = (size, free_port(), str(path), tokens, chunk, decode_from, replay, shuffle_seed, str(out))
-    mp.start_processes(_forced_on_rank, args=args, nprocs=size, start_method="spawn")
+    """`forced_logits` of the checkpoint at `path` cut among tp × ls ranks, from the first rank."""
+    out = workdir / f"tp{tp}-ls{ls}-logits.pt"
+    args = (tp, ls, free_port(), str(path), tokens, chunk, decode_from, replay, shuffle_seed, str(out))
+    mp.start_processes(_forced_on_rank, args=args, nprocs=tp * ls, start_method="spawn")
     return torch.load(out)
