@@ -9,7 +9,7 @@ from oxserve.feedback.workload import (
     WORKLOADS_DIR, Arrival, LengthDist, Workload, load_workload, shipped_workloads,
 )
 
-SHIPPED = ["agent_decode_heavy", "long_context_16k", "mixed", "short_chat", "smoke"]
+SHIPPED = ["agent_decode_heavy", "long_context_16k", "long_context_capacity", "mixed", "short_chat", "smoke"]
 
 
 def smoke_dict() -> dict:
