@@ -144,6 +144,10 @@ class ParallelConfig:
         1, "ranks that split every layer (KDA and MLA heads, expert and MLP channels, the vocabulary): this process "
         "is rank 0 and spawns the others on this host; joined by torch.distributed (gloo on CPU, NCCL on CUDA)",
     )
+    enable_expert_parallel: bool = opt(
+        False, "tensor parallelism: give each rank whole routed experts (n_routed_experts / tensor_parallel_size of them) "
+        "instead of a share of every expert's channels; each rank runs the tokens routed to its own experts",
+    )
     layer_split_size: int = opt(
         1, "ranks that split the MLA layers' caches (Layer Split): each stores, and runs the attention of, only its own "
         "block of MLA layers, so the same per-rank cache memory holds about this many times the tokens; combines with "

@@ -20,7 +20,7 @@ import logging
 import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 
@@ -95,10 +95,16 @@ class CheckpointLoad:
             raise CheckpointError(f"tensor {name} duplicates another tensor that fills the same weights")
         self.seen.add(target)
         loader = getattr(param, "weight_loader", None) or copy_loader()
+        shard = target.shard
         try:
-            if (split := self.splits.get(target.param)) is not None:
-                tensor = split.take(tensor, whole=target.shard.part is None)
-            self.written[target.param] += loader(param, tensor, target.shard)
+            if (split := self.splits.get(target.param)) is not None and split.experts and shard.expert is not None:
+                local = split.local_expert(shard.expert, param.shape[0])
+                if local is None:
+                    return True  # another expert-parallel rank's expert
+                shard = replace(shard, expert=local)
+            elif split is not None:
+                tensor = split.take(tensor, whole=shard.part is None)
+            self.written[target.param] += loader(param, tensor, shard)
         except (CheckpointError, ShardError) as e:
             raise CheckpointError(f"tensor {name} {e}") from None
         return True

@@ -49,27 +49,39 @@ class Router(nn.Module):
 
 class Experts(nn.Module):
     """Under tensor parallelism every rank holds every expert's share of its intermediate
-    channels (tensor-parallel within each expert); outputs are partial sums."""
+    channels (tensor-parallel within each expert), or with `tp.expert_parallel` its own
+    experts whole (expert-parallel); either way outputs are partial sums."""
 
     def __init__(self, cfg: TextModelConfig, tp: TensorParallel = SINGLE):
         super().__init__()
-        self.num_experts = cfg.n_routed_experts
         full = cfg.moe_intermediate_size
-        inter = tp.local(full, "moe_intermediate_size")
+        if tp.expert_parallel:
+            self.num_experts, inter = tp.local(cfg.n_routed_experts, "n_routed_experts"), full
+            gate_up_split = down_split = tp.split(-3, experts=True)
+        else:
+            self.num_experts, inter = cfg.n_routed_experts, tp.local(full, "moe_intermediate_size")
+            gate_up_split, down_split = tp.split(-2, (full, full)), tp.split(-1)
+        self.sliced = tp.expert_parallel and tp.size > 1  # routed pairs go to other ranks' experts too
+        self.first_expert = tp.rank * self.num_experts if self.sliced else 0  # this rank's experts start here
         # Stacked per expert; a checkpoint holds one tensor per expert (and part) or the whole stack.
-        self.gate_up_proj = loadable(empty_param(cfg.n_routed_experts, 2 * inter, cfg.hidden_size), copy_loader((inter, inter)),
-                                     tp.split(-2, (full, full)))  # fmt: skip
-        self.down_proj = loadable(empty_param(cfg.n_routed_experts, cfg.hidden_size, inter), split=tp.split(-1))
+        self.gate_up_proj = loadable(empty_param(self.num_experts, 2 * inter, cfg.hidden_size), copy_loader((inter, inter)),
+                                     gate_up_split)  # fmt: skip
+        self.down_proj = loadable(empty_param(self.num_experts, cfg.hidden_size, inter), split=down_split)
         self.swiglu_limit = cfg.swiglu_limit
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        """Sort (token, expert) pairs by expert, run the experts, add each pair back to its token."""
+        """Sort (token, expert) pairs by expert, run the experts, add each pair back to its token.
+        Expert-parallel: only the pairs routed to this rank's experts."""
         top_k = experts.shape[1]
-        flat = experts.flatten()
+        flat, pair_weights = experts.flatten() - self.first_expert, weights.flatten()
+        pairs = None
+        if self.sliced:
+            pairs = ((flat >= 0) & (flat < self.num_experts)).nonzero().squeeze(1)
+            flat, pair_weights = flat[pairs], pair_weights[pairs]
         order = flat.argsort(stable=True)
         offsets = torch.bincount(flat, minlength=self.num_experts).cumsum(0).to(torch.int32)
-        token_of = order // top_k
-        rows, row_weight = x.index_select(0, token_of), weights.flatten().index_select(0, order)[:, None]
+        token_of = (order if pairs is None else pairs[order]) // top_k
+        rows, row_weight = x.index_select(0, token_of), pair_weights.index_select(0, order)[:, None]
         out = self.run_sorted(rows, row_weight, offsets)
         return torch.zeros_like(x).index_add_(0, token_of, out)
 

@@ -40,9 +40,11 @@ class Placement:
 ALONE = Placement()
 
 
-def form_groups(rank: int, tp_size: int, ls_size: int, timeout: timedelta | None = None) -> Placement:
+def form_groups(rank: int, tp_size: int, ls_size: int, timeout: timedelta | None = None,
+                expert_parallel: bool = False) -> Placement:  # fmt: skip
     """This rank's placement, with its groups (the world group must already be formed;
-    `timeout`: the subgroups' collective timeout, default torch's)."""
+    `timeout`: the subgroups' collective timeout, default torch's). `expert_parallel`: the
+    tensor-parallel ranks cut the routed experts by expert."""
     if tp_size * ls_size == 1:
         return ALONE
     tp_rank, ls_rank = rank % tp_size, rank // tp_size
@@ -55,4 +57,5 @@ def form_groups(rank: int, tp_size: int, ls_size: int, timeout: timedelta | None
         for t in range(tp_size):
             group = dist.new_group([s * tp_size + t for s in range(ls_size)], timeout=timeout)
             ls_group = group if t == tp_rank else ls_group
-    return Placement(TensorParallel(tp_rank, tp_size, tp_group), LayerSplit(ls_rank, ls_size, ls_group))
+    tp = TensorParallel(tp_rank, tp_size, tp_group, expert_parallel)
+    return Placement(tp, LayerSplit(ls_rank, ls_size, ls_group))

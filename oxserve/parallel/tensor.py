@@ -4,6 +4,8 @@ the pieces (Megatron's layout, over a torch.distributed process group: gloo on C
     column-parallel  W [out, in] cut by output rows: a rank computes out/size features of the full input
     row-parallel     W [out, in] cut by input columns: a rank's product is a partial sum; `reduce` adds them
     vocab-parallel   embedding and LM head cut by vocabulary rows, rounded up (the last piece zero-padded)
+    expert-parallel  (`expert_parallel`) routed experts cut by expert: a rank runs whole experts, the
+                     (token, expert) pairs routed to its own, and its sum is a partial sum too
 
 A layer's block (attention or MLP) runs on its heads or intermediate channels alone and ends
 in a row-parallel projection, so each block costs one all-reduce; norms, mHC and the router
@@ -28,13 +30,23 @@ class Split:
     """The piece of a checkpoint tensor one rank keeps: `axis` (counted from the end, so the
     same for one expert's tensor and a stack of them) cut into `size` equal pieces, piece
     `rank` kept. A tensor holding fused parts whole (`parts`: their full lengths) is cut part
-    by part. `pad`: the axis need not divide; pieces round up and the last is zero-padded."""
+    by part. `pad`: the axis need not divide; pieces round up and the last is zero-padded.
+    `experts`: the axis stacks experts, so one expert's own tensor (without that axis) goes
+    whole to the rank that holds the expert (`local_expert`)."""
 
     axis: int
     rank: int
     size: int
     parts: tuple[int, ...] | None = None
     pad: bool = False
+    experts: bool = False
+
+    def local_expert(self, expert: int, per_rank: int) -> int | None:
+        """Where this rank keeps checkpoint expert `expert` (None: another rank holds it)."""
+        if not 0 <= expert < per_rank * self.size:
+            raise ShardError(f"names expert {expert}, out of range (n_routed_experts={per_rank * self.size})")
+        local = expert - self.rank * per_rank
+        return local if 0 <= local < per_rank else None
 
     def take(self, tensor: torch.Tensor, whole: bool) -> torch.Tensor:
         """`whole`: the tensor holds every fused part (not one of them)."""
@@ -60,11 +72,13 @@ class Split:
 
 @dataclass(frozen=True)
 class TensorParallel:
-    """This rank's place among `size` ranks that split every layer (`group`: their process group)."""
+    """This rank's place among `size` ranks that split every layer (`group`: their process
+    group). `expert_parallel`: routed experts are cut by expert, not within each expert."""
 
     rank: int = 0
     size: int = 1
     group: object | None = None
+    expert_parallel: bool = False
 
     def local(self, n: int, what: str) -> int:
         """This rank's share of a dimension that must divide evenly (heads, channels)."""
@@ -75,9 +89,9 @@ class TensorParallel:
     def vocab_rows(self, vocab_size: int) -> int:
         return -(-vocab_size // self.size)
 
-    def split(self, axis: int, parts: tuple[int, ...] | None = None, pad: bool = False) -> Split | None:
+    def split(self, axis: int, parts: tuple[int, ...] | None = None, pad: bool = False, experts: bool = False) -> Split | None:
         """How this rank cuts a tensor along `axis`; None on a single rank (nothing to cut)."""
-        return Split(axis, self.rank, self.size, parts, pad) if self.size > 1 else None
+        return Split(axis, self.rank, self.size, parts, pad, experts) if self.size > 1 else None
 
     def reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of every rank's partial `x`, added in fp32 and rounded once (a sum in bf16

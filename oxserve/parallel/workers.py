@@ -98,7 +98,8 @@ class WorkerGroup:
         backend = "nccl" if device.type == "cuda" else "gloo"
         spawn = multiprocessing.get_context("spawn")
         self.processes = [
-            spawn.Process(target=serve_rank, args=(rank, tp, ls, init, backend, config.collective_timeout),
+            spawn.Process(target=serve_rank, args=(rank, tp, ls, init, backend, config.collective_timeout,
+                                                   config.enable_expert_parallel),
                           name=f"oxserve-rank{rank}", daemon=True)
             for rank in range(1, self.size)
         ]
@@ -106,7 +107,7 @@ class WorkerGroup:
             process.start()
         try:
             dist.init_process_group(backend, init_method=init, rank=0, world_size=self.size, timeout=timeout)
-            self.placement = form_groups(0, tp, ls, timeout)
+            self.placement = form_groups(0, tp, ls, timeout, config.enable_expert_parallel)
         except Exception as e:
             self._stop_processes()
             raise ParallelError(f"the {self.size} parallel ranks could not form a group at {init}: {e}") from e
@@ -174,13 +175,13 @@ class _Guard:
         raise ParallelError(f"parallel ranks failed while {self.what}: {cause}") from error
 
 
-def serve_rank(rank: int, tp: int, ls: int, init: str, backend: str, timeout_s: float) -> None:
+def serve_rank(rank: int, tp: int, ls: int, init: str, backend: str, timeout_s: float, expert_parallel: bool) -> None:
     """A rank other than 0: join the group, build this rank's runner, run each step rank 0 sends."""
     _die_with_parent()
     timeout = timedelta(seconds=timeout_s)
     dist.init_process_group(backend, init_method=init, rank=rank, world_size=tp * ls, timeout=timeout)
     try:
-        placement = form_groups(rank, tp, ls, timeout)
+        placement = form_groups(rank, tp, ls, timeout, expert_parallel)
         [plan] = _receive()
         if plan is None:  # rank 0 could not build its part: it stops the group before it starts
             return

@@ -21,19 +21,25 @@ from oxserve.parallel.tensor import ShardError, Split, TensorParallel
 
 pytestmark = pytest.mark.slow
 
-# (config, tp, ls, overrides, replay): KDA + shared indexer at TP 2; tied head, shared experts,
-# 2-wide conv and grouped routing at TP 4 with ReplaySSM decode; Layer Split 2 owning a full
-# layer with its shared layer on one rank; TP 2 x LS 2 with a vocabulary that does not divide.
+# (config, tp, ls, expert-parallel, overrides, replay): KDA + shared indexer at TP 2; tied head,
+# shared experts, 2-wide conv and grouped routing at TP 4 with ReplaySSM decode, experts cut by
+# expert; Layer Split 2 owning a full layer with its shared layer on one rank; TP 2 x LS 2 with
+# a vocabulary that does not divide.
 CASES = [
-    ("kpool4_shared", 2, 1, {}, 0),
-    ("variants", 4, 1, {}, 3),
-    ("kpool4_shared", 1, 2, {}, 0),
-    ("kpool16", 2, 2, {"vocab_size": 509}, 3),
+    ("kpool4_shared", 2, 1, False, {}, 0),
+    ("variants", 4, 1, True, {}, 3),
+    ("kpool4_shared", 1, 2, False, {}, 0),
+    ("kpool16", 2, 2, False, {"vocab_size": 509}, 3),
 ]
 
 
-@pytest.mark.parametrize("name,tp,ls,overrides,replay", CASES, ids=[f"{c[0]}-tp{c[1]}-ls{c[2]}" for c in CASES])
-def test_parallel_logits_match_single_process_and_hf(name, tp, ls, overrides, replay, tmp_path):
+def _case_id(case) -> str:
+    name, tp, ls, ep = case[:4]
+    return f"{name}-tp{tp}" + ("-ep" if ep else "") + f"-ls{ls}"
+
+
+@pytest.mark.parametrize("name,tp,ls,ep,overrides,replay", CASES, ids=[_case_id(c) for c in CASES])
+def test_parallel_logits_match_single_process_and_hf(name, tp, ls, ep, overrides, replay, tmp_path):
     seed = random.SystemRandom().randrange(2**31)
     print(f"reference {name} seed {seed}")
     ref = build_reference(name, tmp_path / "model", seed, text={**CONFIGS[name], **overrides})
@@ -44,7 +50,7 @@ def test_parallel_logits_match_single_process_and_hf(name, tp, ls, overrides, re
     assert compared >= 20, f"a near tie at position {compared} leaves too little to compare"
     single = forced_logits(load_model(ref.path, dtype=torch.float32).model, tokens, 13, 41,
                            shuffle=random.Random(seed), kda_replay=replay)  # fmt: skip
-    ours = tp_forced_logits(ref.path, tp, ls, tokens, 13, 41, replay, seed, tmp_path)
+    ours = tp_forced_logits(ref.path, tp, ls, ep, tokens, 13, 41, replay, seed, tmp_path)
     assert ours.shape == hf.logits.shape
     scale = float(hf.logits.abs().max())
     for other, label in ((hf.logits, "HF"), (single, "the single-process model")):
@@ -74,3 +80,12 @@ def test_layer_split_owns_a_full_layer_with_its_shared_layers():
     assert layer_owners(cfg, 2) == [None, None, None, 0, 0, None, None, 1]
     with pytest.raises(ShardError, match="layer_split_size=3 exceeds the model's 2 MLA layer group"):
         layer_owners(cfg, 3)
+
+
+def test_expert_parallel_ranks_take_whole_experts():
+    split = Split(axis=-3, rank=1, size=2, experts=True)
+    assert [split.local_expert(e, per_rank=4) for e in (3, 4, 7)] == [None, 0, 3]
+    with pytest.raises(ShardError, match="names expert 8, out of range"):
+        split.local_expert(8, per_rank=4)
+    stack = torch.arange(8.0).view(8, 1, 1)
+    assert split.take(stack, whole=True).flatten().tolist() == [4, 5, 6, 7]

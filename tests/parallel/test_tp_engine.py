@@ -29,11 +29,11 @@ OPTIONS = dict(dtype="float32", num_blocks=30, block_size=4, max_num_batched_tok
                enable_prefix_caching=True)  # fmt: skip
 
 
-def _run(model_dir, prompts, tp, ls=1):
+def _run(model_dir, prompts, tp, ls=1, ep=False):
     greedy = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     scoring = SamplingParams(max_tokens=10, temperature=0.0, prompt_logprobs=2, ignore_eos=True)
     seeded = SamplingParams(max_tokens=10, temperature=0.8, seed=11, ignore_eos=True)
-    with LLM(str(model_dir), tensor_parallel_size=tp, layer_split_size=ls, **OPTIONS) as llm:
+    with LLM(str(model_dir), tensor_parallel_size=tp, layer_split_size=ls, enable_expert_parallel=ep, **OPTIONS) as llm:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], [scoring, seeded, greedy, greedy])
         # A second turn of each, one at a time (no prompt logprobs): it starts from the first turn's cached blocks and KDA states.
         turns = [p + o.outputs[0].token_ids + [7, 8, 9] for p, o in zip(prompts, outs)]
@@ -49,14 +49,14 @@ def two_mla_model_dir(tmp_path_factory):
     return build_checkpoint(tmp_path_factory.mktemp("two-mla"), text, seed=5, dtype=torch.float32)
 
 
-@pytest.mark.parametrize("tp,ls", [(2, 1), (1, 2)], ids=["tp2", "ls2"])
-def test_parallel_engine_generates_what_one_process_generates(tiny_model_dir, two_mla_model_dir, tp, ls):
+@pytest.mark.parametrize("tp,ls,ep", [(2, 1, False), (2, 1, True), (1, 2, False)], ids=["tp2", "tp2-ep", "ls2"])
+def test_parallel_engine_generates_what_one_process_generates(tiny_model_dir, two_mla_model_dir, tp, ls, ep):
     model_dir = two_mla_model_dir if ls > 1 else tiny_model_dir
     rng = random.Random()
     shared = [rng.randrange(2, 8000) for _ in range(20)]
     prompts = [shared + [rng.randrange(2, 8000) for _ in range(n)] for n in (30, 5, 12, 40)]
     single, _ = _run(model_dir, prompts, 1)
-    parallel, stats = _run(model_dir, prompts, tp, ls)
+    parallel, stats = _run(model_dir, prompts, tp, ls, ep)
     assert stats.num_preemptions > 0, "the pool was meant to force preemption"
     assert stats.prefix_hits > 0, "the second round was meant to start from cached prefixes"
     for a, b in zip(single, parallel):

@@ -22,13 +22,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _forced_on_rank(rank: int, tp: int, ls: int, port: int, path: str, tokens: list[int], chunk: int, decode_from: int | None,
+def _forced_on_rank(rank: int, tp: int, ls: int, ep: bool, port: int, path: str, tokens: list[int], chunk: int, decode_from: int | None,
                     replay: int, shuffle_seed: int, out: str) -> None:  # fmt: skip
     torch.set_num_threads(1)
     timeout = timedelta(seconds=120)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=tp * ls, timeout=timeout)
     try:
-        placement = form_groups(rank, tp, ls, timeout)
+        placement = form_groups(rank, tp, ls, timeout, expert_parallel=ep)
         model = load_model(path, dtype=torch.float32, tp=placement.tp, ls=placement.ls).model
         logits = forced_logits(model, tokens, chunk, decode_from, shuffle=random.Random(shuffle_seed), kda_replay=replay)
         assert (logits is None) == (rank != 0), "logits belong on the first rank only"
@@ -38,10 +38,11 @@ def _forced_on_rank(rank: int, tp: int, ls: int, port: int, path: str, tokens: l
         dist.destroy_process_group()
 
 
-def tp_forced_logits(path: Path, tp: int, ls: int, tokens: list[int], chunk: int, decode_from: int | None, replay: int,
+def tp_forced_logits(path: Path, tp: int, ls: int, ep: bool, tokens: list[int], chunk: int, decode_from: int | None, replay: int,
                      shuffle_seed: int, workdir: Path) -> torch.Tensor:  # fmt: skip
-    """`forced_logits` of the checkpoint at `path` cut among tp × ls ranks, from the first rank."""
+    """`forced_logits` of the checkpoint at `path` cut among tp × ls ranks (`ep`: experts cut by
+    expert), from the first rank."""
     out = workdir / f"tp{tp}-ls{ls}-logits.pt"
-    args = (tp, ls, free_port(), str(path), tokens, chunk, decode_from, replay, shuffle_seed, str(out))
+    args = (tp, ls, ep, free_port(), str(path), tokens, chunk, decode_from, replay, shuffle_seed, str(out))
     mp.start_processes(_forced_on_rank, args=args, nprocs=tp * ls, start_method="spawn")
     return torch.load(out)
