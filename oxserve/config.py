@@ -153,8 +153,13 @@ class ParallelConfig:
         "block of MLA layers, so the same per-rank cache memory holds about this many times the tokens; combines with "
         "tensor parallelism as tensor_parallel_size x layer_split_size ranks",
     )
+    nnodes: int = opt(1, "parallel ranks: hosts the ranks are spread over, the same number of ranks on each (as torchrun)")
+    node_rank: int = opt(
+        0, "parallel ranks: this host's place among --nnodes; host 0 runs the engine and rank 0, every other host runs "
+        "`oxserve serve` with its --node-rank and the same parallel options, and serves ranks only",
+    )
     master_addr: str = opt("127.0.0.1", "parallel ranks: address rank 0 listens on for the process group")
-    master_port: int = opt(0, "parallel ranks: port for the process group (0: a free one)")
+    master_port: int = opt(0, "parallel ranks: port for the process group (0: a free one, on one host only)")
     collective_timeout: float = opt(
         60.0, "parallel ranks: seconds a collective may wait for a rank before the engine fails its requests and stops"
     )
@@ -163,11 +168,24 @@ class ParallelConfig:
     def world_size(self) -> int:
         return self.tensor_parallel_size * self.layer_split_size
 
+    @property
+    def node_ranks(self) -> range:
+        """The global ranks this host runs."""
+        per_node = self.world_size // self.nnodes
+        return range(self.node_rank * per_node, (self.node_rank + 1) * per_node)
+
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.layer_split_size < 1:
             raise ValueError(f"layer_split_size must be >= 1, got {self.layer_split_size}")
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"need nnodes >= 1 and 0 <= node_rank < nnodes, got nnodes={self.nnodes}, node_rank={self.node_rank}")
+        if self.world_size % self.nnodes:
+            raise ValueError(f"{self.world_size} ranks (tensor_parallel_size x layer_split_size) do not divide among "
+                             f"nnodes={self.nnodes} hosts")  # fmt: skip
+        if self.nnodes > 1 and self.master_port == 0:
+            raise ValueError("nnodes > 1 needs an explicit master_port: the other hosts must know where to join")
         if self.collective_timeout <= 0:
             raise ValueError(f"collective_timeout must be > 0, got {self.collective_timeout}")
         if not 0 <= self.master_port < 65536:

@@ -9,3 +9,12 @@ TINY_SHAPE = dict(
     linear_num_heads=2, linear_head_dim=16, vocab_size=8192,
 )
 TINY_TEXT_CONFIG = make_text_config(**TINY_SHAPE)
+
+
+def two_mla_checkpoint(directory):
+    """The tiny shape with 8 layers: MLA layers 3 and 7, one for each of two Layer Split ranks."""
+    import torch
+
+    from oxserve.default_model import build_checkpoint
+
+    return build_checkpoint(directory, make_text_config(**{**TINY_SHAPE, "num_hidden_layers": 8}), seed=5, dtype=torch.float32)

@@ -444,6 +444,9 @@ def check_prompt_ids(token_ids: list[int], vocab_size: int, max_model_len: int, 
 def check_parallel(config: EngineConfig) -> None:
     """ValueError for what tensor parallelism and Layer Split do not run yet."""
     parallel = config.parallel
+    if parallel.node_rank > 0:
+        raise ValueError(f"node_rank={parallel.node_rank}: only host 0 runs the engine; the others run their ranks with "
+                         "`oxserve serve --node-rank N` and the same parallel options")  # fmt: skip
     if parallel.world_size == 1:
         return
     layout = f"tensor_parallel_size={parallel.tensor_parallel_size} x layer_split_size={parallel.layer_split_size}"

@@ -1,5 +1,6 @@
-"""Parallel ranks in processes: the engine's process is rank 0, and spawns ranks 1..N-1 on
-this host (N = tensor_parallel_size x layer_split_size, placed by `oxserve.parallel.groups`).
+"""Parallel ranks in processes: the engine's process is rank 0, and spawns the other ranks of
+its host (N = tensor_parallel_size x layer_split_size ranks, placed by `oxserve.parallel.groups`;
+with --nnodes, each other host runs its own ranks through `serve_node`).
 Every rank holds its piece of the model and of the KDA states, and the MLA caches of its own
 layers (all of them without Layer Split), and runs the same step from the same message:
 
@@ -96,15 +97,7 @@ class WorkerGroup:
         init = f"tcp://{config.master_addr}:{port}"
         timeout = timedelta(seconds=config.collective_timeout)
         backend = "nccl" if device.type == "cuda" else "gloo"
-        spawn = multiprocessing.get_context("spawn")
-        self.processes = [
-            spawn.Process(target=serve_rank, args=(rank, tp, ls, init, backend, config.collective_timeout,
-                                                   config.enable_expert_parallel),
-                          name=f"oxserve-rank{rank}", daemon=True)
-            for rank in range(1, self.size)
-        ]
-        for process in self.processes:
-            process.start()
+        self.processes = _spawn_ranks(config, config.node_ranks[1:], init, backend)
         try:
             dist.init_process_group(backend, init_method=init, rank=0, world_size=self.size, timeout=timeout)
             self.placement = form_groups(0, tp, ls, timeout, config.enable_expert_parallel)
@@ -173,6 +166,32 @@ class _Guard:
         dead = self.group.dead_ranks()
         cause = f"rank(s) {', '.join(map(str, dead))} exited" if dead else f"{kind.__name__}: {error}"
         raise ParallelError(f"parallel ranks failed while {self.what}: {cause}") from error
+
+
+def serve_node(config: ParallelConfig, device: torch.device) -> int:
+    """A host other than the first (--node-rank k > 0): run its ranks until rank 0 stops
+    them; 0 when every rank exited cleanly."""
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    init = f"tcp://{config.master_addr}:{config.master_port}"
+    log.info("oxserve: host %d of %d runs ranks %d..%d, joining %s", config.node_rank, config.nnodes, config.node_ranks[0],
+             config.node_ranks[-1], init)  # fmt: skip
+    processes = _spawn_ranks(config, config.node_ranks, init, backend)
+    for process in processes:
+        process.join()
+    failed = [f"{p.name} ({p.exitcode})" for p in processes if p.exitcode]
+    if failed:
+        log.error("oxserve: rank(s) exited with an error: %s", ", ".join(failed))
+    return 1 if failed else 0
+
+
+def _spawn_ranks(config: ParallelConfig, ranks: range, init: str, backend: str) -> list:
+    spawn = multiprocessing.get_context("spawn")
+    args = (config.tensor_parallel_size, config.layer_split_size, init, backend, config.collective_timeout,
+            config.enable_expert_parallel)  # fmt: skip
+    processes = [spawn.Process(target=serve_rank, args=(rank, *args), name=f"oxserve-rank{rank}", daemon=True) for rank in ranks]
+    for process in processes:
+        process.start()
+    return processes
 
 
 def serve_rank(rank: int, tp: int, ls: int, init: str, backend: str, timeout_s: float, expert_parallel: bool) -> None:

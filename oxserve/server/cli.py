@@ -15,10 +15,12 @@ import signal
 from pathlib import Path
 from types import FrameType
 
+import torch
 import uvicorn
 
 from oxserve.cli import add_engine_arguments, engine_config_from_args
 from oxserve.feedback.machine import data_dir
+from oxserve.parallel.workers import serve_node
 from oxserve.server.app import ServerState, build_app
 from oxserve.server.async_engine import AsyncEngine
 from oxserve.server.chat_turn import ChatParsing
@@ -96,7 +98,10 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise SystemExit(str(e)) from None
     keys = api_keys_from(args)
-    engine = AsyncEngine(engine_config_from_args(args), args.max_waiting, max_waiting_tokens=args.max_waiting_tokens,
+    engine_config = engine_config_from_args(args)
+    if engine_config.parallel.node_rank > 0:  # another host's ranks: no engine, no HTTP server
+        return serve_node(engine_config.parallel, torch.device(engine_config.model.device))
+    engine = AsyncEngine(engine_config, args.max_waiting, max_waiting_tokens=args.max_waiting_tokens,
                          max_queue_time=args.max_queue_time or None)  # fmt: skip
     model_name = args.served_model_name or args.model or "oxserve-default"
     log.info("serving %s (%s) as %r, max_model_len %d", engine.model_path, args.dtype, model_name, engine.max_model_len)

@@ -7,17 +7,19 @@ from __future__ import annotations
 import os
 import random
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
 import torch
-from tiny_models import TINY_SHAPE
+from tiny_models import two_mla_checkpoint
+from tp_ranks import free_port
 
 from oxserve import LLM, SamplingParams
 from oxserve.cache.planner import plan_cache, plan_split_cache
 from oxserve.cache.spec import ElsewhereCacheSpec
-from oxserve.config import CacheConfig, SchedulerConfig
-from oxserve.default_model import build_checkpoint, make_text_config
+from oxserve.config import CacheConfig, ParallelConfig, SchedulerConfig
 from oxserve.model.loader import load_model
 from oxserve.parallel.layer_split import LayerSplit
 from oxserve.parallel.workers import ParallelError, mismatch
@@ -44,9 +46,7 @@ def _run(model_dir, prompts, tp, ls=1, ep=False):
 
 @pytest.fixture(scope="module")
 def two_mla_model_dir(tmp_path_factory):
-    """The tiny model with 8 layers: MLA layers 3 and 7, one for each of two Layer Split ranks."""
-    text = make_text_config(**{**TINY_SHAPE, "num_hidden_layers": 8})
-    return build_checkpoint(tmp_path_factory.mktemp("two-mla"), text, seed=5, dtype=torch.float32)
+    return two_mla_checkpoint(tmp_path_factory.mktemp("two-mla"))
 
 
 @pytest.mark.parametrize("tp,ls,ep", [(2, 1, False), (2, 1, True), (1, 2, False)], ids=["tp2", "tp2-ep", "ls2"])
@@ -125,3 +125,32 @@ def test_layer_split_2_holds_twice_the_tokens_in_the_same_memory_per_rank(two_ml
     two = plan_split_cache(cache, scheduler, per_rank, 4096)
     assert two.block_size == one.block_size
     assert two.num_blocks >= 1.8 * one.num_blocks, (one, two)
+
+
+def test_ranks_on_a_second_host_join_with_node_rank(tiny_model_dir):
+    """Two "hosts" on this machine: `oxserve serve --nnodes 2 --node-rank 1` runs rank 1 (no
+    engine, no HTTP server) and exits 0 when the engine on host 0 closes."""
+    port = free_port()
+    parallel = ["--tensor-parallel-size", "2", "--nnodes", "2", "--master-port", str(port)]
+    host1 = subprocess.Popen([sys.executable, "-m", "oxserve.cli", "serve", "--model", str(tiny_model_dir), *parallel,
+                              "--node-rank", "1"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    try:
+        prompts = [[random.randrange(2, 8000) for _ in range(n)] for n in (9, 30)]
+        greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+        with LLM(str(tiny_model_dir), **OPTIONS) as llm:
+            single = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], greedy)]
+        with LLM(str(tiny_model_dir), tensor_parallel_size=2, nnodes=2, master_port=port, **OPTIONS) as llm:
+            assert llm.engine.workers.processes == [], "host 0 runs rank 0 only; rank 1 is host 1's"
+            two = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], greedy)]
+        assert two == single
+        assert host1.wait(timeout=20) == 0, host1.stdout.read()
+    finally:
+        host1.kill()
+        host1.wait()
+
+
+def test_a_second_host_needs_a_known_port():
+    with pytest.raises(ValueError, match="explicit master_port"):
+        ParallelConfig(tensor_parallel_size=2, nnodes=2)
+    with pytest.raises(ValueError, match="do not divide among nnodes=2"):
+        ParallelConfig(tensor_parallel_size=3, nnodes=2, master_port=29500)
