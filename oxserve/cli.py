@@ -24,6 +24,7 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("bench", "soak"): ("oxserve.bench.soak", "hours of mixed traffic, client faults and server kills: nothing lost or corrupted"),
     ("bench", "ceilings"): ("oxserve.commands.ceilings", "measure this machine's memory bandwidth and matmul rates"),
     ("bench", "kernels"): ("oxserve.bench.kernels", "check and time every model op at model shapes"),
+    ("bench", "parallel"): ("oxserve.bench.parallel", "the parallel layouts' cost model: collectives, predicted vs measured steps"),
     ("profile",): ("oxserve.profiling.cli", "run a workload with telemetry; write trace.json and a report"),
     ("experiment", "run"): ("oxserve.experiment.cli", "controlled A/B experiment between two engine configurations"),
     ("experiment", "list"): ("oxserve.experiment.cli", "list experiments in the ledger"),
