@@ -452,8 +452,6 @@ def check_parallel(config: EngineConfig) -> None:
     layout = f"tensor_parallel_size={parallel.tensor_parallel_size} x layer_split_size={parallel.layer_split_size}"
     if config.model.quantization != "none" or config.model.quantization_plan:
         raise ValueError(f"{layout} does not combine with W8A8 quantization yet")
-    if config.scheduler.speculative_config:
-        raise ValueError(f"{layout} does not combine with speculative decoding yet")
 
 
 def _fit_to_cache(limit: int, layout: CacheLayout) -> int:

@@ -7,7 +7,8 @@ its prompt and the output tokens fed so far (for penalties), and its random gene
 
 Under tensor parallelism every rank has a runner over its piece of the model; rank 0's sends
 each step to the others (`WorkerGroup`) before running it, and only rank 0 gets logits and
-samples.
+samples. With speculative decoding rank 0 also tells the others how many drafts each
+request kept, so that every rank's KDA states undo the same rejected tokens.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from oxserve.engine.sampler import SamplingRow, make_generator, sample
 from oxserve.engine.speculative import verify
 from oxserve.model.batch import BatchRequest, make_forward_batch
 from oxserve.model.glm5_next import Glm5NextForCausalLM
-from oxserve.parallel.workers import WorkerGroup
+from oxserve.parallel.workers import WorkerGroup, share_accepted
 from oxserve.sampling_params import SamplingParams
 from oxserve.structured.grammar import GrammarCompiler
 from oxserve.structured.masks import BatchMasks, RequestGrammar
@@ -116,8 +117,11 @@ class ModelRunner:
             prompt_logprobs = {rid: scored for _, p_scored in passes for rid, scored in p_scored.items()}
         else:
             logits, prompt_logprobs = self._forward(scheduled)
-        if logits is None:
-            return None  # a tensor-parallel rank but the first: rank 0 samples
+        if logits is None:  # a parallel rank but the first: rank 0 samples
+            verifying = [s for s in scheduled if s.samples and s.verifies]
+            if verifying:  # undo what rank 0 rejected, in this rank's KDA states too
+                self._undo_rejected(list(zip(verifying, share_accepted(None, len(verifying)))))
+            return None
         sampling = [s for s in scheduled if s.samples]
         with span(self.tracer, "sample", track="engine"):
             tokens, logprobs = self._sample(sampling, logits)
@@ -153,6 +157,8 @@ class ModelRunner:
                 self.requests[s.request_id].output_token_ids.extend(verified.token_ids[:-1])
                 kept.append((s, len(verified.token_ids) - 1))
         if kept:
+            if self.workers is not None:  # the other ranks' KDA states keep the same tokens
+                share_accepted([n for _, n in kept], len(kept))
             self._undo_rejected(kept)
         return tokens, logprobs
 

@@ -168,6 +168,14 @@ class _Guard:
         raise ParallelError(f"parallel ranks failed while {self.what}: {cause}") from error
 
 
+def share_accepted(counts: list[int] | None, n: int) -> list[int]:
+    """Speculative decoding: the drafts each of `n` verifying requests kept, from rank 0
+    (which passes `counts`) to every rank (which pass None)."""
+    box = torch.tensor(counts if counts is not None else [0] * n, dtype=torch.long)
+    dist.broadcast(box, src=0)
+    return box.tolist()
+
+
 def serve_node(config: ParallelConfig, device: torch.device) -> int:
     """A host other than the first (--node-rank k > 0): run its ranks until rank 0 stops
     them; 0 when every rank exited cleanly."""

@@ -13,6 +13,7 @@ import time
 
 import pytest
 import torch
+from test_speculative import SPEC, OracleProposer
 from tiny_models import two_mla_checkpoint
 from tp_ranks import free_port
 
@@ -154,3 +155,22 @@ def test_a_second_host_needs_a_known_port():
         ParallelConfig(tensor_parallel_size=2, nnodes=2)
     with pytest.raises(ValueError, match="do not divide among nnodes=2"):
         ParallelConfig(tensor_parallel_size=3, nnodes=2, master_port=29500)
+
+
+@pytest.mark.parametrize("tp,ls", [(2, 1), (1, 2)], ids=["tp2", "ls2"])
+def test_speculative_greedy_on_parallel_ranks_equals_plain_greedy(tiny_model_dir, two_mla_model_dir, tp, ls):
+    """Drafts accepted and rejected: rank 0 tells the other ranks what each request kept, so
+    their KDA states (and rings) undo the same tokens, and the output is plain greedy's."""
+    model_dir = two_mla_model_dir if ls > 1 else tiny_model_dir
+    rng = random.Random()
+    prompts = [[rng.randrange(20, 8000) for _ in range(n)] for n in (7, 33, 60)]
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    with LLM(str(model_dir), **OPTIONS) as llm:
+        plain = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    with LLM(str(model_dir), tensor_parallel_size=tp, layer_split_size=ls, speculative_config=SPEC, kda_replay_len=5,
+             **OPTIONS) as llm:  # fmt: skip
+        llm.engine.proposer = OracleProposer({tuple(p): o for p, o in zip(prompts, plain)}, 0.3, rng.randrange(99))
+        spec = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        stats = llm.engine.stats()
+    assert 0 < stats.spec_accepted_tokens < stats.spec_draft_tokens
+    assert spec == plain
