@@ -40,14 +40,18 @@ def _case_id(case) -> str:
 
 @pytest.mark.parametrize("name,tp,ls,ep,overrides,replay", CASES, ids=[_case_id(c) for c in CASES])
 def test_parallel_logits_match_single_process_and_hf(name, tp, ls, ep, overrides, replay, tmp_path):
-    seed = random.SystemRandom().randrange(2**31)
-    print(f"reference {name} seed {seed}")
-    ref = build_reference(name, tmp_path / "model", seed, text={**CONFIGS[name], **overrides})
-    rng = random.Random(seed)
-    tokens = [rng.randrange(2, 509) for _ in range(90)]
-    hf = reference_run(ref, tokens)
-    compared = hf.first_tie()
-    assert compared >= 20, f"a near tie at position {compared} leaves too little to compare"
+    # A draw whose router or indexer has a near tie in its first 20 positions leaves too little
+    # to compare: draw another model and prompt (at most 5).
+    for draw in range(5):
+        seed = random.SystemRandom().randrange(2**31)
+        print(f"reference {name} seed {seed}")
+        ref = build_reference(name, tmp_path / f"model-{draw}", seed, text={**CONFIGS[name], **overrides})
+        rng = random.Random(seed)
+        tokens = [rng.randrange(2, 509) for _ in range(90)]
+        hf = reference_run(ref, tokens)
+        if (compared := hf.first_tie()) >= 20:
+            break
+    assert compared >= 20, f"5 draws each had a near tie within 20 positions (the last at {compared})"
     single = forced_logits(load_model(ref.path, dtype=torch.float32).model, tokens, 13, 41,
                            shuffle=random.Random(seed), kda_replay=replay)  # fmt: skip
     ours = tp_forced_logits(ref.path, tp, ls, ep, tokens, 13, 41, replay, seed, tmp_path)

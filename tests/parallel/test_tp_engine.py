@@ -21,7 +21,9 @@ from oxserve import LLM, SamplingParams
 from oxserve.cache.planner import plan_cache, plan_split_cache
 from oxserve.cache.spec import ElsewhereCacheSpec
 from oxserve.config import CacheConfig, ParallelConfig, SchedulerConfig
+from oxserve.engine.engine import check_parallel
 from oxserve.model.loader import load_model
+from oxserve.options import engine_config
 from oxserve.parallel.layer_split import LayerSplit
 from oxserve.parallel.workers import ParallelError, mismatch
 
@@ -174,3 +176,10 @@ def test_speculative_greedy_on_parallel_ranks_equals_plain_greedy(tiny_model_dir
         stats = llm.engine.stats()
     assert 0 < stats.spec_accepted_tokens < stats.spec_draft_tokens
     assert spec == plain
+
+
+def test_what_parallel_ranks_do_not_run_yet_is_refused_by_name():
+    with pytest.raises(ValueError, match="layer_split_size=2 does not combine with W8A8"):
+        check_parallel(engine_config({"layer_split_size": 2, "quantization": "w8a8"}))
+    with pytest.raises(ValueError, match="only host 0 runs the engine"):
+        check_parallel(engine_config({"tensor_parallel_size": 2, "nnodes": 2, "node_rank": 1, "master_port": 29500}))
