@@ -1,7 +1,7 @@
 """`oxserve bench parallel`: the parallel layouts' cost model, measured here and checked against
 real multi-process runs; then its predictions for GLM-5.3-Flash on 8 accelerators.
 
-1. Collectives between processes of this host (gloo; NCCL between GPUs), fit per kind.
+1. Collectives between CPU processes of this host (gloo), at sizes from 256 bytes to 4 MiB.
 2. For each layout (TP x LS) on the model given (default: the embedded one), a decode step
    predicted as rank 0's piece timed alone (its collectives skipped) + the engine's own work
    per step (measured on one process: its step minus its forward) + the step's collectives;
@@ -68,6 +68,8 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     config = engine_config_from_args(args)
+    if config.model.device != "cpu":
+        raise SystemExit("oxserve bench parallel measures CPU ranks over gloo only; NCCL between GPUs is not built yet")
     path = Path(config.model.model) if config.model.model else _default_model()
     dtype = DTYPES[config.model.dtype]
     layouts = [_layout(text) for text in args.layouts.split(",")]
@@ -75,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
     report: dict = {"model": str(path), "dtype": config.model.dtype, "batch": args.batch, "context": args.context, "cores": cores}
 
     with tempfile.TemporaryDirectory() as tmp:
-        costs = measure_collectives(max(2, *(layout.ranks for layout in layouts)), torch.device(config.model.device), Path(tmp))
+        costs = measure_collectives(max(2, *(layout.ranks for layout in layouts)), Path(tmp))
     report["collectives"] = costs.to_json()
     sizes = [size for size, _ in next(iter(costs.curves.values())).points]
     print(f"collectives between {costs.ranks} processes ({costs.backend}), mean us by bytes:")
@@ -83,7 +85,10 @@ def run(args: argparse.Namespace) -> int:
     for kind, curve in costs.curves.items():
         print(f"  {kind:<11}" + "".join(f"{t * 1e6:9.0f}" for _, t in curve.points))
 
-    report["layouts"] = here = [_layout_row(path, dtype, layout, costs, cores, args) for layout in layouts]
+    threads = {layout: max(1, cores // layout.ranks) for layout in layouts}
+    engine_work = {t: _engine_work(path, dtype, t, args) for t in set(threads.values())}
+    report["layouts"] = here = [_layout_row(path, dtype, layout, costs, threads[layout], engine_work[threads[layout]], args)
+                                for layout in layouts]  # fmt: skip
     print(f"\ndecode step at batch {args.batch}, context {args.context}, on {cores} cores (ms):")
     print("  layout        threads  compute  engine  collectives  predicted  measured  error")
     for row in here:
@@ -112,11 +117,10 @@ def _layout(text: str) -> Layout:
     return Layout(int(tp), int(ls or 1))
 
 
-def _layout_row(path: Path, dtype: torch.dtype, layout: Layout, costs: CollectiveCosts, cores: int, args) -> dict:
-    threads = max(1, cores // layout.ranks)
+def _layout_row(path: Path, dtype: torch.dtype, layout: Layout, costs: CollectiveCosts, threads: int, engine: float,
+                args) -> dict:  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         compute = concurrent_compute(path, layout, args.dtype, args.batch, args.context, args.steps, threads, Path(tmp))
-    engine = _engine_work(path, dtype, threads, args)
     cfg = TextModelConfig.from_file(path)
     calls = step_collectives(cfg, layout, args.batch, args.context, dtype.itemsize)
     collectives = collective_time(costs, calls)
@@ -128,20 +132,15 @@ def _layout_row(path: Path, dtype: torch.dtype, layout: Layout, costs: Collectiv
     return row
 
 
-_ENGINE_WORK: dict[int, float] = {}
-
-
 def _engine_work(path: Path, dtype: torch.dtype, threads: int, args) -> float:
     """The engine's work per decode step outside the forward (schedule, inputs, sample), at
     `threads`: one process's step minus its forward."""
     from oxserve.model.loader import load_model
 
-    if threads not in _ENGINE_WORK:
-        torch.set_num_threads(threads)
-        forward = timed_forward(load_model(path, dtype=dtype).model, args.batch, args.context, args.steps)
-        step = measured_decode_step(path, args.dtype, Layout(1), threads, args.batch, args.context, args.steps)
-        _ENGINE_WORK[threads] = max(0.0, step - forward)
-    return _ENGINE_WORK[threads]
+    torch.set_num_threads(threads)
+    forward = timed_forward(load_model(path, dtype=dtype).model, args.batch, args.context, args.steps)
+    step = measured_decode_step(path, args.dtype, Layout(1), threads, args.batch, args.context, args.steps)
+    return max(0.0, step - forward)
 
 
 def measured_decode_step(path: Path, dtype: str, layout: Layout, threads: int, batch: int, context: int, steps: int) -> float:

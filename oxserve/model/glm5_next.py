@@ -62,15 +62,15 @@ class DecoderLayer(nn.Module):
             post, comb, x = self.attn_hc.collapse(streams)
             x = self.input_layernorm(x)
         if not self.ls.owns(self.owner):  # another rank holds this layer's cache and runs it
-            x, selection = self.ls.share(torch.empty_like(x), self.owner), None
+            x, selection = torch.empty_like(x), None
         elif self.is_mla:
             x, selection = self.self_attn(x, batch, cache, selection)
             x = self.tp.reduce(x)
-            if self.owner is not None:
-                with span(tracer, f"{self.name}.layer_split.share"):
-                    x = self.ls.share(x, self.owner)
         else:
             x, selection = self.tp.reduce(self.self_attn(x, batch, cache)), None
+        if self.owner is not None:  # Layer Split: the owner's output on every rank
+            with span(tracer, f"{self.name}.layer_split.share"):
+                x = self.ls.share(x, self.owner)
         with span(tracer, f"{self.name}.hc.expand"):
             streams = HyperConnection.expand(post, comb, x, streams)
         with span(tracer, f"{self.name}.hc.collapse"):

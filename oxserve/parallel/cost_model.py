@@ -8,16 +8,17 @@ collective, so a rank's compute and the collectives add. Layer Split changes no 
 on the critical path (an MLA layer's attention runs once, on its owner's group, while the
 others wait), only the collectives (one broadcast per MLA layer) and the cache each rank holds.
 
-A rank's compute is measured with every rank computing at once (`concurrent_compute`: each
-process times its own piece, collectives skipped), because ranks on one host share its memory
-bandwidth and caches: a piece timed alone on an idle machine runs faster than it does beside
-the others. Collectives are measured on this host (`measure_collectives`: processes over gloo,
-or GPUs over NCCL) at sizes from 256 bytes to 4 MiB, and a call's time is interpolated between them:
-gloo's time is not linear in bytes (it changes algorithm with size), so one latency and one
-bandwidth would misprice the mid sizes a decode step sends. A rank's compute is either measured
-(`oxserve bench parallel` runs rank 0's piece alone, its collectives replaced by nothing) or,
-for a machine not at hand, taken from the per-op byte counts of `oxserve.profiling.costs` at a
-stated memory bandwidth (decode is bound by bytes on an accelerator).
+A rank's compute is measured on this host with every rank computing at once
+(`concurrent_compute`: each process times its own piece, collectives skipped), because ranks
+on one host share its memory bandwidth and caches: a piece timed alone on an idle machine runs
+faster than it does beside the others. For a machine not at hand it is taken from the per-op
+byte counts of `oxserve.profiling.costs` at a stated memory bandwidth (`roofline_compute`:
+decode is bound by bytes on an accelerator).
+
+Collectives are measured between CPU processes of this host over gloo (`measure_collectives`;
+measuring NCCL between GPUs is not built) at sizes from 256 bytes to 4 MiB, and a call's time
+is interpolated between them: gloo's time is not linear in bytes (it changes algorithm with
+size), so one latency and one bandwidth would misprice the mid sizes a decode step sends.
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ TP_CUT_OPS = frozenset({
     "moe.experts", "moe.shared", "mlp.dense", "lm_head",
 })  # fmt: skip
 KINDS = ("all_reduce", "broadcast", "gather", "message")
-MESSAGE_BYTES_PER_REQUEST = 360  # a decode's ScheduledRequest, pickled (measured: 350-370 bytes)
+# The pickled step message of a decode step: measured at 439, 855 and 2330 bytes for 1, 8 and 32 requests.
+MESSAGE_BYTES, MESSAGE_BYTES_PER_REQUEST = 380, 61
 FP32 = 4
 
 
@@ -110,7 +112,7 @@ def step_collectives(cfg: TextModelConfig, layout: Layout, batch: int, context: 
     if layout.ranks == 1:
         return []
     hidden = batch * cfg.hidden_size
-    calls = [("message", MESSAGE_BYTES_PER_REQUEST * batch)]
+    calls = [("message", MESSAGE_BYTES + MESSAGE_BYTES_PER_REQUEST * batch)]
     if layout.tp > 1:
         calls.append(("all_reduce", hidden * FP32))  # vocab-parallel embedding
         calls += [("all_reduce", hidden * FP32)] * (2 * cfg.num_hidden_layers)  # attention and MLP blocks
@@ -131,29 +133,26 @@ def collective_time(costs: CollectiveCosts, calls: list[tuple[str, float]]) -> f
 SIZES = tuple(1 << k for k in range(8, 23, 2))  # 256 bytes to 4 MiB
 
 
-def measure_collectives(ranks: int, device: torch.device, workdir: Path, repeats: int = 30) -> CollectiveCosts:
-    """Each kind timed (mean of `repeats`) at SIZES between `ranks` processes of this host."""
+def measure_collectives(ranks: int, workdir: Path, repeats: int = 30) -> CollectiveCosts:
+    """Each kind timed (mean of `repeats`) at SIZES between `ranks` CPU processes of this host."""
     import torch.multiprocessing as mp
 
-    from oxserve.parallel.workers import _free_port
+    from oxserve.parallel.workers import free_port
 
-    backend = "nccl" if device.type == "cuda" else "gloo"
     out = workdir / "collectives.json"
-    mp.start_processes(_time_on_rank, args=(ranks, _free_port("127.0.0.1"), backend, repeats, str(out)), nprocs=ranks,
-                       start_method="spawn")  # fmt: skip
+    mp.start_processes(_time_on_rank, args=(ranks, free_port(), repeats, str(out)), nprocs=ranks, start_method="spawn")
     samples = json.loads(out.read_text())
-    return CollectiveCosts(ranks, backend, {kind: Curve(tuple(map(tuple, samples[kind]))) for kind in KINDS})
+    return CollectiveCosts(ranks, "gloo", {kind: Curve(tuple(map(tuple, samples[kind]))) for kind in KINDS})
 
 
-def _time_on_rank(rank: int, ranks: int, port: int, backend: str, repeats: int, out: str) -> None:
+def _time_on_rank(rank: int, ranks: int, port: int, repeats: int, out: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=ranks,
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=ranks,
                             timeout=timedelta(seconds=60))  # fmt: skip
-    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
     try:
         samples: dict[str, list] = {kind: [] for kind in KINDS}
         for nbytes in SIZES:
-            x = torch.ones(nbytes // FP32, device=device)
+            x = torch.ones(nbytes // FP32)
             pieces = [torch.empty_like(x) for _ in range(ranks)] if rank == 0 else None
             payload = [bytes(nbytes) if rank == 0 else None]
             runs = {
@@ -169,8 +168,6 @@ def _time_on_rank(rank: int, ranks: int, port: int, backend: str, repeats: int, 
                     dist.barrier()
                     start = time.perf_counter()
                     run()
-                    if device.type == "cuda":
-                        torch.cuda.synchronize(device)
                     times.append(time.perf_counter() - start)
                 samples[kind].append([nbytes, statistics.fmean(times)])  # a step pays the mean, tail included
         if rank == 0:

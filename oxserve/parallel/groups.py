@@ -31,11 +31,6 @@ class Placement:
     def world_size(self) -> int:
         return self.tp.size * self.ls.size
 
-    @property
-    def samples(self) -> bool:
-        """The rank that gets the full logits (and the only one that samples)."""
-        return self.tp.rank == 0 and self.ls.rank == 0
-
 
 ALONE = Placement()
 

@@ -93,7 +93,7 @@ class WorkerGroup:
         self.size = config.world_size
         tp, ls = config.tensor_parallel_size, config.layer_split_size
         self.broken = False
-        port = config.master_port or _free_port(config.master_addr)
+        port = config.master_port or free_port(config.master_addr)
         init = f"tcp://{config.master_addr}:{port}"
         timeout = timedelta(seconds=config.collective_timeout)
         backend = "nccl" if device.type == "cuda" else "gloo"
@@ -252,7 +252,8 @@ def _die_with_parent() -> None:
         pass
 
 
-def _free_port(addr: str) -> int:
+def free_port(addr: str = "127.0.0.1") -> int:
+    """A port nothing listens on now, for a process group's rendezvous."""
     with socket.socket() as s:
         s.bind((addr, 0))
         return s.getsockname()[1]

@@ -71,7 +71,7 @@ def test_a_curve_interpolates_between_measured_sizes_and_extrapolates_past_them(
 
 
 def test_collectives_are_measured_between_real_processes(tmp_path):
-    costs = measure_collectives(2, torch.device("cpu"), tmp_path, repeats=3)
+    costs = measure_collectives(2, tmp_path, repeats=3)
     assert costs.backend == "gloo" and set(costs.curves) == {"all_reduce", "broadcast", "gather", "message"}
     for curve in costs.curves.values():
         assert [size for size, _ in curve.points] == sorted({size for size, _ in curve.points})

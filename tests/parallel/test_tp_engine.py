@@ -15,7 +15,6 @@ import pytest
 import torch
 from test_speculative import SPEC, OracleProposer
 from tiny_models import two_mla_checkpoint
-from tp_ranks import free_port
 
 from oxserve import LLM, SamplingParams
 from oxserve.cache.planner import plan_cache, plan_split_cache
@@ -25,7 +24,7 @@ from oxserve.engine.engine import check_parallel
 from oxserve.model.loader import load_model
 from oxserve.options import engine_config
 from oxserve.parallel.layer_split import LayerSplit
-from oxserve.parallel.workers import ParallelError, mismatch
+from oxserve.parallel.workers import ParallelError, free_port, mismatch
 
 pytestmark = pytest.mark.slow
 
@@ -69,41 +68,31 @@ def test_parallel_engine_generates_what_one_process_generates(tiny_model_dir, tw
                 assert x.keys() == y.keys() and all(abs(x[t] - y[t]) < 1e-3 for t in x)
 
 
-def test_a_rank_that_dies_stops_the_engine_with_a_clear_error(tiny_model_dir):
-    llm = LLM(str(tiny_model_dir), tensor_parallel_size=2, collective_timeout=30, **OPTIONS)
+# A rank that dies fails rank 0's next collective at once; one that hangs, after the timeout.
+FAULTS = [
+    (signal.SIGKILL, 30, r"rank\(s\) 1 exited|failed while", 10),
+    (signal.SIGSTOP, 3, "failed while .*[Tt]imed out", 3 + 5),
+]
+
+
+@pytest.mark.parametrize("fault,timeout,error,within_s", FAULTS, ids=["dies", "hangs"])
+def test_a_rank_that_dies_or_hangs_stops_the_engine_with_a_clear_error(tiny_model_dir, fault, timeout, error, within_s):
+    llm = LLM(str(tiny_model_dir), tensor_parallel_size=2, collective_timeout=timeout, **OPTIONS)
     engine = llm.engine
     ranks = list(engine.workers.processes)
     try:
         engine.add_request("a", {"prompt_token_ids": list(range(2, 40))}, SamplingParams(max_tokens=50, ignore_eos=True))
         engine.step()
-        os.kill(ranks[0].pid, signal.SIGKILL)
+        os.kill(ranks[0].pid, fault)
         started = time.monotonic()
-        with pytest.raises(ParallelError, match=r"rank\(s\) 1 exited|failed while"):
+        with pytest.raises(ParallelError, match=error):
             for _ in range(50):
                 engine.step()
-        assert time.monotonic() - started < 10
+        assert time.monotonic() - started < within_s
         with pytest.raises(ParallelError, match="already failed"):
             engine.step()
     finally:
-        llm.close()
-    assert not any(p.is_alive() for p in ranks)
-
-
-def test_a_rank_that_hangs_stops_the_engine_after_the_collective_timeout(tiny_model_dir):
-    llm = LLM(str(tiny_model_dir), tensor_parallel_size=2, collective_timeout=3, **OPTIONS)
-    engine = llm.engine
-    ranks = list(engine.workers.processes)
-    try:
-        engine.add_request("a", {"prompt_token_ids": list(range(2, 40))}, SamplingParams(max_tokens=50, ignore_eos=True))
-        engine.step()
-        os.kill(ranks[0].pid, signal.SIGSTOP)
-        started = time.monotonic()
-        with pytest.raises(ParallelError, match="failed while .*[Tt]imed out"):
-            for _ in range(50):
-                engine.step()
-        assert time.monotonic() - started < 3 + 5
-    finally:
-        llm.close()  # kills the stopped rank
+        llm.close()  # kills a stopped rank
     assert not any(p.is_alive() for p in ranks)
 
 

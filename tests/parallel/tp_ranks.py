@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import random
-import socket
 from datetime import timedelta
 from pathlib import Path
 
@@ -14,12 +13,7 @@ import torch.multiprocessing as mp
 from oxserve.model.forced import forced_logits
 from oxserve.model.loader import load_model
 from oxserve.parallel.groups import form_groups
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from oxserve.parallel.workers import free_port
 
 
 def _forced_on_rank(rank: int, tp: int, ls: int, ep: bool, port: int, path: str, tokens: list[int], chunk: int, decode_from: int | None,
