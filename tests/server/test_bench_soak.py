@@ -26,7 +26,7 @@ def test_the_judge_allows_near_ties_and_nothing_else():
 def test_a_minute_of_mixed_traffic_and_restarts_loses_nothing(tiny_model, tmp_path):
     server_args = f"--model {tiny_model} --dtype float32 --max-model-len {MAX_MODEL_LEN} --cache-memory-gib 0.05 --shutdown-timeout 5"
     cmd = [sys.executable, "-m", "oxserve.cli", "bench", "soak", "--duration", "60", "--request-rate", "3", "--kills", "1",
-           "--terms", "1", "--batch-every", "10", "--server-args", server_args, "--workdir", str(tmp_path), "--json"]  # fmt: skip
+           "--terms", "1", "--batch-every", "5", "--server-args", server_args, "--workdir", str(tmp_path), "--json"]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     summary = json.loads(done.stdout.strip().splitlines()[-1])
     assert done.returncode == 0 and summary["passed"], summary
