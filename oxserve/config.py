@@ -25,7 +25,8 @@ class ModelConfig:
         "quota; logged at start; 1 is steadier on a machine shared with other work)"
     )
     linear_kernel: str = opt(
-        "auto", "matrix products of the projections and LM head: oneDNN pre-packed weights (onednn; CPU fp32), "
+        "auto", "matrix products of the projections and LM head: oneDNN pre-packed weights (onednn; CPU fp32, and bf16 "
+        "where oneDNN runs it natively), "
         "F.linear (torch), or auto (onednn where supported)", choices=("auto", "onednn", "torch"),
     )
     quantization: str = opt(
