@@ -1,8 +1,9 @@
-"""Grouped expert GEMMs against the per-expert loop, and the router against its definition."""
+"""Grouped expert GEMMs and the native bf16 kernel against the per-expert loop."""
 
 import pytest
 import torch
 
+from oxserve.kernels import moe, native
 from oxserve.kernels.moe import grouped_experts, grouped_gemm_supported, looped_experts
 from oxserve.model.config import TextModelConfig
 from oxserve.model.moe import Experts
@@ -55,3 +56,56 @@ def test_unaligned_expert_sizes_take_the_loop(dtype, inter, grouped):
             ref[t] += experts.down_proj[e].float() @ (torch.nn.functional.silu(g.clamp(max=10)) * u.clamp(-10, 10) * w)
     tol = 1e-5 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(out.float(), ref, rtol=tol, atol=tol)
+
+
+# ---- the native bf16 kernel for decode-sized batches ---------------------------------------
+
+NATIVE_BUILDS = {  # the widest vector path this CPU has, AVX2 without AVX-512, plain C
+    "native": moe.BUILD_FLAGS,
+    "avx2": ("-O3", "-fopenmp", "-mavx2", "-mfma", "-mno-avx512f"),
+    "plain": ("-O3", "-fopenmp", "-mno-avx2", "-mno-avx512f"),
+}
+
+
+@pytest.mark.parametrize("build", NATIVE_BUILDS)
+@pytest.mark.parametrize("hidden,inter,pairs", [(64, 32, 1), (96, 48, 13), (40, 20, 30), (512, 256, 64), (33, 7, 0)])
+def test_native_experts_equal_the_loop(build, hidden, inter, pairs):
+    """Every build against the per-expert loop (which rounds to bf16 where the kernel does),
+    with widths that leave vector tails and an expert with no rows."""
+    lib = moe.bind(native.load("moe_bf16", NATIVE_BUILDS[build]))
+    experts = 5
+    ids = torch.randint(0, experts - 1, (pairs,))
+    ids[ids >= 1] += 1  # expert 1 gets no rows
+    offsets = ids.bincount(minlength=experts).cumsum(0).to(torch.int32)
+    rows = torch.randn(pairs, hidden).bfloat16()
+    weight = torch.rand(pairs, 1) + 0.1
+    gate_up = (torch.randn(experts, 2 * inter, hidden) * 3 / hidden**0.5).bfloat16()  # some gates past the clamp
+    down = (torch.randn(experts, hidden, inter) / inter**0.5).bfloat16()
+    got = moe.native_experts(rows, weight, offsets, gate_up, down, 2.0, lib=lib)
+    ref = looped_experts(rows, weight, offsets, gate_up, down, 2.0)
+    assert got.dtype == torch.bfloat16 and got.shape == ref.shape
+    if pairs:
+        # Only the summation order differs: a rare one-ulp flip of an intermediate, no more.
+        assert (got.float() - ref.float()).norm() <= 5e-3 * ref.float().norm()
+        torch.testing.assert_close(got.float(), ref.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_native_experts_keep_a_nan():
+    rows = torch.randn(2, 32).bfloat16()
+    rows[1, 3] = float("nan")
+    gate_up, down = torch.randn(1, 16, 32).bfloat16(), torch.randn(1, 32, 8).bfloat16()
+    out = moe.native_experts(rows, torch.ones(2, 1), torch.tensor([2], dtype=torch.int32), gate_up, down, 10.0)
+    assert out[0].isfinite().all() and out[1].isnan().all()
+
+
+def test_experts_take_the_native_kernel_for_few_rows_per_expert(monkeypatch):
+    calls = []
+    monkeypatch.setattr("oxserve.model.moe.native_experts", lambda *a: calls.append(a[0].shape[0]) or moe.native_experts(*a))
+    layer = Experts(make_config(n_routed_experts=4, moe_intermediate_size=32, hidden_size=64))
+    for p in layer.parameters():
+        p.data = (torch.randn_like(p, dtype=torch.float32) * 0.1).bfloat16()
+    few, many = torch.randn(3, 64).bfloat16(), torch.randn(40, 64).bfloat16()  # 6 and 80 pairs for 4 experts
+    for x in (few, many, few.float()):
+        layer.gate_up_proj.data, layer.down_proj.data = layer.gate_up_proj.to(x.dtype), layer.down_proj.to(x.dtype)
+        layer(x, torch.rand(x.shape[0], 2), torch.rand(x.shape[0], 4).argsort(1)[:, :2])
+    assert calls == [6]  # bf16 with few rows per expert; not 80 pairs, not fp32

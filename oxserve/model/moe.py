@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from oxserve.kernels.moe import grouped_experts, grouped_gemm_supported, looped_experts
+from oxserve.kernels.moe import grouped_experts, grouped_gemm_supported, looped_experts, native_experts, native_experts_fit
 from oxserve.model.activations import activation
 from oxserve.model.common import DenseMLP
 from oxserve.model.config import TextModelConfig
@@ -89,7 +89,12 @@ class Experts(nn.Module):
         """rows [P, H] sorted by expert, row_weight [P, 1], offsets [E] -> [P, H]. Quantized
         experts replace this (and the parameters), not the routing around it."""
         hidden, inter = self.down_proj.shape[1], self.down_proj.shape[2]
-        run = grouped_experts if grouped_gemm_supported(rows.device, rows.dtype, hidden, inter) else looped_experts
+        if native_experts_fit(rows, self.num_experts):  # decode on CPU in bf16
+            run = native_experts
+        elif grouped_gemm_supported(rows.device, rows.dtype, hidden, inter):
+            run = grouped_experts
+        else:
+            run = looped_experts
         return run(rows, row_weight, offsets, self.gate_up_proj, self.down_proj, self.swiglu_limit)
 
 

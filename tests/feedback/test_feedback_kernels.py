@@ -79,7 +79,7 @@ def test_memorising_the_first_input_is_rejected():
     memo = []
 
     def first_input_only(cfg, inputs):
-        real = REGISTRY["moe.experts"].candidates["torch"](cfg, inputs)
+        real = REGISTRY["moe.experts"].candidates["engine"](cfg, inputs)
 
         def run_(out):
             if not memo:

@@ -1,11 +1,12 @@
-"""MoE ops: the sigmoid router with group top-k, and the grouped expert GEMMs."""
+"""MoE ops: the sigmoid router with group top-k, and the routed experts (what the engine runs,
+the grouped GEMMs, the per-expert loop)."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from oxserve.kernels.moe import looped_experts
+from oxserve.kernels.moe import grouped_experts, looped_experts
 from oxserve.model.moe import Experts, Router
 from oxserve.profiling.opbench.checks import bind_params, close_for, precision_of, randn, token_counts
 from oxserve.profiling.opbench.registry import Case, Op, register_op
@@ -134,6 +135,7 @@ def reference_experts(cfg, i):
 
 
 def experts_candidate(cfg, i):
+    """What the engine runs: the `Experts` module, whichever kernel it picks for the case."""
     with torch.device("meta"):
         experts = Experts(cfg)
     bind_params(experts, gate_up_proj=i["gate_up_proj"], down_proj=i["down_proj"])
@@ -143,18 +145,20 @@ def experts_candidate(cfg, i):
     return run
 
 
-def looped_candidate(cfg, i):
-    """The per-expert loop that the engine falls back to where grouped GEMMs are missing."""
-    def run(out):
-        top_k = i["experts"].shape[1]
-        flat = i["experts"].flatten()
-        order = flat.argsort(stable=True)
-        offsets = torch.bincount(flat, minlength=cfg.n_routed_experts).cumsum(0).to(torch.int32)
-        token_of = order // top_k
-        rows = looped_experts(i["x"][token_of], i["weights"].flatten()[order, None], offsets,
+def sorted_candidate(run_sorted):
+    """A candidate from a kernel over rows sorted by expert (the routing around it as the engine's)."""
+    def bind(cfg, i):
+        def run(out):
+            top_k = i["experts"].shape[1]
+            flat = i["experts"].flatten()
+            order = flat.argsort(stable=True)
+            offsets = torch.bincount(flat, minlength=cfg.n_routed_experts).cumsum(0).to(torch.int32)
+            token_of = order // top_k
+            rows = run_sorted(i["x"][token_of], i["weights"].flatten()[order, None], offsets,
                               i["gate_up_proj"], i["down_proj"], cfg.swiglu_limit)
-        out[0].copy_(torch.zeros_like(i["x"]).index_add_(0, token_of, rows))
-    return run
+            out[0].copy_(torch.zeros_like(i["x"]).index_add_(0, token_of, rows))
+        return run
+    return bind
 
 
 def _experts_cases(cfg, shapes, dtype, device):
@@ -172,5 +176,7 @@ def _experts_cases(cfg, shapes, dtype, device):
     ]
 
 
+# engine: the native kernel for bf16 on CPU at few rows per expert, else grouped
 register_op(Op("moe.experts", _experts_cases, reference_experts, close_for("x"),
-               {"torch": experts_candidate, "looped": looped_candidate}))
+               {"engine": experts_candidate, "grouped": sorted_candidate(grouped_experts),
+                "looped": sorted_candidate(looped_experts)}))
