@@ -41,16 +41,17 @@ def test_grouped_equals_loop(dtype, pairs):
 
 @pytest.mark.parametrize("dtype,inter,grouped", [(torch.float32, 32, True), (torch.float32, 30, False), (torch.bfloat16, 36, False)])
 def test_unaligned_expert_sizes_take_the_loop(dtype, inter, grouped):
-    """The grouped GEMM needs 16-byte aligned rows; other sizes must still run (looped)."""
+    """The grouped GEMM needs 16-byte aligned rows; other sizes must still run (looped). 30
+    tokens: more rows per expert than the native bf16 kernel takes."""
     assert grouped_gemm_supported(torch.device("cpu"), dtype, 64, inter) is grouped
     experts = Experts(make_config(n_routed_experts=4, moe_intermediate_size=inter, hidden_size=64))
     for p in experts.parameters():
         p.data = torch.randn_like(p, dtype=dtype) * 0.1
-    x = torch.randn(5, 64, dtype=dtype)
-    weights, ids = torch.rand(5, 2), torch.randint(0, 4, (5, 2))
+    x = torch.randn(30, 64, dtype=dtype)
+    weights, ids = torch.rand(30, 2), torch.rand(30, 4).argsort(1)[:, :2]
     out = experts(x, weights, ids)
-    ref = torch.zeros(5, 64)
-    for t in range(5):
+    ref = torch.zeros(30, 64)
+    for t in range(30):
         for w, e in zip(weights[t], ids[t]):
             g, u = (experts.gate_up_proj[e].float() @ x[t].float()).chunk(2)
             ref[t] += experts.down_proj[e].float() @ (torch.nn.functional.silu(g.clamp(max=10)) * u.clamp(-10, 10) * w)
