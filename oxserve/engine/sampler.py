@@ -79,9 +79,14 @@ def _has_penalties(params: SamplingParams) -> bool:
 
 
 def apply_penalties(x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """Repetition (prompt + output tokens), then frequency and presence (output tokens)."""
+    """Repetition (prompt + output tokens), then frequency and presence (output tokens).
+
+    A logit that was finite stays finite, however large the penalty: a grammar mask may leave
+    only tokens the prompt holds, and an overflow to -inf there would leave nothing to sample
+    (-inf, the mask's, stays -inf)."""
     if not any(_has_penalties(row.params) for row in rows):
         return x
+    finite = x.isfinite()
     _, vocab = x.shape
     output_counts = _token_counts([row.output_token_ids for row in rows], vocab, x.device)
 
@@ -96,7 +101,8 @@ def apply_penalties(x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     presence = _column([row.params.presence_penalty for row in rows], x.device)
     x -= frequency * output_counts
     x -= presence * (output_counts > 0)
-    return x
+    limit = torch.finfo(x.dtype).max
+    return torch.where(finite, x.clamp(-limit, limit), x)
 
 
 def _token_counts(token_lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
@@ -111,7 +117,10 @@ def _token_counts(token_lists: list[list[int]], vocab: int, device: torch.device
 
 
 def _column(values: list[float], device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)
+    """[R, 1] float32; a value past float32's range (a finite float64 is accepted) is taken at
+    its edge rather than as infinity, which would turn 0 * inf and -inf / inf into NaN."""
+    limit = torch.finfo(torch.float32).max
+    return torch.tensor([max(-limit, min(limit, v)) for v in values], dtype=torch.float32, device=device).unsqueeze(1)
 
 
 # --- random sampling --------------------------------------------------------------------
