@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from oxserve.kernels import native
-from oxserve.kernels.hyper import NATIVE_MAX_N, hc_gates, hc_gates_native, hc_gates_torch
+from oxserve.kernels.hyper import (NATIVE_MAX_N, hc_collapse_native, hc_collapse_torch, hc_expand_native, hc_expand_torch,
+                                   hc_gates, hc_gates_native, hc_gates_torch)
 from oxserve.kernels.token_mask import apply_token_bitmask_native, apply_token_bitmask_torch
 
 
@@ -62,6 +63,34 @@ def test_hc_gates_takes_strided_inputs_and_large_n_falls_back():
         hc_gates_native(*args, n, 5, 1e-6)
     for g, e in zip(hc_gates(*args, n, 5, 1e-6), hc_gates_torch(*args, n, 5, 1e-6)):
         torch.testing.assert_close(g, e)
+
+
+def _close_in(dtype):
+    """fp32: another summation order; bf16: also a rare one-ulp flip where a sum lands between
+    two bf16 values."""
+    return dict(rtol=2e-5, atol=2e-5) if dtype == torch.float32 else dict(rtol=1.6e-2, atol=1.6e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens,n,d", [(0, 4, 64), (1, 4, 512), (7, 4, 33), (64, 1, 100), (5, 5, 80), (3, NATIVE_MAX_N, 20)])
+def test_hc_collapse_and_expand_native_match_torch(dtype, tokens, n, d):
+    gen = torch.Generator().manual_seed(tokens * 100 + n * 10 + d)
+    width = (2 + n) * n
+    streams = (torch.randn(tokens, n, d, generator=gen) * 3).to(dtype)
+    fn = (torch.randn(width, n * d, generator=gen) * (n * d) ** -0.5).to(dtype)
+    base, scale = torch.randn(width, generator=gen), torch.rand(3, generator=gen) + 0.5
+    got = hc_collapse_native(streams, fn, base, scale, 20, 1e-6, 1e-5)
+    eager = hc_collapse_torch(streams, fn, base, scale, 20, 1e-6, 1e-5)
+    for g, e in zip(got, eager, strict=True):
+        assert g.shape == e.shape and g.dtype == e.dtype
+        torch.testing.assert_close(g.float(), e.float(), **(_close_in(dtype) if g.dtype == dtype else dict(rtol=2e-5, atol=2e-5)))
+    post, comb, block = eager
+    new = hc_expand_native(post, comb, block, streams)
+    expected = hc_expand_torch(post, comb, block, streams)
+    assert new.shape == expected.shape and new.dtype == dtype
+    torch.testing.assert_close(new.float(), expected.float(), **_close_in(dtype))
+    if tokens and dtype == torch.bfloat16:  # the roundings are the torch version's: flips are rare
+        assert (new != expected).float().mean() < 0.01
 
 
 @pytest.mark.parametrize("vocab", [1, 31, 32, 33, 1000])

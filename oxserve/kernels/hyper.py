@@ -1,18 +1,30 @@
-"""mHC gates: (pre, post, comb) from the projected streams, comb made doubly stochastic.
+"""mHC hyper-connections' collapse and expand, and their gates.
 
-`hc_gates` runs the native C kernel on CPU fp32 (one call instead of ~120 tiny ops) and
-`hc_gates_torch` elsewhere; the torch version is what the kernel is tested against.
+    streams [T,N,D] --flatten, norm, project--> pre [T,N], post [T,N], comb [T,N,N] (Sinkhorn)
+    collapse: block input = sum_n pre_n * stream_n
+    expand:   new streams = post (x) block_output + comb^T @ streams
+
+`hc_gates` runs the native C kernel on CPU (one call instead of ~120 tiny ops) and
+`hc_gates_torch` elsewhere. `hc_collapse` and `hc_expand` run the whole of each in one
+native call for decode-sized batches on CPU (bf16 or fp32), else their torch versions. The
+torch versions are what the kernels are tested against.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import torch
+import torch.nn.functional as F
 
 from oxserve.kernels import native
 
 NATIVE_MAX_N = 16  # MAX_N in hc_gates.c
+# Up to this many tokens a call takes the native collapse and expand (one thread; larger
+# batches take torch's threaded products).
+NATIVE_MAX_TOKENS = 64
+BUILD_FLAGS = native.NATIVE_ISA + ("-O3",)  # vector sums; no FMA contraction under -std=c11
 
 
 def hc_gates_torch(
@@ -36,7 +48,7 @@ def hc_gates_torch(
 def hc_gates_native(
     mixed: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: int, iters: int, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    lib = native.load("hc_gates")
+    lib = _kernel()
     tokens = mixed.shape[0]
     mixed, base, scale = (t.float().contiguous() for t in (mixed, base, scale))
     pre, post = mixed.new_empty(tokens, n), mixed.new_empty(tokens, n)
@@ -52,6 +64,93 @@ def hc_gates_native(
 def hc_gates(
     mixed: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: int, iters: int, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    if mixed.device.type == "cpu" and n <= NATIVE_MAX_N and native.load("hc_gates") is not None:
+    if mixed.device.type == "cpu" and n <= NATIVE_MAX_N and _kernel() is not None:
         return hc_gates_native(mixed, base, scale, n, iters, eps)
     return hc_gates_torch(mixed, base, scale, n, iters, eps)
+
+
+@functools.cache
+def _kernel() -> ctypes.CDLL | None:
+    lib = native.load("hc_gates", BUILD_FLAGS)
+    if lib is not None:
+        lib.hc_collapse.restype = lib.hc_expand.restype = ctypes.c_int
+    return lib
+
+
+def _native_fits(streams: torch.Tensor, n: int) -> bool:
+    return (streams.device.type == "cpu" and streams.dtype in (torch.bfloat16, torch.float32) and n <= NATIVE_MAX_N
+            and streams.shape[0] <= NATIVE_MAX_TOKENS and _kernel() is not None)
+
+
+# ---- collapse -----------------------------------------------------------------------------
+
+
+def hc_collapse_torch(
+    streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int, eps: float,
+    norm_eps: float, gates=hc_gates,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """streams [T,N,D] -> (post [T,N] fp32, comb [T,N,N] fp32, block input [T,D])."""
+    n = streams.shape[1]
+    streams_f = streams.float()
+    flat = streams_f.flatten(1)
+    # rms-normalising a row then projecting = projecting then scaling by the row's 1/rms.
+    mean_square = torch.linalg.vector_norm(flat, dim=-1, keepdim=True).square() / flat.shape[1]
+    mixed = F.linear(flat, fn.float()) * torch.rsqrt(mean_square + norm_eps)
+    pre, post, comb = gates(mixed, base, scale, n, iters, eps)
+    collapsed = torch.bmm(pre.unsqueeze(1), streams_f).squeeze(1).to(streams.dtype)
+    return post, comb, collapsed
+
+
+def hc_collapse_native(
+    streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int, eps: float,
+    norm_eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    tokens, n, d = streams.shape
+    streams = streams.contiguous()
+    fn, base, scale = (t.float().contiguous() for t in (fn, base, scale))
+    pre, post = streams.new_empty(tokens, n, dtype=torch.float32), streams.new_empty(tokens, n, dtype=torch.float32)
+    comb, out = streams.new_empty(tokens, n, n, dtype=torch.float32), streams.new_empty(tokens, d)
+    ptr = native.pointer
+    status = _kernel().hc_collapse(ptr(streams), ctypes.c_int(streams.dtype == torch.bfloat16), ctypes.c_int64(tokens),
+                                   ctypes.c_int(n), ctypes.c_int64(d), ptr(fn), ptr(base), ptr(scale), ctypes.c_int(iters),
+                                   ctypes.c_float(eps), ctypes.c_float(norm_eps), ptr(pre), ptr(post), ptr(comb), ptr(out))
+    if status != 0:
+        raise MemoryError(f"hc_collapse: no scratch memory for {tokens} tokens")
+    return post, comb, out
+
+
+def hc_collapse(
+    streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int, eps: float,
+    norm_eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if _native_fits(streams, streams.shape[1]):
+        return hc_collapse_native(streams, fn, base, scale, iters, eps, norm_eps)
+    return hc_collapse_torch(streams, fn, base, scale, iters, eps, norm_eps)
+
+
+# ---- expand -------------------------------------------------------------------------------
+
+
+def hc_expand_torch(post: torch.Tensor, comb: torch.Tensor, block_out: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
+    dtype = streams.dtype
+    return post.to(dtype).unsqueeze(-1) * block_out.unsqueeze(-2) + comb.to(dtype).transpose(-1, -2) @ streams
+
+
+def hc_expand_native(post: torch.Tensor, comb: torch.Tensor, block_out: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
+    tokens, n, d = streams.shape
+    post, comb = post.float().contiguous(), comb.float().contiguous()
+    block_out, streams = block_out.to(streams.dtype).contiguous(), streams.contiguous()
+    out = torch.empty_like(streams)
+    ptr = native.pointer
+    status = _kernel().hc_expand(ptr(post), ptr(comb), ptr(block_out), ptr(streams), ctypes.c_int(streams.dtype == torch.bfloat16),
+                                 ctypes.c_int64(tokens), ctypes.c_int(n), ctypes.c_int64(d), ptr(out))
+    if status != 0:
+        raise MemoryError(f"hc_expand: no scratch memory for {tokens} tokens")
+    return out
+
+
+def hc_expand(post: torch.Tensor, comb: torch.Tensor, block_out: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
+    """post [T,N] fp32, comb [T,N,N] fp32, block output [T,D], streams [T,N,D] -> new streams."""
+    if _native_fits(streams, streams.shape[1]):
+        return hc_expand_native(post, comb, block_out, streams)
+    return hc_expand_torch(post, comb, block_out, streams)

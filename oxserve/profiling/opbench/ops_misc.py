@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from oxserve.kernels.hyper import hc_gates, hc_gates_torch
+import functools
+
+from oxserve.kernels.hyper import hc_collapse, hc_collapse_torch, hc_expand, hc_expand_torch, hc_gates_torch
 from oxserve.kernels.token_mask import apply_token_bitmask, apply_token_bitmask_torch
 from oxserve.model.common import RMSNorm
 from oxserve.model.glm5_next import Glm5NextForCausalLM
@@ -52,11 +54,11 @@ def reference_collapse(cfg, i):
     return post, comb, collapsed
 
 
-def collapse_candidate(cfg, i, gates=hc_gates):
+def collapse_candidate(cfg, i, kernel=hc_collapse):
     with torch.device("meta"):
         hc = HyperConnection(cfg.hidden_size, cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps)
     bind_params(hc, fn=i["fn"], base=i["base"], scale=i["scale"])
-    hc.gates = gates
+    hc.collapse_kernel = kernel
 
     def run(out):
         for buffer, value in zip(out, hc.collapse(i["streams"]), strict=True):
@@ -114,11 +116,14 @@ def _expand_cases(cfg, shapes, dtype, device):
     ]
 
 
+# engine: one native call on CPU for decode-sized batches; native-gates: torch around the native
+# gates (the engine's larger batches); torch: all torch
 register_op(Op("hc.collapse", _collapse_cases, reference_collapse, close_for("streams"),
-               {"engine": collapse_candidate,  # native gates on CPU
-                "torch": lambda cfg, i: collapse_candidate(cfg, i, gates=hc_gates_torch)}))
+               {"engine": collapse_candidate,
+                "native-gates": lambda cfg, i: collapse_candidate(cfg, i, hc_collapse_torch),
+                "torch": lambda cfg, i: collapse_candidate(cfg, i, functools.partial(hc_collapse_torch, gates=hc_gates_torch))}))
 register_op(Op("hc.expand", _expand_cases, reference_expand, close_for("streams"),
-               {"torch": returning(HyperConnection.expand)}))
+               {"engine": returning(hc_expand), "torch": returning(hc_expand_torch)}))
 
 
 # ---- RMSNorm ----------------------------------------------------------------------------
