@@ -2,7 +2,7 @@
 
 Each kernel is one C file in this package, compiled on first use with the system C compiler
 (`cc`, or `$CC`) into `$OXSERVE_CACHE_DIR/native` (default `~/.cache/oxserve/native`),
-named by a hash of source, flags and (for `-march=native` builds) the CPU, so an edit
+named by a hash of source, the package's headers, flags and (for `-march=native` builds) the CPU, so an edit
 rebuilds it and parallel processes share one build. Plain C with no torch headers: it builds in well under a second, and is called
 through ctypes on tensors' data pointers. Where no compiler is found, `load` returns None
 and callers run their torch version (which is also what the kernels are tested against).
@@ -56,9 +56,10 @@ def load(name: str, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
         log.warning("no C compiler (cc / $CC): native kernel %s unavailable, using the torch version", name)
         return None
     source = Path(__file__).with_name(f"{name}.c")
+    headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))  # what sources may include
     flags = (*FLAGS, *extra_flags)
     machine = cpu_identity() if "-march=native" in flags else b""
-    digest = hashlib.sha256(source.read_bytes() + " ".join(flags).encode() + machine).hexdigest()[:16]
+    digest = hashlib.sha256(source.read_bytes() + headers + " ".join(flags).encode() + machine).hexdigest()[:16]
     target = cache_dir() / f"{name}-{digest}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)

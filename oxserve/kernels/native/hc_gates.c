@@ -14,6 +14,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "bf16.h"
+
 #define LANES 8
 #define MAX_N 16
 
@@ -85,22 +87,11 @@ int hc_gates(const float *mixed, const float *base, const float *scale, int64_t 
  * than a decode step's few tokens of arithmetic. Same operations as `HyperConnection`, with
  * fp32 sums and results rounded to bf16 where the torch version rounds them. */
 
-static inline float from_bf16(uint16_t v) {
-    union { uint32_t u; float f; } c = {.u = (uint32_t)v << 16};
-    return c.f;
-}
-
-static inline uint16_t to_bf16(float f) {  /* round to nearest even; NaN stays NaN */
-    union { float f; uint32_t u; } c = {.f = f};
-    if ((c.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((c.u >> 16) | 0x40);
-    return (uint16_t)((c.u + 0x7fffu + ((c.u >> 16) & 1u)) >> 16);
-}
-
 /* A row of `count` values (bf16 or fp32) into fp32, and back (rounded to bf16 when asked). */
 static void widen_row(const void *src, int64_t offset, int64_t count, int is_bf16, float *dst) {
     if (is_bf16) {
         const uint16_t *p = (const uint16_t *)src + offset;
-        for (int64_t k = 0; k < count; k++) dst[k] = from_bf16(p[k]);
+        for (int64_t k = 0; k < count; k++) dst[k] = bf16_to_f32(p[k]);
     } else {
         const float *p = (const float *)src + offset;
         for (int64_t k = 0; k < count; k++) dst[k] = p[k];
@@ -110,14 +101,14 @@ static void widen_row(const void *src, int64_t offset, int64_t count, int is_bf1
 static void narrow_row(const float *src, int64_t count, int is_bf16, void *dst, int64_t offset) {
     if (is_bf16) {
         uint16_t *p = (uint16_t *)dst + offset;
-        for (int64_t k = 0; k < count; k++) p[k] = to_bf16(src[k]);
+        for (int64_t k = 0; k < count; k++) p[k] = f32_to_bf16(src[k]);
     } else {
         float *p = (float *)dst + offset;
         for (int64_t k = 0; k < count; k++) p[k] = src[k];
     }
 }
 
-static inline float rounded(float v, int is_bf16) { return is_bf16 ? from_bf16(to_bf16(v)) : v; }
+static inline float rounded(float v, int is_bf16) { return is_bf16 ? round_bf16(v) : v; }
 
 #define SUMS 64 /* independent partial sums: four vector registers, so the adds do not wait on each other */
 

@@ -22,25 +22,14 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+
+#include "bf16.h"
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
 #define NBLOCK 16 /* output channels per task */
 
-static inline float bf16_to_f32(uint16_t v) {
-    union { uint32_t u; float f; } c = {.u = (uint32_t)v << 16};
-    return c.f;
-}
-
-/* Round to nearest even, as torch does; NaN stays NaN. */
-static inline uint16_t f32_to_bf16(float f) {
-    union { float f; uint32_t u; } c = {.f = f};
-    if ((c.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((c.u >> 16) | 0x40);
-    return (uint16_t)((c.u + 0x7fffu + ((c.u >> 16) & 1u)) >> 16);
-}
-
-static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 
 static float dot(const uint16_t *a, const uint16_t *b, int64_t n) {
     int64_t k = 0;
