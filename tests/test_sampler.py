@@ -172,16 +172,17 @@ def test_penalties_match_reference():
     assert torch.equal(logits, before)
 
 
-@pytest.mark.parametrize("penalty", [8.9e60, 1e38, 1e30])
+@pytest.mark.parametrize("penalty", [8.9e60, 1e38, 1e30, 5e-324, 1e-40])
 @pytest.mark.parametrize("temperature", [0.0, 1.0, 1e39])
 def test_extreme_penalties_and_temperatures_leave_a_masked_row_its_allowed_tokens(penalty, temperature):
-    """A grammar mask left two tokens, both in the prompt with negative logits; a penalty or
-    temperature past float32's range must not make them -inf or NaN (the fuzzer's 500: the
-    row then sampled token 0, which the grammar refused inside the step)."""
+    """A grammar mask left two tokens, both in the prompt, and masked one the prompt also holds
+    (3); a penalty or temperature past float32's range must not make the allowed ones -inf or
+    the masked one NaN (the fuzzer's 500s: the row then sampled token 0, which the grammar
+    refused inside the step)."""
     logits = torch.full((2, 40), float("-inf"))
-    logits[:, 7], logits[:, 9] = -3.0, -0.0
+    logits[:, 7], logits[:, 9] = -3.0, 2.0
     rows = [_row(SamplingParams(temperature=temperature, repetition_penalty=penalty, frequency_penalty=2.0,
-                                seed=s), prompt=[7, 9], output=[7]) for s in (0, 1)]
+                                seed=s), prompt=[7, 9, 3], output=[7]) for s in (0, 1)]
     for _ in range(20):
         assert set(sample(logits, rows).token_ids) <= {7, 9}
     penalised = apply_penalties(logits.clone(), rows)

@@ -86,7 +86,7 @@ def apply_penalties(x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     (-inf, the mask's, stays -inf)."""
     if not any(_has_penalties(row.params) for row in rows):
         return x
-    finite = x.isfinite()
+    finite, masked = x.isfinite(), x == float("-inf")
     _, vocab = x.shape
     output_counts = _token_counts([row.output_token_ids for row in rows], vocab, x.device)
 
@@ -102,7 +102,9 @@ def apply_penalties(x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     x -= frequency * output_counts
     x -= presence * (output_counts > 0)
     limit = torch.finfo(x.dtype).max
-    return torch.where(finite, x.clamp(-limit, limit), x)
+    # A masked -inf stays -inf whatever the penalty made of it (times a penalty that float32
+    # rounds to 0 it was NaN).
+    return torch.where(finite, x.clamp(-limit, limit), x).masked_fill_(masked, float("-inf"))
 
 
 def _token_counts(token_lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
