@@ -109,7 +109,7 @@ async def soak(args: argparse.Namespace, server: SoakServer, rng: random.Random)
         faults = sorted([(rng.uniform(0.15, 0.85) * args.duration, signal.SIGKILL) for _ in range(args.kills)]
                         + [(rng.uniform(0.15, 0.85) * args.duration, signal.SIGTERM) for _ in range(args.terms)])  # fmt: skip
         killer = asyncio.ensure_future(_kill_at(server, faults, start, restarts, args))
-        sampler = asyncio.ensure_future(_sample_rss(server))
+        sampler = asyncio.ensure_future(_sample_memory(client, server))
         batches: list[tuple[str, list[int]]] = []
         tasks: list[asyncio.Task] = []
         next_batch = start + rng.expovariate(1 / args.batch_every)
@@ -127,8 +127,9 @@ async def soak(args: argparse.Namespace, server: SoakServer, rng: random.Random)
         outcomes = [o for o in results if isinstance(o, Outcome)]
         batch_report = await _check_batches(server, batches, pool, refs, args.tie_margin)
         idle = await _wait_idle(client, server.base_url)
+        heap_end = _heap_mib(_scalars((await client.get(f"{server.base_url}/metrics")).text))  # idle: no step's activations
     server.lives[-1].rss_end_mib = server.rss_mib()
-    return summarize(args, outcomes, batch_report, idle, server, time.monotonic() - start)
+    return summarize(args, outcomes, batch_report, idle, server, time.monotonic() - start, heap_end)
 
 
 async def _one(client, server: SoakServer, model, req, ref, kind, tie, rng, restarts) -> Outcome:
@@ -148,13 +149,23 @@ async def _one(client, server: SoakServer, model, req, ref, kind, tie, rng, rest
     return outcome
 
 
-async def _sample_rss(server: SoakServer, every_s: float = 5.0) -> None:
+async def _sample_memory(client: httpx.AsyncClient, server: SoakServer, every_s: float = 5.0) -> None:
+    """RSS from /proc and the heap split from /metrics, every `every_s` seconds."""
     while True:
         await asyncio.sleep(every_s)
         try:
             server.sample()
         except (OSError, StopIteration):  # the process is going away between the check and the read
             pass
+        try:
+            server.record_heap(_scalars((await client.get(f"{server.base_url}/metrics", timeout=5)).text))
+        except (httpx.HTTPError, ValueError):  # restarting, or too slow to answer: a gap in the trend
+            pass
+
+
+def _scalars(text: str) -> dict[str, float]:
+    """A /metrics page's samples that carry no labels, by name."""
+    return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples if not s.labels}
 
 
 async def _kill_at(server: SoakServer, faults, start: float, restarts: list[float], args) -> None:
@@ -214,15 +225,15 @@ async def _check_batches(server: SoakServer, batches, pool, refs, tie) -> dict:
 async def _wait_idle(client: httpx.AsyncClient, url: str, timeout: float = 120.0) -> dict:
     deadline = time.monotonic() + timeout
     while True:
-        text = (await client.get(f"{url}/metrics")).text
-        m = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples if not s.labels}
+        m = _scalars((await client.get(f"{url}/metrics")).text)
         idle = {k: m[f"oxserve:{k}"] for k in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")}
         if not any(idle.values()) or time.monotonic() > deadline:
             return idle
         await asyncio.sleep(0.5)
 
 
-def summarize(args, outcomes: list[Outcome], batches: dict, idle: dict, server: SoakServer, seconds: float) -> dict:
+def summarize(args, outcomes: list[Outcome], batches: dict, idle: dict, server: SoakServer, seconds: float,
+              heap_end: dict | None = None) -> dict:  # fmt: skip
     results = Counter(o.result for o in outcomes)
     by_kind = {k: dict(Counter(o.result for o in outcomes if o.kind == k)) for k in KINDS}
     plain_latency = [o.latency_s for o in outcomes if o.kind == "plain" and o.result == OK]
@@ -249,8 +260,21 @@ def summarize(args, outcomes: list[Outcome], batches: dict, idle: dict, server: 
         "rss_mib": [(round(life.rss_start_mib), round(life.rss_end_mib)) for life in server.lives],
         # A leak climbs to the end; an allocator's high-water mark levels off.
         "rss_trend_mib": [_quartiles([rss for _, rss in life.samples]) for life in server.lives],
+        # The heap at the same points: a leak climbs in use; allocator retention climbs in free-held.
+        "heap_in_use_trend_mib": [_quartiles([x[1] for x in life.heap]) for life in server.lives],
+        "heap_free_held_trend_mib": [_quartiles([x[2] for x in life.heap]) for life in server.lives],
+        "heap_arenas_trend": [_quartiles([x[3] for x in life.heap]) for life in server.lives],
+        "heap_end_mib": heap_end,
         "rss_growth_mib": round(growth, 1), "checks": checks, "failures": examples, "passed": all(checks.values()),
     }  # fmt: skip
+
+
+def _heap_mib(metrics: dict[str, float]) -> dict | None:
+    """The heap split of a /metrics scrape, MiB (None: the server does not export it)."""
+    if "oxserve:heap_in_use_bytes" not in metrics:
+        return None
+    return {"in_use": round(metrics["oxserve:heap_in_use_bytes"] / 2**20),
+            "free_held": round(metrics["oxserve:heap_free_held_bytes"] / 2**20), "arenas": int(metrics["oxserve:heap_arenas"])}  # fmt: skip
 
 
 def _quartiles(values: list[float]) -> list[int]:
@@ -266,6 +290,8 @@ def format_summary(s: dict) -> str:
              f"batches: {s['batches']}",
              f"plain latency p50 {s['latency_p50_s']} s, p99 {s['latency_p99_s']} s; stream TTFT p99 {s['ttft_p99_s']} s", f"RSS (start, end) MiB per life: {s['rss_mib']}; largest growth once warm {s['rss_growth_mib']} MiB",
              f"RSS through each life (0/25/50/75/100%): {s['rss_trend_mib']}",
+             f"  heap in use: {s['heap_in_use_trend_mib']}; free bytes malloc holds: {s['heap_free_held_trend_mib']}; "
+             f"arenas: {s['heap_arenas_trend']}; heap at the end, idle: {s['heap_end_mib']}",
              f"idle at the end: {s['idle']}", *(f"[{'pass' if ok else 'FAIL'}] {name}" for name, ok in s["checks"].items()),
              *(f"  e.g. {x}" for x in s["failures"]), f"workdir: {s.get('workdir')}"]  # fmt: skip
     return "\n".join(lines)

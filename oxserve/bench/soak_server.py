@@ -30,6 +30,8 @@ class Life:
     ended_by: str = "end"  # "SIGKILL", "SIGTERM" or "end" (the soak's own stop)
     exit_code: int | None = None
     samples: list[tuple[float, float]] = field(default_factory=list)  # (seconds since start, RSS MiB)
+    # From its /metrics, next to RSS: (seconds since start, heap in use MiB, free bytes malloc holds MiB, arenas)
+    heap: list[tuple[float, float, float, int]] = field(default_factory=list)
 
     @property
     def growth_mib(self) -> float:
@@ -71,6 +73,13 @@ class SoakServer:
         life = self.lives[-1]
         if self.down_since is None and self.proc.poll() is None:
             life.samples.append((time.monotonic() - life.started, self.rss_mib()))
+
+    def record_heap(self, metrics: dict[str, float]) -> None:
+        """Record the running life's heap split from a scrape of its /metrics (no-op without it)."""
+        if self.down_since is None and "oxserve:heap_in_use_bytes" in metrics:
+            life = self.lives[-1]
+            life.heap.append((time.monotonic() - life.started, metrics["oxserve:heap_in_use_bytes"] / 2**20,
+                              metrics["oxserve:heap_free_held_bytes"] / 2**20, int(metrics["oxserve:heap_arenas"])))  # fmt: skip
 
     def rss_mib(self) -> float:
         with open(f"/proc/{self.proc.pid}/status") as f:

@@ -17,6 +17,10 @@ A request the engine finishes with "error" (it isolated the request as the cause
 step) fails its group with an `EngineError`. An exception that escapes `step()` (a fault
 outside the forward) fails the requests that were running and the loop goes on serving.
 If the loop itself dies, `is_alive` turns false: /health answers 503 and the server exits.
+
+When it has nothing to run, the engine thread gives the heap's free pages back to the OS
+once per idle spell (`IDLE_TRIM`, engine/memory.py: at most every 5 s, 1-50 ms; a request
+that arrives meanwhile waits for it).
 A step that never returns (a hung kernel) cannot be interrupted; `declare_stalled` fails
 every request from the event loop side instead and `is_alive` turns false the same way.
 """
@@ -33,6 +37,7 @@ from typing import AsyncIterator, Callable, Protocol
 
 from oxserve.config import EngineConfig
 from oxserve.engine.engine import EngineStats, LLMEngine, Prompt
+from oxserve.engine.memory import IDLE_TRIM
 from oxserve.faults import Faults, InjectedFault
 from oxserve.parallel.workers import ParallelError
 from oxserve.outputs import RequestOutput
@@ -196,6 +201,7 @@ class AsyncEngine:
         self._stalled = False  # set once by the event loop if a step never returned
         self._step_started: float | None = None  # set by the engine thread while a step runs
         self._next_expiry = 0.0  # engine thread only: when to look for requests past max_queue_time
+        self._untrimmed = False  # engine thread only: steps ran since the heap was last trimmed
         self._groups: set[RequestGroup] = set()  # event loop only: submitted, not all ended
         self._loop: asyncio.AbstractEventLoop | None = None
         built: queue.Queue[LLMEngine | BaseException] = queue.Queue()
@@ -343,6 +349,7 @@ class AsyncEngine:
                 self._step()
                 self._flush()
                 steps += 1
+                self._untrimmed = True
                 if crash_after is not None and steps >= crash_after:
                     raise InjectedFault(f"planted fault: the engine loop dies after {steps} steps")
 
@@ -369,12 +376,23 @@ class AsyncEngine:
             self._outbox = _Outbox()
 
     def _take_commands(self, block: bool) -> list:
-        commands = [self._commands.get()] if block else []
+        commands = [self._wait_idle()] if block else []
         while True:
             try:
                 commands.append(self._commands.get_nowait())
             except queue.Empty:
                 return commands
+
+    def _wait_idle(self):
+        """The next command, trimming the heap once while waiting for it if steps ran since
+        the last trim (as soon as the trim interval allows)."""
+        while True:
+            if self._untrimmed and IDLE_TRIM.idle():
+                self._untrimmed = False
+            try:
+                return self._commands.get(timeout=IDLE_TRIM.wait_s() if self._untrimmed else None)
+            except queue.Empty:
+                continue
 
     def _apply(self, command: _Submit | _Abort) -> None:
         if isinstance(command, _Abort):

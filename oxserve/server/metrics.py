@@ -14,6 +14,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from oxserve.outputs import RequestOutput
 from oxserve.engine.engine import EngineStats
+from oxserve.engine.memory import IDLE_TRIM, heap_stats, resident_bytes
 from oxserve.server.async_engine import RequestTiming
 from oxserve.server.quotas import KeyQuota
 
@@ -25,6 +26,7 @@ class ServerMetrics:
     def __init__(self, snapshot: Callable[[], EngineStats], keys: list[KeyQuota] | None = None):
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(snapshot))
+        self.registry.register(_MemoryCollector())
         if keys:
             self.registry.register(_KeyCollector(keys))
         self.ttft = Histogram(
@@ -98,6 +100,31 @@ class _EngineCollector:
              s.prefix_block_evictions),
         ):
             yield kind(f"oxserve:{name}", doc, value=value)
+
+
+class _MemoryCollector:
+    """The process's memory: resident, and glibc's heap split into bytes in use and free bytes
+    malloc holds. A leak shows as in-use bytes climbing; allocator retention as free-held
+    bytes climbing while in-use stays flat (docs/reliability.md#soak)."""
+
+    def collect(self) -> Iterator[Metric]:
+        if (rss := resident_bytes()) is not None:
+            yield GaugeMetricFamily("oxserve:resident_memory_bytes", "Resident memory of the server process (RSS).", value=rss)
+        heap = heap_stats()
+        if heap is None:  # not glibc (or glibc < 2.33): no split to show
+            return
+        yield GaugeMetricFamily("oxserve:heap_in_use_bytes", "malloc'd bytes in use, all arenas and mmapped blocks.",
+                                value=heap.in_use)  # fmt: skip
+        yield GaugeMetricFamily("oxserve:heap_free_held_bytes", "Freed bytes glibc malloc keeps in its arenas (resident or not).",
+                                value=heap.free_held)  # fmt: skip
+        yield GaugeMetricFamily("oxserve:heap_mmapped_bytes", "In-use bytes in blocks mmapped on their own (past the mmap threshold).",
+                                value=heap.mmapped)  # fmt: skip
+        yield GaugeMetricFamily("oxserve:heap_arenas", "glibc malloc arenas (the main one and per-thread ones).", value=heap.arenas)
+        # Free-held bytes stay counted after a trim (the chunks stay free in malloc, their pages go back): these say what went.
+        yield CounterMetricFamily("oxserve:heap_trims", "malloc_trim calls while the engine was idle.", value=IDLE_TRIM.trims)
+        yield CounterMetricFamily("oxserve:heap_trim_released_bytes", "Resident bytes the idle trims gave back to the OS.",
+                                  value=IDLE_TRIM.released_bytes)  # fmt: skip
+        yield CounterMetricFamily("oxserve:heap_trim_seconds", "Time the idle trims took.", value=IDLE_TRIM.seconds)
 
 
 class _KeyCollector:

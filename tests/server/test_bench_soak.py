@@ -35,3 +35,7 @@ def test_a_minute_of_mixed_traffic_and_restarts_loses_nothing(tiny_dense_dsa_mod
     assert summary["restarts"] == {"SIGKILL": 1, "SIGTERM": 1}
     assert summary["results"]["ok"] > 60 and summary["batches"]["jobs"] >= 2 and summary["batches"]["lines"] > 0
     assert all(summary["by_kind"][k] for k in ("plain", "stream", "leave", "give_up")), summary["by_kind"]
+    # The heap split from /metrics is sampled next to RSS (a life cut short by a restart may have no sample).
+    lives = len(summary["rss_mib"])
+    assert len(summary["heap_in_use_trend_mib"]) == len(summary["heap_free_held_trend_mib"]) == lives
+    assert any(trend and min(trend) > 0 for trend in summary["heap_in_use_trend_mib"]), summary["heap_in_use_trend_mib"]
