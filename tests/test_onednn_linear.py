@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from oxserve.kernels.onednn import OneDNNLinear, choose_linear_kernel, use_onednn_linears
+from oxserve.kernels.onednn import OneDNNLinear, bucket_rows, choose_linear_kernel, use_onednn_linears
 from oxserve.model.linear import Linear
 from oxserve.model.loader import load_model
 from hf_reference import build_reference, tiny_config
@@ -59,3 +59,24 @@ def test_loaded_model_keeps_what_it_shares(tmp_path, tied):
     assert model.layers[0].self_attn.o_proj.weight.numel() == 0
     hidden = torch.randn(3, model.config.hidden_size)
     torch.testing.assert_close(model.compute_logits(hidden), plain.compute_logits(hidden), rtol=1e-5, atol=1e-4)
+
+
+def test_row_buckets_are_few_and_waste_at_most_a_quarter():
+    buckets = {bucket_rows(m) for m in range(1, 8193)}
+    assert len(buckets) == 41 and max(buckets) == 8192
+    for m in range(1, 8193):
+        b = bucket_rows(m)
+        assert b >= m and bucket_rows(b) == b, m
+        assert b <= 16 or b < 1.25 * m, (m, b)
+
+
+def test_products_are_the_same_at_any_row_count_of_a_bucket():
+    """A padded row is computed as it would be alone in its bucket: rows 1..20 of a 20-row
+    bucket agree bit for bit whatever the row count that carried them."""
+    linear = Linear(64, (48,))
+    packed = OneDNNLinear(linear)
+    packed.after_load()
+    x = torch.randn(20, 64)
+    full = packed(x)
+    for m in (17, 18, 19):
+        torch.testing.assert_close(packed(x[:m]), full[:m], rtol=0, atol=0)

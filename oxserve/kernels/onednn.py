@@ -11,6 +11,13 @@ Sapphire Rapids (AMX) machine of docs/performance.md the packed weight took 0.45
 time at 1-32 rows (LM head, 8 rows: 2.2 -> 1.4 ms), with bit-equal results.
 
 fp32 results differ from `F.linear` by fp32 rounding only (another summation order).
+
+oneDNN builds and caches a primitive per input shape, so per row count: unbounded row counts
+fill its cache (about 1000 entries, 0.6 MiB per row count for the default model's 15 shapes)
+and its evictions strand freed memory in the heap (docs/reliability.md#soak). Rows are padded
+up to a few buckets (`bucket_rows`: 41 up to 8192 rows), which bounds both; a decode step is
+bound by the weight's bytes, so its padded rows cost next to nothing, and a prefill chunk
+computes at most a quarter more rows.
 """
 
 from __future__ import annotations
@@ -19,11 +26,22 @@ from collections import Counter
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from oxserve.model.linear import Linear, swap_linears
 
 PACK_FOR_ROWS = 8  # the row count oneDNN picks its blocking for; decode batches are around it
+EXACT_BUCKETS_UP_TO = 16  # powers of two up to here; above, four buckets per doubling
+
+
+def bucket_rows(rows: int) -> int:
+    """The row count a product of `rows` rows (>= 1) runs at: the next power of two up to 16,
+    then the next multiple of an eighth of the next power of two (17 -> 20, 33 -> 40)."""
+    if rows <= EXACT_BUCKETS_UP_TO:
+        return 1 << (rows - 1).bit_length()
+    step = 1 << ((rows - 1).bit_length() - 3)
+    return -(-rows // step) * step
 
 
 def onednn_linear_supported(device: torch.device, dtype: torch.dtype) -> bool:
@@ -57,10 +75,13 @@ class OneDNNLinear(nn.Module):
         if self.packed is None:
             raise RuntimeError("OneDNNLinear used before its weights were loaded")
         rows = x.reshape(-1, self.in_features)
-        if rows.shape[0] == 0:
+        m = rows.shape[0]
+        if m == 0:
             return x.new_empty(*x.shape[:-1], self.out_features)
-        out = torch.ops.mkldnn._linear_pointwise(rows.contiguous(), self.packed, None, "none", [], "")
-        return out.view(*x.shape[:-1], self.out_features)
+        padded = bucket_rows(m)
+        rows = F.pad(rows, (0, 0, 0, padded - m)) if padded != m else rows.contiguous()
+        out = torch.ops.mkldnn._linear_pointwise(rows, self.packed, None, "none", [], "")
+        return out[:m].view(*x.shape[:-1], self.out_features)
 
     def dense_weight(self) -> torch.Tensor:
         if self.packed is None or self.shared_weight:
