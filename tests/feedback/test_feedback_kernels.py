@@ -113,6 +113,27 @@ def test_replaying_seen_inputs_is_caught_on_inputs_regenerated_after_timing():
     assert result.timing is not None  # it got through the timed calls
 
 
+def test_weights_may_be_prepared_at_bind_and_the_recheck_brings_new_ones():
+    """lm_head's weight is a model weight: the same in every input set, so a copy made when the
+    candidate binds (as a packed layout is) stays right; the recheck after timing regenerates
+    it and binds anew, so a copy kept from an earlier binding is caught."""
+    def prepared_at_bind(keep_first: bool):
+        kept: list[torch.Tensor] = []
+
+        def bind(cfg, inputs):
+            kept.append(inputs["weight"].double().clone())
+            weight = kept[0] if keep_first else kept[-1]
+
+            def run_(out):
+                out[0].copy_(inputs["x"].double() @ weight.T)
+            return run_
+        return bind
+
+    assert run("lm_head", prepared_at_bind(keep_first=False)).passed
+    stale = run("lm_head", prepared_at_bind(keep_first=True))
+    assert not stale.passed and "regenerated after timing" in stale.reason
+
+
 def test_a_crashing_candidate_is_rejected_not_fatal():
     def broken(cfg, inputs):
         def run_(out):

@@ -2,7 +2,8 @@
 
 For each (case, candidate):
 
-    1. inputs   N_SETS input sets from distinct seeds; the reference's outputs for each
+    1. inputs   N_SETS input sets from distinct seeds (an op's weights: the first set's in
+                all); the reference's outputs for each
     2. bind     the candidate once to *live* input tensors; each call first copies a set's
                 values into them (same storage, new values) and NaN-poisons the outputs
     3. check    every set in turn: wrong values, unwritten outputs, or stale values from
@@ -78,6 +79,7 @@ def run_case(
     *, warmup: int = 3, reps: int = 20, seed: int = 0, ceilings: Ceilings | None = None, cache_bytes: int = 0,
 ) -> Result:
     sets = [case.make_inputs(_generator(device, seed + k)) for k in range(N_SETS)]
+    sets = [{**s, **{w: sets[0][w] for w in op.weights}} for s in sets]
     refs = [op.reference(cfg, s) for s in sets]
     bytes_, flops = case.cost(sets[0])
     roofline_us = _roofline_us(ceilings, case, bytes_, flops, cache_bytes)

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import torch
-
 import functools
 
+import torch
+
 from oxserve.kernels.hyper import hc_collapse, hc_collapse_torch, hc_expand, hc_expand_torch, hc_gates_torch
+from oxserve.kernels.onednn import choose_linear_kernel
 from oxserve.kernels.token_mask import apply_token_bitmask, apply_token_bitmask_torch
 from oxserve.model.common import RMSNorm
 from oxserve.model.glm5_next import Glm5NextForCausalLM
@@ -168,10 +169,18 @@ def reference_lm_head(cfg, i):
     return (i["x"].double() @ i["weight"].double().T,)
 
 
-def lm_head_candidate(cfg, i):
+def lm_head_candidate(cfg, i, linear_kernel="torch"):
+    """The LM head as the engine builds it with `--linear-kernel` (auto: oneDNN's packed
+    weight where it runs this dtype; torch: `F.linear`)."""
     with torch.device("meta"):
         model = Glm5NextForCausalLM(cfg)
+    _, transform = choose_linear_kernel(linear_kernel, i["weight"].device, i["weight"].dtype)
+    if transform is not None:
+        transform(model)
     bind_params(model.lm_head, weight=i["weight"])
+    if hasattr(model.lm_head, "after_load"):
+        model.lm_head.shared_weight = True  # the weight is the harness's input: pack it, keep it
+        model.lm_head.after_load()
 
     def run(out):
         out[0].copy_(model.compute_logits(i["x"]))
@@ -192,7 +201,9 @@ def _lm_head_cases(cfg, shapes, dtype, device):
     ]
 
 
-register_op(Op("lm_head", _lm_head_cases, reference_lm_head, close_for("x"), {"torch": lm_head_candidate}))
+register_op(Op("lm_head", _lm_head_cases, reference_lm_head, close_for("x"),
+              {"engine": functools.partial(lm_head_candidate, linear_kernel="auto"), "torch": lm_head_candidate},
+              weights=("weight",)))
 
 
 # ---- structured outputs' token mask -----------------------------------------------------

@@ -62,6 +62,10 @@ class Op:
     reference: Reference
     check: Check
     candidates: dict[str, Candidate] = field(default_factory=dict)
+    # Inputs that are model weights: the same in every input set of the check, so a candidate
+    # may prepare them when it binds, as the engine does at load (a packed layout); the
+    # recheck after timing regenerates them with the rest and binds anew.
+    weights: tuple[str, ...] = ()
 
 
 REGISTRY: dict[str, Op] = {}
