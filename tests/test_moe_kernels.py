@@ -110,3 +110,67 @@ def test_experts_take_the_native_kernel_for_few_rows_per_expert(monkeypatch):
         layer.gate_up_proj.data, layer.down_proj.data = layer.gate_up_proj.to(x.dtype), layer.down_proj.to(x.dtype)
         layer(x, torch.rand(x.shape[0], 2), torch.rand(x.shape[0], 4).argsort(1)[:, :2])
     assert calls == [6]  # bf16 with few rows per expert; not 80 pairs, not fp32
+
+
+# ---- the AMX kernel, on weights packed at load ----------------------------------------------
+
+AMX = moe.amx_experts_fit(torch.device("cpu"), torch.bfloat16, 64, 32)
+
+
+def test_panels_hold_the_same_values():
+    weight = torch.randn(3, 48, 64).bfloat16()
+    packed = moe.pack_panels(weight)
+    assert packed.shape == (3, 3, 32, 16, 2) and packed[1, 2, 5, 7, 1] == weight[1, 2 * 16 + 7, 2 * 5 + 1]
+    assert torch.equal(moe.unpack_panels(packed), weight)
+
+
+def test_amx_is_taken_exactly_where_the_cpu_has_it():
+    assert AMX == moe.cpu_has_amx_bf16()  # this machine: a compiler, and Linux grants the tiles
+    cpu = torch.device("cpu")
+    assert not moe.amx_experts_fit(cpu, torch.float32, 64, 32) and not moe.amx_experts_fit(cpu, torch.bfloat16, 64, 48)
+    layer = Experts(make_config(n_routed_experts=4, moe_intermediate_size=32, hidden_size=64))
+    for p in layer.parameters():
+        p.data = (torch.randn_like(p, dtype=torch.float32) * 0.1).bfloat16()
+    layer.after_load()
+    assert layer.packed == AMX and (layer.gate_up_proj.numel() == 0) == AMX
+
+
+@pytest.mark.parametrize("hidden,inter,pairs", [(64, 32, 1), (96, 64, 13), (512, 256, 64), (64, 32, 300), (32, 32, 0)])
+def test_amx_experts_equal_the_loop(hidden, inter, pairs):
+    """Against the per-expert loop (which rounds where the kernel does): more and fewer than a
+    tile's 16 rows per expert, an expert with no rows."""
+    experts = 5
+    ids = torch.randint(0, experts - 1, (pairs,))
+    ids[ids >= 1] += 1  # expert 1 gets no rows
+    offsets = ids.bincount(minlength=experts).cumsum(0).to(torch.int32)
+    rows = torch.randn(pairs, hidden).bfloat16()
+    weight = torch.rand(pairs, 1) + 0.1
+    gate_up = (torch.randn(experts, 2 * inter, hidden) * 3 / hidden**0.5).bfloat16()  # some gates past the clamp
+    down = (torch.randn(experts, hidden, inter) / inter**0.5).bfloat16()
+    if not AMX:  # a CPU without AMX-BF16 refuses, clearly
+        with pytest.raises(RuntimeError, match="AMX"):
+            moe.amx_experts(rows, weight, offsets, moe.pack_panels(gate_up), moe.pack_panels(down), 2.0)
+        return
+    got = moe.amx_experts(rows, weight, offsets, moe.pack_panels(gate_up), moe.pack_panels(down), 2.0)
+    ref = looped_experts(rows, weight, offsets, gate_up, down, 2.0)
+    assert got.dtype == torch.bfloat16 and got.shape == ref.shape
+    if pairs:
+        # Summation order and a vector exp differ: a rare one-ulp flip of an intermediate, no more.
+        assert (got.float() - ref.float()).norm() <= 5e-3 * ref.float().norm()
+        torch.testing.assert_close(got.float(), ref.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_amx_experts_keep_a_nan_and_a_loaded_layer_computes_what_the_dense_one_did():
+    if AMX:
+        rows = torch.randn(2, 32).bfloat16()
+        rows[1, 3] = float("nan")
+        gate_up, down = moe.pack_panels(torch.randn(1, 64, 32).bfloat16()), moe.pack_panels(torch.randn(1, 32, 32).bfloat16())
+        out = moe.amx_experts(rows, torch.ones(2, 1), torch.tensor([2], dtype=torch.int32), gate_up, down, 10.0)
+        assert out[0].isfinite().all() and out[1].isnan().all()
+    layer = Experts(make_config(n_routed_experts=4, moe_intermediate_size=32, hidden_size=64))
+    for p in layer.parameters():
+        p.data = (torch.randn_like(p, dtype=torch.float32) * 0.1).bfloat16()
+    x, weights, ids = torch.randn(40, 64).bfloat16(), torch.rand(40, 2), torch.rand(40, 4).argsort(1)[:, :2]
+    dense = layer(x, weights, ids)
+    layer.after_load()
+    torch.testing.assert_close(layer(x, weights, ids).float(), dense.float(), rtol=2e-2, atol=2e-2)

@@ -6,19 +6,23 @@
 `grouped_experts` runs all experts in two grouped GEMMs; `looped_experts` is the plain
 reference (one GEMM pair per expert) it is tested against, and the fallback where the
 grouped GEMM is unavailable (CUDA with fp32). `native_experts` is the CPU bf16 kernel for
-the few rows per expert of decode steps (`native/moe_bf16.c`).
+the few rows per expert of decode steps (`native/moe_bf16.c`); `amx_experts` the CPU bf16
+kernel for any rows on CPUs with AMX, on weights packed at load (`native/moe_amx.c`).
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import logging
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 from oxserve.kernels import native
+
+log = logging.getLogger(__name__)
 
 
 def clamped_glu(
@@ -75,11 +79,14 @@ BUILD_FLAGS = native.NATIVE_ISA + native.OPENMP + ("-O3",)
 NATIVE_MAX_ROWS_PER_EXPERT = 6
 
 
+# Both kernels' arguments: x, P, H, offsets, E, row_weight, gate_up, down, I, limit, y, threads
+_EXPERTS_ARGTYPES = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                     ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
+
+
 def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.moe_bf16_experts.restype = ctypes.c_int
-    lib.moe_bf16_experts.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
-                                     ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_float,
-                                     ctypes.c_void_p, ctypes.c_int]
+    lib.moe_bf16_experts.argtypes = _EXPERTS_ARGTYPES
     return lib
 
 
@@ -119,4 +126,87 @@ def native_experts(
                                   inter, limit, ptr(out), torch.get_num_threads())
     if status != 0:
         raise MemoryError(f"native_experts: no scratch memory for {p} x {inter} activations")
+    return out
+
+
+# ---- the AMX kernel (CPU with AMX-BF16, bf16): weights packed once at load ---------------------
+
+AMX_BUILD_FLAGS = native.NATIVE_ISA + native.OPENMP + ("-O3", "-mamx-tile", "-mamx-bf16")
+AMX_PANEL = 16  # output channels per packed panel; inputs go in pairs
+
+
+def cpu_has_amx_bf16() -> bool:
+    flags = native.cpu_identity().decode().split()
+    return "amx_tile" in flags and "amx_bf16" in flags
+
+
+def bind_amx(lib: ctypes.CDLL) -> ctypes.CDLL:
+    lib.moe_amx_enable.restype = ctypes.c_int
+    lib.moe_amx_experts.restype = ctypes.c_int
+    lib.moe_amx_experts.argtypes = _EXPERTS_ARGTYPES
+    return lib
+
+
+@functools.cache
+def _amx_kernel() -> ctypes.CDLL | None:
+    """The AMX build, with the tile state granted by Linux; None where the CPU, the compiler
+    or the kernel lacks it."""
+    if not cpu_has_amx_bf16():
+        return None
+    lib = native.load("moe_amx", AMX_BUILD_FLAGS)
+    if lib is None:
+        return None
+    lib = bind_amx(lib)
+    if lib.moe_amx_enable() != 0:
+        log.warning("Linux refused the AMX tile state (arch_prctl): routed experts use the other kernels")
+        return None
+    return lib
+
+
+def amx_experts_fit(device: torch.device, dtype: torch.dtype, hidden: int, intermediate: int) -> bool:
+    """Whether experts of these sizes can be packed for `amx_experts`: CPU bf16 on a CPU with
+    AMX-BF16, widths in whole tiles (multiples of 32), a compiler."""
+    return (device.type == "cpu" and dtype == torch.bfloat16 and hidden % 32 == 0 and intermediate % 32 == 0
+            and _amx_kernel() is not None)  # fmt: skip
+
+
+def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+    """[E, N, K] -> [E, N/16, K/2, 16, 2]: per expert, panels of 16 output channels whose
+    inputs are interleaved in pairs, the layout an AMX weight tile loads (native/moe_amx.c)."""
+    e, n, k = weight.shape
+    return weight.reshape(e, n // AMX_PANEL, AMX_PANEL, k // 2, 2).permute(0, 1, 3, 2, 4).contiguous()
+
+
+def unpack_panels(packed: torch.Tensor) -> torch.Tensor:
+    """The inverse of `pack_panels`."""
+    e, blocks, pairs, panel, two = packed.shape
+    return packed.permute(0, 1, 3, 2, 4).reshape(e, blocks * panel, pairs * two)
+
+
+def amx_experts(
+    rows: torch.Tensor, row_weight: torch.Tensor, offsets: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+    limit: float,
+) -> torch.Tensor:
+    """As `native_experts`, on weights packed by `pack_panels` (gate_up from [E, 2I, H], down
+    from [E, H, I])."""
+    lib = _amx_kernel()
+    if lib is None:
+        raise RuntimeError("amx_experts needs a CPU with AMX-BF16 and a C compiler")
+    p, hidden = rows.shape
+    experts, inter = gate_up.shape[0], down.shape[2] * 2
+    if (rows.dtype != torch.bfloat16 or gate_up.dtype != torch.bfloat16 or down.dtype != torch.bfloat16
+            or gate_up.shape != (experts, 2 * inter // AMX_PANEL, hidden // 2, AMX_PANEL, 2)
+            or down.shape != (experts, hidden // AMX_PANEL, inter // 2, AMX_PANEL, 2) or offsets.numel() != experts
+            or hidden % 32 or inter % 32):  # fmt: skip
+        raise ValueError(f"amx_experts: packed weights {tuple(gate_up.shape)}, {tuple(down.shape)} and {offsets.numel()} "
+                         f"offsets do not fit bf16 rows {tuple(rows.shape)} ({rows.dtype})")
+    rows = rows.contiguous()
+    offsets = offsets.to(torch.int32).contiguous()
+    row_weight = row_weight.float().reshape(p).contiguous()
+    out = torch.empty_like(rows)
+    ptr = native.pointer
+    status = lib.moe_amx_experts(ptr(rows), p, hidden, ptr(offsets), experts, ptr(row_weight), ptr(gate_up), ptr(down),
+                                 inter, limit, ptr(out), torch.get_num_threads())
+    if status != 0:
+        raise MemoryError(f"amx_experts: no scratch memory for {p} x {inter} activations")
     return out

@@ -6,7 +6,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from oxserve.kernels.moe import grouped_experts, grouped_gemm_supported, looped_experts, native_experts, native_experts_fit
+from oxserve.kernels.moe import (
+    amx_experts, amx_experts_fit, grouped_experts, grouped_gemm_supported, looped_experts, native_experts,
+    native_experts_fit, pack_panels,
+)
 from oxserve.model.activations import activation
 from oxserve.model.common import DenseMLP
 from oxserve.model.config import TextModelConfig
@@ -68,6 +71,8 @@ class Experts(nn.Module):
                                      gate_up_split)  # fmt: skip
         self.down_proj = loadable(empty_param(self.num_experts, cfg.hidden_size, inter), split=down_split)
         self.swiglu_limit = cfg.swiglu_limit
+        self.hidden_size, self.intermediate_size = cfg.hidden_size, inter
+        self.packed = False  # after_load: the stacks are in the AMX kernel's panels (gate_up_panels, down_panels)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """Sort (token, expert) pairs by expert, run the experts, add each pair back to its token.
@@ -85,10 +90,24 @@ class Experts(nn.Module):
         out = self.run_sorted(rows, row_weight, offsets)
         return torch.zeros_like(x).index_add_(0, token_of, out)
 
+    def after_load(self) -> None:
+        """On a CPU with AMX, bf16 stacks move into the AMX kernel's panels, which hold the
+        same values; the dense stacks are freed."""
+        weight = self.gate_up_proj
+        if not amx_experts_fit(weight.device, weight.dtype, self.hidden_size, self.intermediate_size):
+            return
+        self.register_buffer("gate_up_panels", pack_panels(weight.detach()), persistent=False)
+        self.register_buffer("down_panels", pack_panels(self.down_proj.detach()), persistent=False)
+        for param in (self.gate_up_proj, self.down_proj):
+            param.data = param.data.new_empty(0)
+        self.packed = True
+
     def run_sorted(self, rows: torch.Tensor, row_weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """rows [P, H] sorted by expert, row_weight [P, 1], offsets [E] -> [P, H]. Quantized
         experts replace this (and the parameters), not the routing around it."""
-        hidden, inter = self.down_proj.shape[1], self.down_proj.shape[2]
+        if self.packed:  # CPU with AMX, bf16: any number of rows
+            return amx_experts(rows, row_weight, offsets, self.gate_up_panels, self.down_panels, self.swiglu_limit)
+        hidden, inter = self.hidden_size, self.intermediate_size
         if native_experts_fit(rows, self.num_experts):  # decode on CPU in bf16
             run = native_experts
         elif grouped_gemm_supported(rows.device, rows.dtype, hidden, inter):

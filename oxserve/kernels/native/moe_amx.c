@@ -1,0 +1,154 @@
+/* Routed experts in bf16 on AMX tiles, for any number of rows per expert.
+ *
+ * The same products and roundings as moe_bf16.c (see there), on weights packed once at load
+ * into the pair-interleaved ("VNNI") panels that an AMX B tile reads in one load:
+ *
+ *     W [N, K] -> packed [N/16][K/2][16][2]:  packed[b][p][n][t] = W[16 b + n][2 p + t]
+ *
+ * so the 16 output channels of a panel and 32 of its inputs are one contiguous 1 KiB tile.
+ * gate_up [E, 2I, H] and down [E, H, I] are packed per expert (N = 2I, K = H; N = H, K = I).
+ *
+ * Why: torch's grouped GEMM pays a oneDNN set-up per expert and call, and the AVX512-BF16
+ * kernel runs out of arithmetic past a few rows per expert; a tile multiply does 16 x 16 x 32
+ * multiply-adds per instruction, so the experts cost about what reading their weights costs
+ * at decode batch sizes, and prefill runs near the tile units' rate.
+ *
+ * Tiles: 0 and 1 accumulate (up to 16 rows x 16 fp32), 2 holds rows of x or of the
+ * activations (16 x 32 bf16), 3 and 4 weight panels. Each OpenMP thread configures its own
+ * tiles (the configuration is per thread) with the row count of its current chunk. */
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+#define TILE_M 16  /* rows per tile */
+#define TILE_N 16  /* output channels per panel */
+#define TILE_K 32  /* bf16 inputs per tile row */
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} TileConfig;
+
+/* Ask Linux for the tile data state (once per process); 0 when granted. */
+int moe_amx_enable(void) { return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 0 : -1; }
+
+static void configure(int m) {
+    TileConfig c = {0};
+    c.palette = 1;
+    for (int t = 0; t < 3; t++) { c.rows[t] = (uint8_t)m; c.colsb[t] = 64; }
+    for (int t = 3; t < 5; t++) { c.rows[t] = TILE_K / 2; c.colsb[t] = 64; }
+    _tile_loadconfig(&c);
+}
+
+/* e^x on 16 lanes: x = n ln2 + r, |r| <= ln2/2, e^r by Cephes' degree-7 polynomial, times 2^n
+ * (scalef saturates to inf and 0). Within 2 ulp of expf; its bf16 rounding rarely differs. */
+static inline __m512 exp16(__m512 x) {
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* fp32 -> bf16 (nearest even, NaN kept) -> fp32 on 16 lanes */
+static inline __m512 round16(__m512 v) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+}
+
+/* One row of 16 intermediate channels: bf16(bf16(bf16(silu(min(g, limit))) * clamp(u)) * w),
+ * rounded where moe_bf16.c rounds. min/max take the NaN from their second operand. */
+static inline void glu16(const float *gate, const float *up, float limit, float w, uint16_t *out) {
+    __m512 lim = _mm512_set1_ps(limit);
+    __m512 g = _mm512_min_ps(lim, round16(_mm512_loadu_ps(gate)));
+    __m512 u = _mm512_max_ps(_mm512_set1_ps(-limit), _mm512_min_ps(lim, round16(_mm512_loadu_ps(up))));
+    __m512 silu = round16(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g)))));
+    __m512 act = _mm512_mul_ps(round16(_mm512_mul_ps(silu, u)), _mm512_set1_ps(w));
+    _mm256_storeu_si256((__m256i *)out, (__m256i)_mm512_cvtneps_pbh(act));
+}
+
+static inline int64_t start_of(const int32_t *offsets, int64_t e) { return e == 0 ? 0 : offsets[e - 1]; }
+
+/* The panel of `packed` (per expert: N/16 panels of K/2 x 16 x 2) for expert e, panel b,
+ * inputs from 32 * kk. */
+static inline const uint16_t *panel(const uint16_t *packed, int64_t n, int64_t k, int64_t e, int64_t b, int64_t kk) {
+    return packed + ((e * (n / TILE_N) + b) * (k / 2) + kk * (TILE_K / 2)) * (2 * TILE_N);
+}
+
+/* x [P, H] bf16 sorted by expert; offsets [E] int32 (end of each expert's rows); row_weight
+ * [P] fp32; gate_up, down packed as above; y [P, H] bf16. H and I multiples of 32. Returns
+ * 0, or -1 without scratch memory. */
+int moe_amx_experts(const uint16_t *x, int64_t P, int64_t H, const int32_t *offsets, int64_t E, const float *row_weight,
+                    const uint16_t *gate_up, const uint16_t *down, int64_t I, float limit, uint16_t *y, int nthreads) {
+    if (P == 0) return 0;
+    uint16_t *act = malloc((size_t)(P * I) * sizeof(uint16_t));
+    if (act == NULL) return -1;
+    int64_t panels_i = I / TILE_N, pairs_h = H / (2 * TILE_N);
+
+    #pragma omp parallel num_threads(nthreads)
+    {
+        int configured = 0;
+        float acc0[TILE_M * TILE_N], acc1[TILE_M * TILE_N];
+        /* gate and up for 16 intermediate channels of one expert, 16 rows at a time */
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < E * panels_i; task++) {
+            int64_t e = task / panels_i, b = task % panels_i;
+            for (int64_t m0 = start_of(offsets, e), end = offsets[e]; m0 < end; m0 += TILE_M) {
+                int m = end - m0 < TILE_M ? (int)(end - m0) : TILE_M;
+                if (m != configured) { configure(m); configured = m; }
+                _tile_zero(0);
+                _tile_zero(1);
+                for (int64_t kk = 0; kk < H / TILE_K; kk++) {
+                    _tile_loadd(2, x + m0 * H + kk * TILE_K, H * 2);
+                    _tile_loadd(3, panel(gate_up, 2 * I, H, e, b, kk), 64);
+                    _tile_loadd(4, panel(gate_up, 2 * I, H, e, panels_i + b, kk), 64);
+                    _tile_dpbf16ps(0, 2, 3);
+                    _tile_dpbf16ps(1, 2, 4);
+                }
+                _tile_stored(0, acc0, 64);
+                _tile_stored(1, acc1, 64);
+                for (int r = 0; r < m; r++)
+                    glu16(acc0 + r * TILE_N, acc1 + r * TILE_N, limit, row_weight[m0 + r], act + (m0 + r) * I + b * TILE_N);
+            }
+        }
+        /* the implicit barrier: every act row is complete before the down products read it */
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < E * pairs_h; task++) {
+            int64_t e = task / pairs_h, b = 2 * (task % pairs_h);
+            for (int64_t m0 = start_of(offsets, e), end = offsets[e]; m0 < end; m0 += TILE_M) {
+                int m = end - m0 < TILE_M ? (int)(end - m0) : TILE_M;
+                if (m != configured) { configure(m); configured = m; }
+                _tile_zero(0);
+                _tile_zero(1);
+                for (int64_t kk = 0; kk < I / TILE_K; kk++) {
+                    _tile_loadd(2, act + m0 * I + kk * TILE_K, I * 2);
+                    _tile_loadd(3, panel(down, H, I, e, b, kk), 64);
+                    _tile_loadd(4, panel(down, H, I, e, b + 1, kk), 64);
+                    _tile_dpbf16ps(0, 2, 3);
+                    _tile_dpbf16ps(1, 2, 4);
+                }
+                _tile_stored(0, acc0, 64);
+                _tile_stored(1, acc1, 64);
+                for (int r = 0; r < m; r++) {
+                    uint16_t *row = y + (m0 + r) * H + b * TILE_N;
+                    _mm256_storeu_si256((__m256i *)row, (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(acc0 + r * TILE_N)));
+                    _mm256_storeu_si256((__m256i *)(row + TILE_N), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(acc1 + r * TILE_N)));
+                }
+            }
+        }
+        if (configured) _tile_release();
+    }
+    free(act);
+    return 0;
+}
