@@ -71,22 +71,31 @@ NATIVE_BUILDS = {  # the widest vector path this CPU has, AVX2 without AVX-512, 
 @pytest.mark.parametrize("build", NATIVE_BUILDS)
 @pytest.mark.parametrize("hidden,inter,pairs", [(64, 32, 1), (96, 48, 13), (40, 20, 30), (512, 256, 64), (33, 7, 0)])
 def test_native_experts_equal_the_loop(build, hidden, inter, pairs):
-    """Every build against the per-expert loop (which rounds to bf16 where the kernel does),
-    with widths that leave vector tails and an expert with no rows."""
+    """Every build against the per-expert loop, with widths that leave vector tails."""
     lib = moe.bind(native.load("moe_bf16", NATIVE_BUILDS[build]))
-    experts = 5
+    rows, weight, offsets, gate_up, down = routed_case(hidden, inter, pairs)
+    assert_like_the_loop(moe.native_experts(rows, weight, offsets, gate_up, down, 2.0, lib=lib), rows, weight, offsets, gate_up, down)
+
+
+def routed_case(hidden: int, inter: int, pairs: int, experts: int = 5):
+    """bf16 rows sorted over 5 experts (expert 1 gets none), and weights with some gates past a
+    clamp of 2."""
     ids = torch.randint(0, experts - 1, (pairs,))
-    ids[ids >= 1] += 1  # expert 1 gets no rows
+    ids[ids >= 1] += 1
     offsets = ids.bincount(minlength=experts).cumsum(0).to(torch.int32)
     rows = torch.randn(pairs, hidden).bfloat16()
     weight = torch.rand(pairs, 1) + 0.1
-    gate_up = (torch.randn(experts, 2 * inter, hidden) * 3 / hidden**0.5).bfloat16()  # some gates past the clamp
+    gate_up = (torch.randn(experts, 2 * inter, hidden) * 3 / hidden**0.5).bfloat16()
     down = (torch.randn(experts, hidden, inter) / inter**0.5).bfloat16()
-    got = moe.native_experts(rows, weight, offsets, gate_up, down, 2.0, lib=lib)
+    return rows, weight, offsets, gate_up, down
+
+
+def assert_like_the_loop(got, rows, weight, offsets, gate_up, down):
+    """Against the per-expert loop, which rounds where the kernels do: summation order (and
+    the AMX kernel's vector exp) differ, so a rare one-ulp flip of an intermediate, no more."""
     ref = looped_experts(rows, weight, offsets, gate_up, down, 2.0)
     assert got.dtype == torch.bfloat16 and got.shape == ref.shape
-    if pairs:
-        # Only the summation order differs: a rare one-ulp flip of an intermediate, no more.
+    if rows.shape[0]:
         assert (got.float() - ref.float()).norm() <= 5e-3 * ref.float().norm()
         torch.testing.assert_close(got.float(), ref.float(), rtol=2e-2, atol=2e-2)
 
@@ -137,27 +146,14 @@ def test_amx_is_taken_exactly_where_the_cpu_has_it():
 
 @pytest.mark.parametrize("hidden,inter,pairs", [(64, 32, 1), (96, 64, 13), (512, 256, 64), (64, 32, 300), (32, 32, 0)])
 def test_amx_experts_equal_the_loop(hidden, inter, pairs):
-    """Against the per-expert loop (which rounds where the kernel does): more and fewer than a
-    tile's 16 rows per expert, an expert with no rows."""
-    experts = 5
-    ids = torch.randint(0, experts - 1, (pairs,))
-    ids[ids >= 1] += 1  # expert 1 gets no rows
-    offsets = ids.bincount(minlength=experts).cumsum(0).to(torch.int32)
-    rows = torch.randn(pairs, hidden).bfloat16()
-    weight = torch.rand(pairs, 1) + 0.1
-    gate_up = (torch.randn(experts, 2 * inter, hidden) * 3 / hidden**0.5).bfloat16()  # some gates past the clamp
-    down = (torch.randn(experts, hidden, inter) / inter**0.5).bfloat16()
+    """More and fewer than a tile's 16 rows per expert."""
+    rows, weight, offsets, gate_up, down = routed_case(hidden, inter, pairs)
     if not AMX:  # a CPU without AMX-BF16 refuses, clearly
         with pytest.raises(RuntimeError, match="AMX"):
             moe.amx_experts(rows, weight, offsets, moe.pack_panels(gate_up), moe.pack_panels(down), 2.0)
         return
     got = moe.amx_experts(rows, weight, offsets, moe.pack_panels(gate_up), moe.pack_panels(down), 2.0)
-    ref = looped_experts(rows, weight, offsets, gate_up, down, 2.0)
-    assert got.dtype == torch.bfloat16 and got.shape == ref.shape
-    if pairs:
-        # Summation order and a vector exp differ: a rare one-ulp flip of an intermediate, no more.
-        assert (got.float() - ref.float()).norm() <= 5e-3 * ref.float().norm()
-        torch.testing.assert_close(got.float(), ref.float(), rtol=2e-2, atol=2e-2)
+    assert_like_the_loop(got, rows, weight, offsets, gate_up, down)
 
 
 def test_amx_experts_keep_a_nan_and_a_loaded_layer_computes_what_the_dense_one_did():

@@ -117,15 +117,21 @@ def native_experts(
     if gate_up.shape != (experts, 2 * inter, hidden) or down.shape != (experts, hidden, inter) or offsets.numel() != experts:
         raise ValueError(f"native_experts: weights {tuple(gate_up.shape)}, {tuple(down.shape)} and {offsets.numel()} "
                          f"offsets do not fit rows {tuple(rows.shape)}")
-    rows, gate_up, down = rows.contiguous(), gate_up.contiguous(), down.contiguous()
+    return _call(lib.moe_bf16_experts, rows, row_weight, offsets, gate_up.contiguous(), down.contiguous(), inter, limit)
+
+
+def _call(kernel, rows, row_weight, offsets, gate_up, down, inter: int, limit: float) -> torch.Tensor:
+    """Run a C expert kernel (either: same arguments) on checked tensors."""
+    (p, hidden), experts = rows.shape, offsets.numel()
+    rows = rows.contiguous()
     offsets = offsets.to(torch.int32).contiguous()
     row_weight = row_weight.float().reshape(p).contiguous()
     out = torch.empty_like(rows)
     ptr = native.pointer
-    status = lib.moe_bf16_experts(ptr(rows), p, hidden, ptr(offsets), experts, ptr(row_weight), ptr(gate_up), ptr(down),
-                                  inter, limit, ptr(out), torch.get_num_threads())
+    status = kernel(ptr(rows), p, hidden, ptr(offsets), experts, ptr(row_weight), ptr(gate_up), ptr(down), inter, limit,
+                    ptr(out), torch.get_num_threads())  # fmt: skip
     if status != 0:
-        raise MemoryError(f"native_experts: no scratch memory for {p} x {inter} activations")
+        raise MemoryError(f"routed experts: no scratch memory for {p} x {inter} activations")
     return out
 
 
@@ -200,13 +206,4 @@ def amx_experts(
             or hidden % 32 or inter % 32):  # fmt: skip
         raise ValueError(f"amx_experts: packed weights {tuple(gate_up.shape)}, {tuple(down.shape)} and {offsets.numel()} "
                          f"offsets do not fit bf16 rows {tuple(rows.shape)} ({rows.dtype})")
-    rows = rows.contiguous()
-    offsets = offsets.to(torch.int32).contiguous()
-    row_weight = row_weight.float().reshape(p).contiguous()
-    out = torch.empty_like(rows)
-    ptr = native.pointer
-    status = lib.moe_amx_experts(ptr(rows), p, hidden, ptr(offsets), experts, ptr(row_weight), ptr(gate_up), ptr(down),
-                                 inter, limit, ptr(out), torch.get_num_threads())
-    if status != 0:
-        raise MemoryError(f"amx_experts: no scratch memory for {p} x {inter} activations")
-    return out
+    return _call(lib.moe_amx_experts, rows, row_weight, offsets, gate_up, down, inter, limit)
