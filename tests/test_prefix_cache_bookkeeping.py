@@ -179,8 +179,22 @@ class _Later(list):
 @pytest.mark.parametrize("policy", ["marconi", "lru"])
 def test_conversations_hit_and_never_read_what_they_did_not_compute(policy):
     """Interleaved multi-turn conversations behind a shared system prompt, in a block pool
-    and a checkpoint pool both too small for them (forced eviction, preemption)."""
-    rng = random.Random()
+    and a checkpoint pool both too small for them (forced eviction, preemption). Pools this
+    small sometimes evict every prefix before its next turn (no hit in 2-6% of draws), so
+    fresh conversations are drawn until some hit; every draw must read only what it computed."""
+    hits = restores = 0
+    for _ in range(MAX_DRAWS):
+        cache, runner = _run_conversations(policy, random.Random())
+        hits, restores = hits + cache.stats.hits, restores + runner.restores
+        if hits and restores:
+            break
+    assert hits > 0 and restores > 0
+
+
+MAX_DRAWS = 6
+
+
+def _run_conversations(policy: str, rng: random.Random):
     bs = 4
     cache = CacheManager(num_blocks=40, block_size=bs, num_slots=6, prefix=_prefix(policy, num_checkpoints=5, interval=2))
     scheduler = Scheduler(SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=rng.choice([7, 16, 64])), cache)
@@ -198,12 +212,12 @@ def test_conversations_hit_and_never_read_what_they_did_not_compute(policy):
     runner = SimulatedRunner(bs)
     _drive(scheduler, requests, rng, runner, after)
     assert all(r.is_finished for r in requests)
-    assert cache.stats.hits > 0 and runner.restores > 0
     assert cache.checkpoints.evictions > 0 and cache.blocks.evictions > 0, "the pools were meant to be too small"
     # Nothing leaked: every block is free or pinned by a live checkpoint.
     pinned = [c.block for c in cache.checkpoints.live.values() if c.block is not None]
     assert cache.blocks.num_free + len(set(pinned)) == cache.blocks.size
     assert sum(cache.blocks.refs) == len(pinned)
+    return cache, runner
 
 
 def test_a_repeated_prompt_resumes_at_every_length():
