@@ -80,10 +80,27 @@ static inline void glu16(const float *gate, const float *up, float limit, float 
 
 static inline int64_t start_of(const int32_t *offsets, int64_t e) { return e == 0 ? 0 : offsets[e - 1]; }
 
-/* The panel of `packed` (per expert: N/16 panels of K/2 x 16 x 2) for expert e, panel b,
- * inputs from 32 * kk. */
-static inline const uint16_t *panel(const uint16_t *packed, int64_t n, int64_t k, int64_t e, int64_t b, int64_t kk) {
-    return packed + ((e * (n / TILE_N) + b) * (k / 2) + kk * (TILE_K / 2)) * (2 * TILE_N);
+/* Panel b of expert e in `packed` (per expert: N/16 panels of K/2 x 16 x 2). */
+static inline const uint16_t *panel(const uint16_t *packed, int64_t n, int64_t k, int64_t e, int64_t b) {
+    return packed + (e * (n / TILE_N) + b) * (k / 2) * (2 * TILE_N);
+}
+
+/* acc0, acc1 [m, 16] fp32 = a [m, k] (rows `lda` apart) times two weight panels, from their
+ * first tiles w0 and w1 (a panel's tiles follow each other, 1 KiB apart). The tiles must be
+ * configured for m rows. */
+static void panel_pair(const uint16_t *a, int64_t lda, int64_t k, const uint16_t *w0, const uint16_t *w1,
+                       float *acc0, float *acc1) {
+    _tile_zero(0);
+    _tile_zero(1);
+    for (int64_t kk = 0; kk < k / TILE_K; kk++) {
+        _tile_loadd(2, a + kk * TILE_K, lda * 2);
+        _tile_loadd(3, w0 + kk * TILE_K * TILE_N, 64);
+        _tile_loadd(4, w1 + kk * TILE_K * TILE_N, 64);
+        _tile_dpbf16ps(0, 2, 3);
+        _tile_dpbf16ps(1, 2, 4);
+    }
+    _tile_stored(0, acc0, 64);
+    _tile_stored(1, acc1, 64);
 }
 
 /* x [P, H] bf16 sorted by expert; offsets [E] int32 (end of each expert's rows); row_weight
@@ -107,17 +124,8 @@ int moe_amx_experts(const uint16_t *x, int64_t P, int64_t H, const int32_t *offs
             for (int64_t m0 = start_of(offsets, e), end = offsets[e]; m0 < end; m0 += TILE_M) {
                 int m = end - m0 < TILE_M ? (int)(end - m0) : TILE_M;
                 if (m != configured) { configure(m); configured = m; }
-                _tile_zero(0);
-                _tile_zero(1);
-                for (int64_t kk = 0; kk < H / TILE_K; kk++) {
-                    _tile_loadd(2, x + m0 * H + kk * TILE_K, H * 2);
-                    _tile_loadd(3, panel(gate_up, 2 * I, H, e, b, kk), 64);
-                    _tile_loadd(4, panel(gate_up, 2 * I, H, e, panels_i + b, kk), 64);
-                    _tile_dpbf16ps(0, 2, 3);
-                    _tile_dpbf16ps(1, 2, 4);
-                }
-                _tile_stored(0, acc0, 64);
-                _tile_stored(1, acc1, 64);
+                panel_pair(x + m0 * H, H, H, panel(gate_up, 2 * I, H, e, b), panel(gate_up, 2 * I, H, e, panels_i + b),
+                           acc0, acc1);
                 for (int r = 0; r < m; r++)
                     glu16(acc0 + r * TILE_N, acc1 + r * TILE_N, limit, row_weight[m0 + r], act + (m0 + r) * I + b * TILE_N);
             }
@@ -129,17 +137,7 @@ int moe_amx_experts(const uint16_t *x, int64_t P, int64_t H, const int32_t *offs
             for (int64_t m0 = start_of(offsets, e), end = offsets[e]; m0 < end; m0 += TILE_M) {
                 int m = end - m0 < TILE_M ? (int)(end - m0) : TILE_M;
                 if (m != configured) { configure(m); configured = m; }
-                _tile_zero(0);
-                _tile_zero(1);
-                for (int64_t kk = 0; kk < I / TILE_K; kk++) {
-                    _tile_loadd(2, act + m0 * I + kk * TILE_K, I * 2);
-                    _tile_loadd(3, panel(down, H, I, e, b, kk), 64);
-                    _tile_loadd(4, panel(down, H, I, e, b + 1, kk), 64);
-                    _tile_dpbf16ps(0, 2, 3);
-                    _tile_dpbf16ps(1, 2, 4);
-                }
-                _tile_stored(0, acc0, 64);
-                _tile_stored(1, acc1, 64);
+                panel_pair(act + m0 * I, I, I, panel(down, H, I, e, b), panel(down, H, I, e, b + 1), acc0, acc1);
                 for (int r = 0; r < m; r++) {
                     uint16_t *row = y + (m0 + r) * H + b * TILE_N;
                     _mm256_storeu_si256((__m256i *)row, (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(acc0 + r * TILE_N)));
