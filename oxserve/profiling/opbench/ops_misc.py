@@ -1,4 +1,5 @@
-"""mHC hyper-connection collapse/expand, RMSNorm, the LM head and the structured-output token mask."""
+"""mHC hyper-connection collapse/expand, RMSNorm, the LM head, the structured-output token mask and
+greedy sampling."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import functools
 
 import torch
 
+from oxserve.engine.sampler import greedy_tokens
 from oxserve.kernels.hyper import hc_collapse, hc_collapse_torch, hc_expand, hc_expand_torch, hc_gates_torch
 from oxserve.kernels.onednn import choose_linear_kernel
 from oxserve.kernels.token_mask import apply_token_bitmask, apply_token_bitmask_torch
@@ -257,3 +259,26 @@ def _mask_cases(cfg, shapes, dtype, device):
 register_op(Op("sampler.token_mask", _mask_cases, reference_token_mask, exact,
                {"engine": token_mask_candidate(apply_token_bitmask),  # native on CPU float32
                 "torch": token_mask_candidate(apply_token_bitmask_torch)}))
+
+
+# ---- greedy sampling ----------------------------------------------------------------------
+
+
+def reference_greedy(cfg, i):
+    """Each row's first index of its largest logit."""
+    rows = i["logits"].tolist()
+    return (torch.tensor([row.index(max(row)) for row in rows], device=i["logits"].device),)
+
+
+def _greedy_cases(cfg, shapes, dtype, device):
+    v = cfg.vocab_size
+    return [
+        Case(f"B={b}", lambda gen, b=b: {"logits": randn(gen, b, v, dtype=FP32, device=device)},
+             lambda i: (torch.empty(i["logits"].shape[0], dtype=torch.long, device=device),),
+             lambda i: (i["logits"].numel() * 4, 0.0), "fp32")
+        for b in shapes.batches  # the sampler's fp32 logits, one row per request
+    ]
+
+
+register_op(Op("sampler.greedy", _greedy_cases, reference_greedy, exact,
+               {"engine": returning(greedy_tokens), "argmax": returning(lambda logits: logits.argmax(dim=-1))}))
