@@ -110,17 +110,17 @@ def _parse_options(text: str) -> dict[str, Any]:
         return {}
     path = Path(text)
     if path.suffix in (".yaml", ".yml", ".json") or path.is_file():
-        return _options_from_file(path)
+        return options_from_file(path)
     options = {}
     for item in text.split(","):
         name, sep, value = item.partition("=")
         if not sep or not name.strip():
             raise ValueError(f"expected key=value, got {item!r}")
-        options[_option_name(name)] = _scalar(value.strip())
+        options[option_name(name)] = _scalar(value.strip())
     return options
 
 
-def _options_from_file(path: Path) -> dict[str, Any]:
+def options_from_file(path: Path) -> dict[str, Any]:
     try:
         text = path.read_text(encoding="utf-8")
         data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
@@ -135,13 +135,13 @@ def _options_from_file(path: Path) -> dict[str, Any]:
     options = {}
     for key, value in data.items():
         if key in sections() and isinstance(value, Mapping):  # {scheduler: {max_num_seqs: 16}}
-            options.update({_option_name(k): v for k, v in value.items()})
+            options.update({option_name(k): v for k, v in value.items()})
         else:
-            options[_option_name(key)] = value
+            options[option_name(key)] = value
     return options
 
 
-def _option_name(name: str) -> str:
+def option_name(name: str) -> str:
     return str(name).strip().lstrip("-").replace("-", "_")
 
 

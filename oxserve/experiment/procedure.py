@@ -179,11 +179,22 @@ def tokens_per_s_roofline(cfg: TextModelConfig, options: Mapping[str, Any], work
     """Most output tokens/s the machine allows: the largest decode batch the run can form,
     over the least time a decode step of that batch can take (its analytic bytes and FLOPs).
     A step whose bytes fit in cache is bounded by its FLOPs alone."""
+    batch = largest_decode_batch(options, workload)
+    cost = decode_step_cost(cfg, options, batch)
+    memory = cost.bytes if cost.bytes > cache_bytes(ceilings.device) else 0.0
+    return batch / ceilings.min_time_s(memory, cost.flops, cost.precision)
+
+
+def largest_decode_batch(options: Mapping[str, Any], workload: Workload) -> int:
     if options.get("deterministic"):
-        batch = 1  # one request per forward pass
-    else:
-        batch = min(options.get("max_num_seqs", SchedulerConfig().max_num_seqs), workload.num_requests,
-                    workload.arrival.concurrency or workload.num_requests)
+        return 1  # one request per forward pass
+    return min(options.get("max_num_seqs", SchedulerConfig().max_num_seqs), workload.num_requests,
+               workload.arrival.concurrency or workload.num_requests)
+
+
+def decode_step_cost(cfg: TextModelConfig, options: Mapping[str, Any], batch: int):
+    """The analytic minimum bytes and FLOPs of one decode step of `batch` requests under
+    `options` (weight dtype, W8A8, cache dtypes, ReplaySSM rings)."""
     dtype = DTYPES[options.get("dtype", ModelConfig().dtype)]
     kv, kda = options.get("kv_cache_dtype", CacheConfig().kv_cache_dtype), options.get("kda_state_dtype", CacheConfig().kda_state_dtype)
     int8 = set(range(cfg.num_hidden_layers)) if options.get("quantization") == "w8a8" else set()
@@ -192,9 +203,7 @@ def tokens_per_s_roofline(cfg: TextModelConfig, options: Mapping[str, Any], work
     cache = CacheConfig()
     replay = options.get("kda_replay_len", cache.kda_replay_len) if options.get("kda_decode", cache.kda_decode) == "replay" else 0
     storage = layer_storage(cfg, dtype, int8, plan, replay)
-    cost = forward_cost(cfg, decode_step_shape(batch), itemsize(dtype), storage)
-    memory = cost.bytes if cost.bytes > cache_bytes(ceilings.device) else 0.0
-    return batch / ceilings.min_time_s(memory, cost.flops, cost.precision)
+    return forward_cost(cfg, decode_step_shape(batch), itemsize(dtype), storage)
 
 
 def _model_path(options: Mapping[str, Any]) -> Path:

@@ -29,7 +29,7 @@ from oxserve.feedback import machine
 from oxserve.feedback.stats import B_FASTER, B_SLOWER, NO_DIFFERENCE, SUSPECT
 from oxserve.feedback.workload import Workload
 
-SCHEMA_VERSION = 1  # stored in PRAGMA user_version; bump with a migration
+SCHEMA_VERSION = 2  # stored in PRAGMA user_version; bump with a migration in _MIGRATIONS
 VERDICTS = (B_FASTER, B_SLOWER, NO_DIFFERENCE, SUSPECT)
 _SQLITE_MAGIC = b"SQLite format 3\x00"
 
@@ -62,6 +62,46 @@ _SCHEMA = (
         PRIMARY KEY (experiment_id, run_index)
     )""",
 )
+
+# The Infra Agent's journal (oxserve/agent/journal.py): its runs, every step of their loops
+# with its reasoning and evidence, and the changes that wait for a person. Version 2.
+_AGENT_SCHEMA = (
+    """CREATE TABLE agent_runs (
+        id           INTEGER PRIMARY KEY AUTOINCREMENT,
+        created_at   TEXT NOT NULL,
+        finished_at  TEXT,
+        status       TEXT NOT NULL CHECK (status IN ('running', 'stopped', 'finished', 'failed')),
+        policy       TEXT NOT NULL,
+        goal         TEXT NOT NULL,   -- JSON, the goal file as loaded
+        start        TEXT NOT NULL,   -- JSON, the first incumbent's options
+        incumbent    TEXT NOT NULL,   -- JSON, the current incumbent's options
+        error        TEXT
+    )""",
+    """CREATE TABLE agent_steps (
+        id           INTEGER PRIMARY KEY AUTOINCREMENT,
+        run_id       INTEGER NOT NULL REFERENCES agent_runs(id),
+        created_at   TEXT NOT NULL,
+        kind         TEXT NOT NULL,
+        action       TEXT,            -- JSON: the option changes tested, if any
+        reasoning    TEXT NOT NULL,
+        evidence     TEXT NOT NULL,   -- JSON
+        experiment_id INTEGER REFERENCES experiments(id),
+        seconds      REAL NOT NULL    -- wall time the step took (counts against the budget)
+    )""",
+    """CREATE TABLE agent_changes (
+        id           INTEGER PRIMARY KEY AUTOINCREMENT,
+        run_id       INTEGER NOT NULL REFERENCES agent_runs(id),
+        created_at   TEXT NOT NULL,
+        decided_at   TEXT,
+        status       TEXT NOT NULL CHECK (status IN ('pending', 'approved', 'rejected', 'applied')),
+        base         TEXT NOT NULL,   -- JSON, the incumbent it was measured against
+        action       TEXT NOT NULL,   -- JSON
+        evidence     TEXT NOT NULL,   -- JSON: experiment ids, ratios, quality
+        note         TEXT NOT NULL DEFAULT ''
+    )""",
+)
+_SCHEMA = _SCHEMA + _AGENT_SCHEMA
+_MIGRATIONS = {1: _AGENT_SCHEMA}  # from version N to N + 1
 
 
 class LedgerError(Exception):
@@ -113,6 +153,11 @@ class Ledger:
 
     def close(self) -> None:
         self._conn.close()
+
+    @property
+    def connection(self) -> sqlite3.Connection:
+        """The open connection (autocommit), for the agent's journal tables."""
+        return self._conn
 
     def __enter__(self) -> Ledger:
         return self
@@ -359,6 +404,8 @@ def _check_or_create_schema(conn: sqlite3.Connection, path: Path) -> None:
     if version == 0:
         raise LedgerError(f"{path} is a SQLite database but not an oxserve ledger "
                           f"(tables: {', '.join(sorted(tables))}); it will not be overwritten")
+    if version in _MIGRATIONS and version < SCHEMA_VERSION:
+        version = _migrate(conn, version)
     if version != SCHEMA_VERSION:
         raise LedgerError(f"ledger {path} has schema version {version}; this oxserve "
                           f"reads version {SCHEMA_VERSION}")
@@ -367,6 +414,20 @@ def _check_or_create_schema(conn: sqlite3.Connection, path: Path) -> None:
         if found != expected:
             raise LedgerError(f"ledger {path}: table {table!r} has columns {sorted(found)}, "
                               f"expected {sorted(expected)} (schema version {version})")
+
+
+def _migrate(conn: sqlite3.Connection, version: int) -> int:
+    """Bring an older ledger up to SCHEMA_VERSION, one version per transaction; its data stay."""
+    while version < SCHEMA_VERSION:
+        conn.execute("BEGIN IMMEDIATE")
+        current = conn.execute("PRAGMA user_version").fetchone()[0]  # another process may have done it
+        if current == version:
+            for statement in _MIGRATIONS[version]:
+                conn.execute(statement)
+            conn.execute(f"PRAGMA user_version = {version + 1}")
+        conn.execute("COMMIT")
+        version = conn.execute("PRAGMA user_version").fetchone()[0]
+    return version
 
 
 def _schema_state(conn: sqlite3.Connection) -> tuple[int, set[str]]:

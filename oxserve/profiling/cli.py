@@ -81,6 +81,7 @@ def run(args: argparse.Namespace) -> int:
         "engine_options": changed_options(config), "num_requests": len(requests),
         "output_tokens": int(metrics["num_output_tokens"]), "wall_s": result.wall_s,
         "output_tokens_per_s": metrics["output_tokens_per_s"], "metrics": metrics,
+        "num_preemptions": after.num_preemptions - before.num_preemptions,
     }
     if engine.speculative:
         run_info["spec_decode"] = acceptance(*(getattr(after, k) - getattr(before, k)
