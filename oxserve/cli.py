@@ -30,6 +30,13 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("experiment", "list"): ("oxserve.experiment.cli", "list experiments in the ledger"),
     ("experiment", "show"): ("oxserve.experiment.cli", "show one experiment"),
     ("experiment", "plot"): ("oxserve.experiment.cli", "plot a metric across experiments as PNG"),
+    ("agent", "run"): ("oxserve.agent.cli", "the Infra Agent: profile, propose, experiment, adopt proven wins, within a goal"),
+    ("agent", "queue"): ("oxserve.agent.cli", "changes the agent proved that wait for a person"),
+    ("agent", "show"): ("oxserve.agent.cli", "one queued change with its evidence"),
+    ("agent", "approve"): ("oxserve.agent.cli", "approve a queued change (the run adopts it when it continues)"),
+    ("agent", "reject"): ("oxserve.agent.cli", "reject a queued change"),
+    ("agent", "report"): ("oxserve.agent.cli", "an agent run's findings with their evidence, and its progress plot"),
+    ("agent", "ui"): ("oxserve.agent.cli", "the agent's web dashboard (local)"),
     ("quantize", "sensitivity"): ("oxserve.commands.quantize", "per-layer quantization sensitivity and a plan within a KL budget"),
     ("build-default-model",): ("oxserve.commands.build_default_model", "write the embedded random default model"),
 }

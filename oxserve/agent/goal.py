@@ -1,0 +1,218 @@
+"""The goal file: what the agent optimises, within which limits, over which options.
+
+    name: from-naive
+    objective:
+      metric: output_tokens_per_s        # a rate of the workload run (higher is better)
+      workload: agent_search             # the workload the search measures on
+      held_out: agent_held_out           # measured once at the end; never seen by the search
+    start: naive.yaml                    # the first incumbent's options (file, or a mapping)
+    base_options: {threads: 2}           # given to every arm, never searched
+    constraints:
+      quality_bound: 0.05                # nats, the experiments' quality gate
+      max: {tpot_p90_s: 0.5}             # medians over B's runs that must stay under these
+    search_space:                        # engine option -> the values the agent may choose
+      max_num_seqs: [1, 2, 4, 8, 16]
+      dtype: [float32, bfloat16]
+    budget: {wall_time_s: 3600, experiments: 20}
+    experiment: {pairs: 4, max_pairs: 6, noise: 0.02, alpha: 0.05, run_timeout_s: 900}
+    confirm: true                        # a fresh confirmation experiment before accepting
+    policy: rules                        # rules | search | llm (the command line may override)
+    risk:
+      needs_approval: [quantization]     # changes to these wait for a person (`oxserve agent approve`)
+
+Everything is checked on load: option names and values against the engine's own
+configuration, workloads by loading them; a bad goal is a ValueError naming the key.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from oxserve.experiment.arms import options_from_file, option_name
+from oxserve.feedback.workload import Workload, load_workload
+from oxserve.options import engine_config, option_names
+
+POLICIES = ("rules", "search", "llm")
+# Options that say where and how the engine runs rather than how fast it is: never searched.
+UNSEARCHABLE = frozenset({"model", "device", "seed", "master_addr", "master_port", "node_rank", "nnodes"})
+_KEYS = {"name", "description", "objective", "start", "base_options", "constraints", "search_space", "budget",
+         "experiment", "confirm", "policy", "risk"}
+
+
+@dataclass(frozen=True)
+class Budget:
+    wall_time_s: float = 3600.0
+    experiments: int = 20
+
+    def __post_init__(self) -> None:
+        if not self.wall_time_s > 0 or self.experiments < 1:
+            raise ValueError(f"budget: wall_time_s must be > 0 and experiments >= 1, got {self}")
+
+
+@dataclass(frozen=True)
+class ExperimentSettings:
+    pairs: int = 4
+    max_pairs: int = 6
+    noise: float = 0.02
+    alpha: float = 0.05
+    run_timeout_s: float = 900.0
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.pairs <= self.max_pairs:
+            raise ValueError(f"experiment: need 1 <= pairs <= max_pairs, got {self.pairs}, {self.max_pairs}")
+        if not 0 < self.noise < 1 or not 0 < self.alpha < 1:
+            raise ValueError(f"experiment: noise and alpha must be in (0, 1), got {self.noise}, {self.alpha}")
+        if 2 / math.comb(2 * self.pairs, self.pairs) >= self.alpha:
+            raise ValueError(f"experiment: {self.pairs} pairs can never reach Mann-Whitney p < {self.alpha} "
+                             f"(the least p is {2 / math.comb(2 * self.pairs, self.pairs):.3g}): nothing could be accepted")
+
+
+@dataclass(frozen=True)
+class Goal:
+    name: str
+    metric: str
+    workload: Workload
+    held_out: Workload | None
+    start: dict[str, Any]
+    base_options: dict[str, Any]
+    search_space: dict[str, tuple]  # option -> allowed values, in the file's order
+    quality_bound: float = 0.05
+    limits: dict[str, float] = field(default_factory=dict)  # B's run-metric medians must stay <= these
+    budget: Budget = Budget()
+    experiment: ExperimentSettings = ExperimentSettings()
+    confirm: bool = True
+    policy: str = "rules"
+    needs_approval: frozenset = frozenset()
+    description: str = ""
+    source: dict = field(default_factory=dict)  # the goal as read, for the journal
+
+    def to_json(self) -> str:
+        return json.dumps(self.source, sort_keys=True)
+
+
+def load_goal(path: str | Path) -> Goal:
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise ValueError(f"cannot read goal file {path}: {e.strerror or e}") from e
+    except yaml.YAMLError as e:
+        raise ValueError(f"goal file {path} is not valid YAML: {e}") from e
+    try:
+        return goal_from_dict(data, path.parent)
+    except ValueError as e:
+        raise ValueError(f"goal file {path}: {e}") from e
+
+
+def goal_from_dict(data: Any, base_dir: Path = Path(".")) -> Goal:
+    if not isinstance(data, Mapping):
+        raise ValueError(f"a goal is a mapping, got {type(data).__name__}")
+    unknown = sorted(set(data) - _KEYS)
+    if unknown:
+        raise ValueError(f"unknown key(s) {', '.join(unknown)} (known: {', '.join(sorted(_KEYS))})")
+    objective = _mapping(data, "objective", required=True)
+    metric = str(objective.get("metric", "output_tokens_per_s"))
+    if not metric.endswith("_per_s"):
+        raise ValueError(f"objective.metric must be a rate (*_per_s, higher is better), got {metric!r}")
+    if "workload" not in objective:
+        raise ValueError("objective.workload is required")
+    workload = _workload(objective["workload"], base_dir, "objective.workload")
+    held_out = _workload(objective["held_out"], base_dir, "objective.held_out") if objective.get("held_out") else None
+    if held_out is not None and held_out.to_dict() == workload.to_dict():
+        raise ValueError("objective.held_out must differ from objective.workload (the search must never see it)")
+
+    base_options = _options(data.get("base_options") or {}, base_dir, "base_options")
+    start = _options(data.get("start") or {}, base_dir, "start")
+    space = _search_space(_mapping(data, "search_space", required=True), base_options)
+    engine_config({**base_options, **start})  # the start must be a valid configuration
+    for name, value in start.items():
+        if name in space and value not in space[name]:
+            raise ValueError(f"start: {name}={value!r} is not among search_space.{name} {list(space[name])}")
+
+    constraints = _mapping(data, "constraints")
+    limits = {str(k): float(v) for k, v in (constraints.get("max") or {}).items()}
+    risk = _mapping(data, "risk")
+    needs_approval = frozenset(option_name(n) for n in risk.get("needs_approval") or ())
+    unknown_risk = sorted(needs_approval - set(option_names()))
+    if unknown_risk:
+        raise ValueError(f"risk.needs_approval: unknown option(s) {', '.join(unknown_risk)}")
+    policy = str(data.get("policy", "rules"))
+    if policy not in POLICIES:
+        raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+    try:
+        budget = Budget(**_mapping(data, "budget"))
+        experiment = ExperimentSettings(**_mapping(data, "experiment"))
+    except TypeError as e:
+        raise ValueError(f"budget/experiment: {e}") from e
+    quality_bound = float(constraints.get("quality_bound", 0.05))
+    if quality_bound < 0:
+        raise ValueError(f"constraints.quality_bound must be >= 0, got {quality_bound}")
+    return Goal(
+        name=str(data.get("name", "goal")), metric=metric, workload=workload, held_out=held_out, start=start,
+        base_options=base_options, search_space=space, quality_bound=quality_bound, limits=limits, budget=budget,
+        experiment=experiment, confirm=bool(data.get("confirm", True)), policy=policy, needs_approval=needs_approval,
+        description=str(data.get("description", "")),
+        source=json.loads(json.dumps(dict(data), default=str)),
+    )
+
+
+def _mapping(data: Mapping, key: str, required: bool = False) -> Mapping:
+    value = data.get(key)
+    if value is None:
+        if required:
+            raise ValueError(f"{key} is required")
+        return {}
+    if not isinstance(value, Mapping):
+        raise ValueError(f"{key} must be a mapping, got {type(value).__name__}")
+    return value
+
+
+def _workload(spec: Any, base_dir: Path, key: str) -> Workload:
+    if isinstance(spec, Mapping):
+        try:
+            return Workload.from_dict(spec)
+        except ValueError as e:
+            raise ValueError(f"{key}: {e}") from e
+    path = base_dir / str(spec)
+    return load_workload(path if path.exists() else str(spec))
+
+
+def _options(spec: Any, base_dir: Path, key: str) -> dict[str, Any]:
+    if isinstance(spec, Mapping):
+        options = {option_name(k): v for k, v in spec.items()}
+    else:
+        path = base_dir / str(spec)
+        options = options_from_file(path if path.exists() else Path(str(spec)))
+    try:
+        engine_config(options)
+    except ValueError as e:
+        raise ValueError(f"{key}: {e}") from e
+    return options
+
+
+def _search_space(raw: Mapping, base_options: Mapping[str, Any]) -> dict[str, tuple]:
+    space = {}
+    for key, values in raw.items():
+        name = option_name(key)
+        if name not in option_names():
+            raise ValueError(f"search_space: unknown engine option {key!r}")
+        if name in UNSEARCHABLE or name in base_options:
+            raise ValueError(f"search_space: {name} is fixed (where the engine runs, or in base_options), not searched")
+        if not isinstance(values, (list, tuple)) or not values:
+            raise ValueError(f"search_space.{name} must be a non-empty list of values, got {values!r}")
+        for value in values:
+            try:
+                engine_config({**base_options, name: value})
+            except ValueError as e:
+                raise ValueError(f"search_space.{name}: value {value!r} is not valid: {e}") from e
+        space[name] = tuple(values)
+    if not space:
+        raise ValueError("search_space is empty: nothing to search")
+    return space

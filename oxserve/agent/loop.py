@@ -1,0 +1,262 @@
+"""The agent's loop: profile the incumbent, ask the policy, check, experiment, judge, confirm,
+adopt (or queue for a person), until the budget is spent; then measure the result once on
+the held-out workload. Every step lands in the journal as it ends, so `--resume` continues
+where a stopped run left off and `oxserve agent report` can tell the whole story.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from oxserve.agent.actions import Action, check_action, needs_approval
+from oxserve.agent.diagnosis import Diagnosis, diagnose
+from oxserve.agent.goal import Goal
+from oxserve.agent.journal import Journal
+from oxserve.agent.judge import judge, quality_failed
+from oxserve.agent.policy import AgentState, Outcome, Policy
+from oxserve.experiment.arms import Arm
+from oxserve.experiment.launch import WorkerError
+from oxserve.experiment.procedure import Settings, run_experiment
+from oxserve.feedback.ledger import ExperimentRecord, Ledger, LedgerError
+from oxserve.feedback.workload import Workload
+
+
+@dataclass
+class AgentLoop:
+    goal: Goal
+    policy: Policy
+    ledger: Ledger
+    run_id: int
+    workdir: Path  # profiles go here
+    threads: int | None = None
+    log: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True)
+
+    def __post_init__(self) -> None:
+        self.journal = Journal(self.ledger)
+        run = self.journal.run(self.run_id)
+        self.start: dict[str, Any] = run.start
+        self.incumbent: dict[str, Any] = run.incumbent
+        self.history: list[Outcome] = outcomes_of(self.journal, self.run_id)
+        self.incumbent_rate: float | None = _last_rate(self.journal, self.run_id)
+        self.diagnosis: Diagnosis | None = None
+        self._llm_rejections_seen = 0
+
+    def run(self) -> None:
+        try:
+            self.journal.set_status(self.run_id, "running")
+            while self._next():
+                pass
+            self._held_out()
+            self.journal.set_status(self.run_id, "finished")
+        except KeyboardInterrupt:
+            self.journal.add_step(self.run_id, "stop", "stopped by the user (Ctrl-C); `--resume` continues")
+            self.journal.set_status(self.run_id, "stopped")
+            self.log(f"agent run {self.run_id} stopped; continue with `oxserve agent run --resume {self.run_id}`")
+            raise
+        except Exception as e:
+            self.journal.set_status(self.run_id, "failed", f"{type(e).__name__}: {e}")
+            raise
+
+    # --- one iteration ----------------------------------------------------------------
+
+    def _next(self) -> bool:
+        """One proposal tested; False when the budget is spent or nothing is left to try."""
+        self._apply_approved()
+        spent_s, experiments = self.journal.spent(self.run_id)
+        budget = self.goal.budget
+        if experiments >= budget.experiments or spent_s >= budget.wall_time_s:
+            self.journal.add_step(self.run_id, "stop", f"budget spent: {spent_s:.0f} s, {experiments} experiments")
+            return False
+        if self.policy.needs_diagnosis and self.diagnosis is None:
+            self._diagnose()
+        state = AgentState(self.goal, self.incumbent, self.incumbent_rate, self.diagnosis, list(self.history))
+        action = self._choose(state)
+        if action is None:
+            self.journal.add_step(self.run_id, "stop", "no untried action passes its checks")
+            return False
+        if not self._fits(action, spent_s, experiments):
+            return False
+        self._test(action)
+        return True
+
+    def _diagnose(self) -> None:
+        t0 = time.monotonic()
+        self.log(f"profiling the incumbent {_show(self.incumbent)}")
+        out = self.workdir / f"run{self.run_id}-profile{len(self.history)}"
+        self.diagnosis = diagnose({**self.goal.base_options, **self.incumbent}, self.goal.workload, out)
+        self.journal.add_step(self.run_id, "profile", self.diagnosis.headline[0] if self.diagnosis.headline else "",
+                              self.diagnosis.summary(), seconds=time.monotonic() - t0)
+
+    def _choose(self, state: AgentState) -> Action | None:
+        t0 = time.monotonic()
+        proposals = self.policy.propose(state)
+        self._journal_llm_rejections()
+        for action in proposals:
+            problems = check_action(action, self.goal, self.incumbent)
+            if not problems and state.tried(action):
+                problems = ["tested already against this incumbent (or failed the quality gate)"]
+            if problems:
+                self.journal.add_step(self.run_id, "check", "; ".join(problems), action=action.to_dict())
+                continue
+            self.journal.add_step(self.run_id, "propose", action.rationale, {"predicted_ratio": action.predicted_ratio},
+                                  action=action.to_dict(), seconds=time.monotonic() - t0)
+            return action
+        return None
+
+    def _fits(self, action: Action, spent_s: float, experiments: int) -> bool:
+        """Whether one more experiment (and its confirmation) fits what is left of the budget,
+        judged by the longest experiment so far."""
+        longest = max((s.seconds for s in self.journal.steps(self.run_id) if s.experiment_id), default=0.0)
+        needed = (2 if self.goal.confirm else 1) * longest
+        if spent_s + needed > self.goal.budget.wall_time_s or experiments + 1 > self.goal.budget.experiments:
+            self.journal.add_step(self.run_id, "stop", f"not enough budget left for {action.describe()}: "
+                                  f"{self.goal.budget.wall_time_s - spent_s:.0f} s left, an experiment takes ~{longest:.0f} s")
+            return False
+        return True
+
+    def _test(self, action: Action) -> None:
+        candidate = {**self.incumbent, **action.changes}
+        record = self._experiment("experiment", action, self.incumbent, candidate, self.goal.workload)
+        reasons = judge(record, self.goal)
+        records = [record]
+        if not reasons and self.goal.confirm:  # against the winner's curse: a fresh experiment must agree
+            records.append(self._experiment("confirm", action, self.incumbent, candidate, self.goal.workload))
+            reasons = [f"confirmation: {r}" for r in judge(records[-1], self.goal)]
+        outcome = Outcome(action, dict(self.incumbent), not reasons, tuple(reasons), tuple(r.id for r in records),
+                          _stat(record, "median_ratio"), _stat(records[-1], "median_b"),
+                          any(quality_failed(r) for r in records))
+        self.policy.observe(outcome)
+        self.history.append(outcome)
+        if _stat(records[-1], "median_a") is not None:
+            self.incumbent_rate = _stat(records[-1], "median_a")
+        if reasons:
+            self.journal.add_step(self.run_id, "reject", "; ".join(reasons), outcome.to_dict(), action=action.to_dict())
+            self.log(f"rejected {action.describe()}: {'; '.join(reasons)}")
+        elif needs_approval(action, self.goal):
+            change = self.journal.queue_change(self.run_id, dict(self.incumbent), action.to_dict(), outcome.to_dict())
+            self.journal.add_step(self.run_id, "queue", f"proven, but {', '.join(needs_approval(action, self.goal))} "
+                                  f"needs a person: change {change} waits (`oxserve agent approve {change}`)",
+                                  outcome.to_dict(), action=action.to_dict())
+            self.log(f"queued change {change}: {action.describe()}, x{outcome.ratio:.3f}; waits for approval")
+        else:
+            self._adopt(candidate, outcome, f"accepted {action.describe()}: x{outcome.ratio:.3f}")
+
+    def _adopt(self, options: dict, outcome: Outcome, reasoning: str) -> None:
+        self.incumbent = options
+        self.incumbent_rate = outcome.median_b
+        self.diagnosis = None
+        self.journal.set_incumbent(self.run_id, options)
+        self.journal.add_step(self.run_id, "accept", reasoning,
+                              {**outcome.to_dict(), "incumbent": options, "incumbent_rate": outcome.median_b},
+                              action=outcome.action.to_dict())
+        self.log(f"{reasoning}; incumbent now {_show(options)} at {outcome.median_b:.4g} {self.goal.metric}")
+
+    def _apply_approved(self) -> None:
+        """Changes a person approved since: adopted when measured against this incumbent (or one
+        that still holds every option they change), else left for a re-test."""
+        for change in self.journal.changes(self.run_id, status="approved"):
+            changed = change.action["changes"]
+            if any(self.incumbent.get(k) != change.base.get(k) for k in changed):
+                continue
+            self.journal.decide(change.id, "applied")
+            outcome = outcome_from_dict(change.evidence)
+            self._adopt({**self.incumbent, **changed}, outcome, f"applied approved change {change.id}")
+
+    def _journal_llm_rejections(self) -> None:
+        rejected = getattr(self.policy, "rejected", None)
+        if not rejected:
+            return
+        for entry in rejected[self._llm_rejections_seen:]:
+            self.journal.add_step(self.run_id, "reject", f"policy answer rejected, never executed: {entry['reason']}",
+                                  {"answer": entry.get("answer", "")})
+        self._llm_rejections_seen = len(rejected)
+
+    def _experiment(self, kind: str, action: Action, a: Mapping, b: Mapping, workload: Workload) -> ExperimentRecord:
+        spent_s, experiments = self.journal.spent(self.run_id)
+        self.log(f"[agent run {self.run_id} | {spent_s / 60:.1f}/{self.goal.budget.wall_time_s / 60:.1f} min, "
+                 f"{experiments}/{self.goal.budget.experiments} experiments] incumbent "
+                 f"{_rate(self.incumbent_rate)} {_show(self.incumbent)} | {kind}: {action.describe()} "
+                 f"({action.origin}, predicted x{action.predicted_ratio:.3f})")
+        e = self.goal.experiment
+        settings = Settings(
+            a=Arm("A", _show(a), dict(a)), b=Arm("B", _show(b), dict(b)), workload=workload,
+            base_options=self.goal.base_options, pairs=e.pairs, max_pairs=e.max_pairs, noise_threshold=e.noise,
+            alpha=e.alpha, metric=self.goal.metric, quality_bound=self.goal.quality_bound, seed=experiments,
+            run_timeout_s=e.run_timeout_s, threads=self.threads,
+            description=f"agent run {self.run_id} {kind}: {action.describe()} ({action.origin}, predicted "
+                        f"x{action.predicted_ratio:.3f}) -- {action.rationale}",
+        )
+        t0 = time.monotonic()
+        newest = max((r.id for r in self.ledger.list(1)), default=0)
+        try:
+            record = run_experiment(settings, self.ledger, log=lambda line: self.log(f"  {line}"))
+        except WorkerError as e:  # a crashed arm is a result: the experiment is recorded failed, the action rejected
+            record = next(r for r in self.ledger.list(20) if r.id > newest and r.description == settings.description)
+            self.log(f"  experiment {record.id} failed: {e}")
+        evidence = {"ratio": _stat(record, "median_ratio"), "ci": [_stat(record, "ci_low"), _stat(record, "ci_high")],
+                    "p_value": _stat(record, "p_value"), "median_b": _stat(record, "median_b"),
+                    "predicted_ratio": action.predicted_ratio, "verdict": record.verdict,
+                    "quality_passed": (record.quality or {}).get("passed"), "workload": workload.name}
+        self.journal.add_step(self.run_id, kind, record.description, evidence, action=action.to_dict(),
+                              experiment_id=record.id, seconds=time.monotonic() - t0)
+        return record
+
+    def _held_out(self) -> None:
+        """The result, measured once on a workload the search never saw (outside the budget)."""
+        if self.goal.held_out is None or self.incumbent == self.start:
+            return
+        if any(s.kind == "held_out" for s in self.journal.steps(self.run_id)):
+            return
+        final = Action({k: v for k, v in self.incumbent.items() if self.start.get(k) != v},
+                       f"the final incumbent against the start, on {self.goal.held_out.name}", 1.0, "held-out")
+        self._experiment("held_out", final, self.start, self.incumbent, self.goal.held_out)
+
+
+def start_run(journal: Journal, goal: Goal, policy: str) -> int:
+    return journal.start_run(policy, goal.source, goal.start)
+
+
+def resumable_run(journal: Journal, run_id: int, goal: Goal, policy: str) -> int:
+    run = journal.run(run_id)
+    if run.status == "finished":
+        raise LedgerError(f"agent run {run_id} is finished: start a new one")
+    if run.goal != goal.source or run.policy != policy:
+        raise LedgerError(f"agent run {run_id} ran another goal or policy ({run.policy}); resume it with the same ones")
+    return run_id
+
+
+def outcomes_of(journal: Journal, run_id: int) -> list[Outcome]:
+    """The outcomes a run's steps recorded (for `--resume` and the report)."""
+    return [outcome_from_dict(s.evidence) for s in journal.steps(run_id) if s.kind in ("accept", "reject", "queue")
+            and "action" in s.evidence]
+
+
+def outcome_from_dict(d: Mapping) -> Outcome:
+    a = d["action"]
+    action = Action(a["changes"], a["rationale"], a["predicted_ratio"], a["origin"], a.get("evidence", {}))
+    return Outcome(action, d["base"], d["accepted"], tuple(d["reasons"]), tuple(d["experiment_ids"]), d["ratio"],
+                   d["median_b"], d["quality_failed"])
+
+
+def _last_rate(journal: Journal, run_id: int) -> float | None:
+    for s in reversed(journal.steps(run_id)):
+        if s.kind == "accept":
+            return s.evidence.get("incumbent_rate")
+    return None
+
+
+def _stat(record: ExperimentRecord, key: str) -> float | None:
+    return (record.stats or {}).get(key)
+
+
+def _show(options: Mapping) -> str:
+    return ",".join(f"{k}={v}" for k, v in sorted(options.items())) or "defaults"
+
+
+def _rate(rate: float | None) -> str:
+    return "?" if rate is None else f"{rate:.4g}"

@@ -1,0 +1,304 @@
+"""The `rules` policy: a catalogue mapping diagnoses to remedies, each with a predicted gain
+from a cost model, ranked by expected gain per minute of experiment.
+
+The cost models, all from the incumbent's profile (`Diagnosis`) and this machine's ceilings:
+
+- **Amdahl over phases.** A remedy speeds up some phases by r; the run's predicted ratio is
+  1 / ((1 - s) + s / r), s the share of step time in those phases.
+- **Bytes, discounted by how byte-bound the step is.** A change of bytes (dtype, W8A8, cache
+  dtypes, ReplaySSM) divides a decode step's least bytes by R (`decode_step_cost`, the
+  analytic model the profile and the experiments' roofline use). A step running at a fraction
+  f of its roofline is mostly overhead, which fewer bytes do not remove: r = 1 + (R - 1) f.
+- **A step costs O + n c** for n tokens: a per-step overhead and a cost per token, fitted
+  through two measured points, the decode steps (their mean batch and time) and the prefill
+  (or mixed) steps (their mean tokens and time). Decoding b1 instead of b0 sequences per step:
+  r = (b1 / b0) (O + b0 c) / (O + b1 c). Prefilling P prompt tokens in chunks of n1 instead
+  of n0 tokens: r = (O / n0 + c) / (O / n1 + c).
+- **Threads**: Amdahl with a parallel fraction of 0.7 of the step (assumed; the measurement
+  corrects it).
+
+A rule proposes nothing when its diagnosis does not hold (e.g. the batch limit is not
+binding), and only values the goal's search space lists.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from oxserve.agent.actions import Action
+from oxserve.agent.diagnosis import Diagnosis
+from oxserve.agent.policy import AgentState, Outcome
+from oxserve.experiment.procedure import _model_path, decode_step_cost
+from oxserve.model.config import TextModelConfig
+from oxserve.feedback.workload import Workload
+from oxserve.options import engine_config, flat_options
+
+PARALLEL_FRACTION = 0.7  # share of a step assumed to scale with threads
+PROCESS_START_S = 6.0  # a worker's start and warm-up, per run
+MIN_GAIN = 0.01  # predicted gains below this are not worth an experiment
+
+
+@dataclass(frozen=True)
+class Context:
+    state: AgentState
+    d: Diagnosis
+    options: dict[str, Any]  # every engine option of the incumbent (defaults filled in)
+    step_bytes: Callable[[Mapping[str, Any], int], float]  # (options, batch) -> a decode step's least bytes
+    bench: Callable[[str, int], dict[str, float]]  # (op, batch) -> candidate -> median µs, from `bench kernels`
+
+    def space(self, name: str) -> tuple:
+        return self.state.goal.search_space.get(name, ())
+
+    def share(self, *phases: str) -> float:
+        return sum(self.d.phase_share.get(p, 0.0) for p in phases)
+
+    def byte_fraction(self) -> float:
+        """Time-weighted roofline fraction of the decode step: how much of it bytes explain."""
+        total = sum(self.d.op_share.get(op, 0.0) for op in self.d.decode_roofline)
+        if not total:
+            return 0.0
+        return min(1.0, sum(f * self.d.op_share.get(op, 0.0) for op, f in self.d.decode_roofline.items()) / total)
+
+    def step_model(self) -> tuple[float, float] | None:
+        """(overhead µs, µs per token) of a forward pass, O + n c, fitted through the decode
+        steps' point and the prefill (or mixed) steps' point; None without both."""
+        d = self.d
+        phase = "prefill" if "prefill" in d.phase_step_us else "mixed"
+        if "decode" not in d.phase_step_us or phase not in d.phase_step_us:
+            return None
+        n_d, n_p = d.phase_tokens.get("decode", 0.0), d.phase_tokens.get(phase, 0.0)
+        t_d, t_p = d.phase_step_us["decode"], d.phase_step_us[phase]
+        if n_p <= n_d or t_p <= t_d:
+            return None
+        per_token = (t_p - t_d) / (n_p - n_d)
+        return max(t_d - n_d * per_token, 0.0), per_token
+
+    def bytes_ratio(self, changes: Mapping[str, Any], batch: int | None = None) -> float:
+        """A decode step's least bytes now over with `changes` (at the current mean batch)."""
+        b = batch or max(1, round(self.d.decode_batch))
+        return self.step_bytes(self.options, b) / self.step_bytes({**self.options, **changes}, b)
+
+    def action(self, rule: str, changes: dict, rationale: str, phase_ratio: float, shares: float, **evidence) -> Action:
+        predicted = amdahl(shares, phase_ratio)
+        return Action(changes, rationale, round(predicted, 4), f"rules:{rule}",
+                      {"phase_ratio": round(phase_ratio, 4), "phase_share": round(shares, 4), **evidence})
+
+
+def amdahl(share: float, ratio: float) -> float:
+    share = min(max(share, 0.0), 1.0)
+    return 1.0 / ((1.0 - share) + share / ratio)
+
+
+def batch_limit(c: Context) -> list[Action]:
+    current, concurrency = c.options["max_num_seqs"], _concurrency(c.state)
+    if c.d.decode_batch < 0.8 * min(current, concurrency):
+        return []  # the limit is not what keeps batches small
+    larger = [v for v in c.space("max_num_seqs") if v > current]
+    fitting = [v for v in larger if v <= concurrency]
+    if not larger:
+        return []
+    target = max(fitting) if fitting else min(larger)
+    b0, b1 = c.d.decode_batch, min(target, concurrency)
+    model = c.step_model()
+    if model is None:  # no prefill point to fit: a memory-bound step, its bytes per token
+        r = (b1 / b0) * c.step_bytes(c.options, max(1, round(b0))) / c.step_bytes(c.options, b1)
+    else:  # tokens per step grow b1 / b0, the step's time O + b c grows less
+        overhead, per_token = model
+        r = (b1 / b0) * (overhead + b0 * per_token) / (overhead + b1 * per_token)
+    return [c.action("batch_limit", {"max_num_seqs": target},
+                     f"decode steps run {c.d.decode_batch:.1f} requests on average against a limit of {current} with "
+                     f"{concurrency} in flight: allow {target}", r, c.share("decode", "mixed"), decode_batch=c.d.decode_batch)]
+
+
+def prefill_budget(c: Context) -> list[Action]:
+    current = c.options["max_num_batched_tokens"]
+    prefill_share = c.share("prefill", "mixed")
+    tokens = max(c.d.phase_tokens.get("prefill", 0.0), c.d.phase_tokens.get("mixed", 0.0))
+    if prefill_share < 0.05 or tokens < 0.8 * current:
+        return []  # prompts are not being cut into budget-sized chunks
+    larger = sorted(v for v in c.space("max_num_batched_tokens") if v > current)
+    if not larger:
+        return []
+    prompt_tokens = _prompt_stats(c.state.goal.workload)[0] * min(_concurrency(c.state), c.options["max_num_seqs"])
+    target = next((v for v in larger if v >= prompt_tokens), larger[-1])
+    model = c.step_model()
+    if model is None:
+        return []
+    overhead_us, per_token_us = model
+    r = (overhead_us / current + per_token_us) / (overhead_us / target + per_token_us)
+    return [c.action("prefill_budget", {"max_num_batched_tokens": target},
+                     f"prefill steps are cut at the {current}-token budget ({tokens:.0f} tokens per step, "
+                     f"{prefill_share:.0%} of the time): raise it to {target}", r, prefill_share,
+                     overhead_us=round(overhead_us, 1), per_token_us=round(per_token_us, 3))]
+
+
+def _byte_change(rule: str, option: str, value: Any, when: Callable[[Context], str | None]) -> Callable[[Context], list[Action]]:
+    """A remedy that moves fewer bytes per step: r = 1 + (R - 1) f over the whole run."""
+
+    def propose(c: Context) -> list[Action]:
+        if value not in c.space(option) or c.options[option] == value:
+            return []
+        reason = when(c)
+        if reason is None:
+            return []
+        big_r = c.bytes_ratio({option: value})
+        f = c.byte_fraction()
+        return [c.action(rule, {option: value}, f"{reason}: {option}={value} moves x{big_r:.2f} fewer bytes per decode "
+                         f"step, which runs at {f:.0%} of its roofline", 1 + (big_r - 1) * f, 1.0,
+                         bytes_ratio=round(big_r, 4), byte_fraction=round(f, 4))]
+
+    propose.__name__ = rule
+    return propose
+
+
+def _decode_dominates(c: Context) -> str | None:
+    share = c.share("decode")
+    return f"decode is {share:.0%} of the time" if share >= 0.3 else None
+
+
+def _experts_memory_bound(c: Context) -> str | None:
+    share = c.d.op_share.get("moe.experts", 0.0) + c.d.op_share.get("moe.shared", 0.0)
+    return f"the experts are {share:.0%} of the time" if share >= 0.15 else None
+
+
+def _kda_state_traffic(c: Context) -> str | None:
+    share = sum(s for op, s in c.d.op_share.items() if op.startswith("kda."))
+    return f"KDA ops are {share:.0%} of the time" if share >= 0.15 and c.share("decode") >= 0.3 else None
+
+
+def _cache_limits_batch(c: Context) -> str | None:
+    if c.d.preemptions > 0:
+        return f"{c.d.preemptions} preemptions: the cache is full"
+    return None
+
+
+def threads(c: Context) -> list[Action]:
+    current = c.options["threads"] or c.d.threads
+    more = [v for v in c.space("threads") if current < v <= c.d.cpus]
+    if not more:
+        return []
+    target = max(more)
+    r = 1.0 / ((1 - PARALLEL_FRACTION) + PARALLEL_FRACTION * current / target)
+    return [c.action("threads", {"threads": target}, f"{current} of {c.d.cpus} CPUs in use", r, 1.0)]
+
+
+LINEAR_OPS = ("lm_head", "moe.shared", "mlp.dense", "kda.qkv_proj", "kda.out", "mla.q_proj", "mla.kv_proj", "mla.o_proj")
+
+
+def packed_linears(c: Context) -> list[Action]:
+    """The cheap check first: `oxserve bench kernels` times the LM head both ways at the decode
+    batch (checked against its reference); the ratio is taken for every projection."""
+    if c.options["linear_kernel"] == "auto" or "auto" not in c.space("linear_kernel"):
+        return []
+    batch = max(1, round(c.d.decode_batch))
+    times = c.bench("lm_head", batch)
+    if "engine" not in times or "torch" not in times:
+        return []
+    kernel_ratio = times["torch"] / times["engine"]  # the engine candidate is what linear_kernel=auto runs
+    share = sum(c.d.op_share.get(op, 0.0) for op in LINEAR_OPS)
+    return [c.action("packed_linears", {"linear_kernel": "auto"},
+                     f"projections and the LM head are {share:.0%} of the time; `bench kernels` times the packed "
+                     f"LM head at x{kernel_ratio:.2f} of F.linear's speed at batch {batch}", kernel_ratio, share,
+                     bench_us=times)]
+
+
+def prefix_caching(c: Context) -> list[Action]:
+    fraction = _prompt_stats(c.state.goal.workload)[1]
+    if c.options["enable_prefix_caching"] or True not in c.space("enable_prefix_caching") or fraction <= 0.05:
+        return []
+    return [c.action("prefix_caching", {"enable_prefix_caching": True},
+                     f"prompts share {fraction:.0%} of their tokens", 1 / (1 - min(fraction, 0.95)), c.share("prefill", "mixed"))]
+
+
+CATALOGUE: tuple[Callable[[Context], list[Action]], ...] = (
+    batch_limit,
+    prefill_budget,
+    threads,
+    _byte_change("bf16_weights", "dtype", "bfloat16", _decode_dominates),
+    _byte_change("w8a8_experts", "quantization", "w8a8", _experts_memory_bound),
+    _byte_change("int8_cache", "kv_cache_dtype", "int8", _cache_limits_batch),
+    _byte_change("fp8_cache", "kv_cache_dtype", "fp8", _cache_limits_batch),
+    _byte_change("replay_ssm", "kda_decode", "replay", _kda_state_traffic),
+    packed_linears,
+    prefix_caching,
+)
+
+
+class RulesPolicy:
+    name = "rules"
+    needs_diagnosis = True
+
+    def __init__(self) -> None:
+        self._benched: dict[tuple, dict[str, float]] = {}
+
+    def propose(self, state: AgentState) -> list[Action]:
+        if state.diagnosis is None:
+            raise ValueError("the rules policy needs the incumbent's diagnosis")
+        options = flat_options_with(state)
+        context = Context(state, state.diagnosis, options, self._step_bytes(state), self._bench(state, options))
+        # A remedy its own model expects to lose is not worth an experiment.
+        actions = [a for rule in CATALOGUE for a in rule(context) if a.predicted_ratio > 1.0 + MIN_GAIN]
+        minutes = experiment_minutes(state)
+        return sorted(actions, key=lambda a: (a.predicted_ratio - 1) / minutes(a.predicted_ratio), reverse=True)
+
+    def observe(self, outcome: Outcome) -> None:
+        pass  # the diagnosis of the next incumbent is what the rules read
+
+    def _bench(self, state: AgentState, options: Mapping[str, Any]) -> Callable[[str, int], dict[str, float]]:
+        def bench(op: str, batch: int) -> dict[str, float]:
+            key = (op, batch, options["dtype"], options["threads"])
+            if key not in self._benched:
+                self._benched[key] = bench_kernel(op, batch, options)
+            return self._benched[key]
+
+        return bench
+
+    def _step_bytes(self, state: AgentState) -> Callable[[Mapping[str, Any], int], float]:
+        cfg = TextModelConfig.from_file(_model_path(state.goal.base_options))
+        return lambda options, batch: decode_step_cost(cfg, options, batch).bytes
+
+
+def flat_options_with(state: AgentState) -> dict[str, Any]:
+    return flat_options(engine_config({**state.goal.base_options, **state.incumbent}))
+
+
+def experiment_minutes(state: AgentState) -> Callable[[float], float]:
+    """Minutes one experiment of a change predicted at ratio r costs: warm-ups and pairs,
+    each run the incumbent's time (A) or that over r (B), plus process starts."""
+    goal, d = state.goal, state.diagnosis
+    run_s = d.metrics.get("total_time_s", 60.0) if d else 60.0
+    runs = goal.experiment.pairs + 1  # per arm, with the warm-up
+    factor = 2 if goal.confirm else 1
+    return lambda r: factor * runs * (run_s + run_s / max(r, 0.1) + 2 * PROCESS_START_S) / 60.0
+
+
+def _concurrency(state: AgentState) -> int:
+    w = state.goal.workload
+    return w.arrival.concurrency or w.num_requests
+
+
+def _prompt_stats(w: Workload) -> tuple[float, float]:
+    """(mean prompt tokens, mean shared-prefix fraction) of the workload's requests."""
+    lens = w.input_len.sample(np.random.default_rng(w.seed), w.num_requests)
+    return float(lens.mean()), float((w.shared_prefix.prefix_lens(lens) / lens).mean())
+
+
+def bench_kernel(op: str, batch: int, options: Mapping[str, Any]) -> dict[str, float]:
+    """candidate -> median µs of `oxserve bench kernels` for one op (every candidate checked
+    against the op's reference first; a failed check leaves the candidate out)."""
+    command = [sys.executable, "-m", "oxserve.cli", "bench", "kernels", "--ops", op, "--batch", str(batch),
+               "--dtype", options["dtype"], "--threads", str(options["threads"] or 1), "--json"]
+    if options.get("model"):
+        command += ["--model", str(options["model"])]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    try:
+        results = json.loads(done.stdout)["results"]
+    except (json.JSONDecodeError, KeyError):
+        return {}
+    return {r["impl"]: r["timing"]["median_us"] for r in results if r["passed"] and r.get("timing")}
