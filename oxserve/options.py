@@ -36,11 +36,20 @@ def engine_config(options: Mapping[str, Any]) -> EngineConfig:
         raise ValueError(f"unknown engine option(s): {', '.join(unknown)} (known: {', '.join(sorted(names))})")
     parts: dict[str, dict[str, Any]] = {section: {} for section in sections()}
     for name, value in options.items():
+        choices = _choices(names[name], name)
+        if choices is not None and value not in choices:
+            raise ValueError(f"{name} must be one of {', '.join(map(str, choices))}, got {value!r}")
         parts[names[name]][name] = value
     try:
         return EngineConfig(**{section: cls(**parts[section]) for section, cls in sections().items()})
     except TypeError as e:
         raise ValueError(f"bad engine options {dict(options)}: {e}") from e
+
+
+def _choices(section: str, name: str) -> tuple | None:
+    """The values a field lists in its `choices` metadata (what `--help` offers), if any."""
+    field = next(f for f in dataclasses.fields(sections()[section]) if f.name == name)
+    return field.metadata.get("choices")
 
 
 def flat_options(config: EngineConfig) -> dict[str, Any]:
