@@ -13,17 +13,14 @@ def judge(record: ExperimentRecord, goal: Goal) -> list[str]:
     past the noise threshold, Mann-Whitney significant --, pass the quality gate, not be
     suspect (faster than the roofline allows), and keep every limit of the goal."""
     if record.status != "finished":
-        return [f"experiment {record.id} {record.status}: {record.error}"]
+        return [f"experiment {record.id} {record.status}: {record.error}"] + _quality(record, goal)
     reasons = []
     stats = record.stats or {}
     if record.verdict == SUSPECT:
         reasons.append(f"suspect: {stats.get('reason', 'faster than the roofline allows')}")
     elif record.verdict != B_FASTER:
         reasons.append(f"{record.verdict}: {stats.get('reason', '')}".rstrip(": "))
-    if not record.quality or not record.quality.get("passed"):
-        q = record.quality or {}
-        reasons.append(f"quality gate failed: max divergence {q.get('max_divergence', float('nan')):.4g} nats "
-                       f"(bound {q.get('bound', goal.quality_bound)})")
+    reasons += _quality(record, goal) if record.quality else ["quality gate: no result"]
     medians_b = stats.get("medians", {}).get("B", {})
     for name, bound in goal.limits.items():
         value = medians_b.get(name)
@@ -35,4 +32,12 @@ def judge(record: ExperimentRecord, goal: Goal) -> list[str]:
 
 
 def quality_failed(record: ExperimentRecord) -> bool:
-    return record.status == "finished" and not (record.quality or {}).get("passed", False)
+    return record.quality is not None and not record.quality.get("passed", False)
+
+
+def _quality(record: ExperimentRecord, goal: Goal) -> list[str]:
+    q = record.quality
+    if q is None or q.get("passed"):
+        return []
+    return [f"quality gate failed: max divergence {q.get('max_divergence', float('nan')):.4g} nats "
+            f"(bound {q.get('bound', goal.quality_bound)})"]

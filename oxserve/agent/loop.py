@@ -187,7 +187,7 @@ class AgentLoop:
             a=Arm("A", _show(a), dict(a)), b=Arm("B", _show(b), dict(b)), workload=workload,
             base_options=self.goal.base_options, pairs=e.pairs, max_pairs=e.max_pairs, noise_threshold=e.noise,
             alpha=e.alpha, metric=self.goal.metric, quality_bound=self.goal.quality_bound, seed=experiments,
-            run_timeout_s=e.run_timeout_s, threads=self.threads,
+            run_timeout_s=e.run_timeout_s, threads=self.threads, stop_on_quality_failure=kind != "held_out",
             description=f"agent run {self.run_id} {kind}: {action.describe()} ({action.origin}, predicted "
                         f"x{action.predicted_ratio:.3f}) -- {action.rationale}",
         )

@@ -53,6 +53,7 @@ from oxserve.feedback.workload import Workload
 from oxserve.model.config import TextModelConfig
 from oxserve.profiling.costs import decode_step_shape, forward_cost, layer_storage
 
+STOPPED_BY_QUALITY_GATE = "the quality gate failed: pairs not run"
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -74,6 +75,7 @@ class Settings:
     run_timeout_s: float = 1800.0
     threads: int | None = None  # torch threads in each worker; None: torch's default
     description: str = ""
+    stop_on_quality_failure: bool = False  # skip the pairs when B fails the gate (nothing could accept it)
 
     def __post_init__(self) -> None:
         if self.pairs < 1 or self.max_pairs < self.pairs:
@@ -143,6 +145,9 @@ def run_experiment(settings: Settings, ledger: Ledger, log: Callable[[str], None
             quality = warm_up_with_quality_gate(plan)
             log(f"warm-up done; quality gate {'passed' if quality['passed'] else 'FAILED'}: max divergence "
                 f"{quality['max_divergence']:.4g} nats (bound {settings.quality_bound}), mean {quality['mean_divergence']:.4g}")
+            if not quality["passed"] and settings.stop_on_quality_failure:
+                ledger.fail_experiment(eid, STOPPED_BY_QUALITY_GATE, quality)
+                return ledger.get(eid)
             a, b = _measure_pairs(plan, ledger, eid, log)
             comparison = compare(a, b, noise_threshold=settings.noise_threshold, alpha=settings.alpha,
                                  roofline=max(plan.rooflines.values()))

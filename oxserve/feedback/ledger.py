@@ -229,12 +229,13 @@ class Ledger:
              experiment_id),
         )
 
-    def fail_experiment(self, experiment_id: int, error: str) -> None:
-        """Close an experiment that could not complete (engine crash, bad config)."""
+    def fail_experiment(self, experiment_id: int, error: str, quality: Mapping | None = None) -> None:
+        """Close an experiment that could not complete (engine crash, bad config), or was cut
+        short by its quality gate (then given, to be kept)."""
         self._require_running(experiment_id)
         self._conn.execute(
-            "UPDATE experiments SET status = 'failed', finished_at = ?, error = ? WHERE id = ?",
-            (_now(), error, experiment_id),
+            "UPDATE experiments SET status = 'failed', finished_at = ?, error = ?, quality = ? WHERE id = ?",
+            (_now(), error, None if quality is None else _dumps(dict(quality)), experiment_id),
         )
 
     def get(self, experiment_id: int) -> ExperimentRecord:
