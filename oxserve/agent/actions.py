@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from oxserve.agent.goal import Goal
-from oxserve.options import engine_config
+from oxserve.options import engine_config, flat_options
 
 
 @dataclass(frozen=True)
@@ -44,13 +44,14 @@ def check_action(action: Action, goal: Goal, incumbent: Mapping[str, Any]) -> li
     problems = []
     if not action.changes:
         problems.append("it changes nothing")
+    current = flat_options(engine_config({**goal.base_options, **incumbent}))  # defaults filled in
     for name, value in action.changes.items():
         if name not in goal.search_space:
             problems.append(f"{name} is not in the goal's search space ({', '.join(goal.search_space)})")
         elif value not in goal.search_space[name]:
             problems.append(f"{name}={value!r} is not among the allowed values {list(goal.search_space[name])}")
-        elif incumbent.get(name, _ABSENT) == value:
-            problems.append(f"{name} is already {value!r}")
+        elif current.get(name) == value:
+            problems.append(f"{name} is already {value!r}" + ("" if name in incumbent else " (the engine's default)"))
     if not (isinstance(action.predicted_ratio, (int, float)) and math.isfinite(action.predicted_ratio)
             and action.predicted_ratio > 0):
         problems.append(f"predicted ratio {action.predicted_ratio!r} is not a positive number")
@@ -66,5 +67,3 @@ def needs_approval(action: Action, goal: Goal) -> list[str]:
     """The options of `action` that the goal's risk rules reserve for a person."""
     return sorted(set(action.changes) & goal.needs_approval)
 
-
-_ABSENT = object()
