@@ -10,8 +10,10 @@ install: $(STAMP)
 
 # torch is pinned first: a bare `torch` requirement could pull a multi-GB CUDA build.
 # A C compiler builds the native CPU kernels (oxserve/kernels/native) on first use.
+# Debian's chromium is the browser of the dashboard's test (Playwright's own download is unreachable).
 $(STAMP): pyproject.toml
 	command -v cc >/dev/null || (apt-get update -q && apt-get install -y -q gcc)
+	command -v chromium >/dev/null || (apt-get update -q && apt-get install -y -q chromium)
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[test]'
