@@ -223,8 +223,8 @@ def start_run(journal: Journal, goal: Goal, policy: str) -> int:
 
 def resumable_run(journal: Journal, run_id: int, goal: Goal, policy: str) -> int:
     run = journal.run(run_id)
-    if run.status == "finished":
-        raise LedgerError(f"agent run {run_id} is finished: start a new one")
+    if run.status == "finished" and not journal.changes(run_id, status="approved"):
+        raise LedgerError(f"agent run {run_id} is finished and has no approved change to apply: start a new one")
     if run.goal != goal.source or run.policy != policy:
         raise LedgerError(f"agent run {run_id} ran another goal or policy ({run.policy}); resume it with the same ones")
     return run_id

@@ -1,0 +1,168 @@
+"""The agent's loop end to end, for real: fresh worker processes on the tiny checkpoint,
+experiments in a real ledger, the CLI in its own process (Ctrl-C, --resume, report)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from oxserve.agent.actions import Action
+from oxserve.agent.goal import goal_from_dict
+from oxserve.agent.journal import Journal
+from oxserve.agent.loop import AgentLoop, resumable_run, start_run
+from oxserve.agent.policies.search import SearchPolicy
+from oxserve.agent.policy import AgentState
+from oxserve.agent.report import build_report, render_markdown
+from oxserve.experiment.procedure import STOPPED_BY_QUALITY_GATE
+from oxserve.feedback.ledger import Ledger, LedgerError
+
+REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    """The ceilings cache, measured once for the module."""
+    path = tmp_path_factory.mktemp("data")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("OXSERVE_DATA_DIR", str(path))
+        yield path
+
+
+def goal_dict(model: Path, **over) -> dict:
+    run = {"temperature": 0.0, "ignore_eos": True}
+    return {
+        "name": "tiny",
+        "objective": {"workload": {"name": "tiny_search", "num_requests": 8, "input_len": {"uniform": [8, 16]},
+                                   "output_len": 12, "arrival": {"concurrency": 8}, "sampling": run}},
+        "start": {"max_num_seqs": 1, "dtype": "float32"},
+        "base_options": {"model": str(model), "cache_memory_gib": 0.05, "threads": 1},
+        "search_space": {"max_num_seqs": [1, 8], "dtype": ["float32", "bfloat16"]},
+        "experiment": {"pairs": 4, "max_pairs": 4},
+        **over,
+    }
+
+
+class Planted:
+    """A policy that proposes fixed actions, to plant what the loop's defences must catch."""
+
+    name = "planted"
+    needs_diagnosis = False
+
+    def __init__(self, actions: list[Action]) -> None:
+        self.actions = actions
+
+    def propose(self, state: AgentState) -> list[Action]:
+        return list(self.actions)
+
+    def observe(self, outcome) -> None:
+        pass
+
+
+def test_lowered_precision_is_caught_a_proven_change_waits_for_approval_then_holds_out(tiny_model_dir, data_dir, tmp_path):
+    held_out = {"name": "tiny_held_out", "num_requests": 6, "seed": 3, "input_len": {"uniform": [10, 20]},
+                "output_len": 10, "arrival": {"concurrency": 6}, "sampling": {"temperature": 0.0, "ignore_eos": True}}
+    goal = goal_from_dict(goal_dict(tiny_model_dir, constraints={"quality_bound": 1e-3},
+                                    risk={"needs_approval": ["max_num_seqs"]}, budget={"experiments": 6},
+                                    objective={**goal_dict(tiny_model_dir)["objective"], "held_out": held_out}))
+    bf16 = Action({"dtype": "bfloat16"}, "planted: lowers precision", 1.3, "planted")
+    batch = Action({"max_num_seqs": 8}, "planted: batch the eight in flight", 2.0, "planted")
+    policy = Planted([bf16, batch])
+    with Ledger(tmp_path / "ledger.sqlite") as ledger:
+        journal = Journal(ledger)
+        run = start_run(journal, goal, policy.name)
+        AgentLoop(goal, policy, ledger, run, tmp_path, threads=1, log=lambda line: None).run()
+
+        first = ledger.get(1)  # the planted precision cut: stopped by the quality gate, no pair run
+        assert first.status == "failed" and first.error == STOPPED_BY_QUALITY_GATE and not first.samples
+        assert not first.quality["passed"] and first.quality["max_divergence"] > 1e-3
+        kinds = [s.kind for s in journal.steps(run)]
+        assert kinds[:2] == ["propose", "experiment"] and kinds[2] == "reject"
+        assert "quality gate failed" in journal.steps(run)[2].reasoning
+        # Proven (an experiment and a fresh confirmation) but reserved for a person: queued, not adopted.
+        (change,) = journal.changes(run)
+        assert change.status == "pending" and change.action["changes"] == {"max_num_seqs": 8}
+        assert len(change.evidence["experiment_ids"]) == 2 and change.evidence["ratio"] > 1.5
+        assert all(ledger.get(e).accepted for e in change.evidence["experiment_ids"])
+        assert journal.run(run).incumbent == goal.start and journal.run(run).status == "finished"
+        assert "failed the quality gate" in " ".join(s.reasoning for s in journal.steps(run) if s.kind == "check")
+
+        journal.decide(change.id, "approved", "reviewed")
+        resumable_run(journal, run, goal, policy.name)  # a finished run with an approved change continues
+        AgentLoop(goal, policy, ledger, run, tmp_path, threads=1, log=lambda line: None).run()
+        assert journal.change(change.id).status == "applied"
+        assert journal.run(run).incumbent == {"max_num_seqs": 8, "dtype": "float32"}
+        report = build_report(journal, run)
+        assert report["held_out"]["ratio"] > 1.5 and report["held_out"]["quality_passed"]
+        assert report["held_out"]["workload"] == "tiny_held_out"
+        assert "held-out workload** (tiny_held_out)" in render_markdown(report)
+        with pytest.raises(LedgerError, match="finished"):
+            resumable_run(journal, run, goal, policy.name)
+
+
+def test_ctrl_c_stops_cleanly_and_resume_finishes_with_the_rules(tiny_model_dir, data_dir, tmp_path):
+    goal_file = tmp_path / "goal.yaml"
+    goal_file.write_text(yaml.safe_dump(goal_dict(tiny_model_dir, search_space={"max_num_seqs": [1, 8]},
+                                                  confirm=False, budget={"experiments": 3})))
+    ledger_path = tmp_path / "ledger.sqlite"
+    command = [sys.executable, "-m", "oxserve.cli", "agent", "run", "--goal", str(goal_file), "--ledger", str(ledger_path),
+               "--workdir", str(tmp_path / "work")]
+    env = {**os.environ, "OXSERVE_DATA_DIR": str(data_dir)}
+    agent = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             start_new_session=True)
+    deadline = time.monotonic() + 300
+    while not _samples(ledger_path):  # Ctrl-C once the first experiment has measured a run
+        assert agent.poll() is None and time.monotonic() < deadline, agent.communicate()
+        time.sleep(0.2)
+    os.killpg(agent.pid, signal.SIGINT)  # what a terminal sends the foreground group
+    _, err = agent.communicate(timeout=60)
+    assert agent.returncode == 130, err
+    with Ledger(ledger_path) as ledger:
+        journal = Journal(ledger)
+        assert journal.run(1).status == "stopped" and journal.steps(1)[-1].kind == "stop"
+        assert ledger.get(1).status == "failed" and "KeyboardInterrupt" in ledger.get(1).error
+
+    done = subprocess.run(command + ["--resume", "1"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert "| max_num_seqs=8 | rules:batch_limit |" in done.stdout  # the report: accepted with its evidence
+    with Ledger(ledger_path) as ledger:
+        journal = Journal(ledger)
+        assert journal.run(1).status == "finished" and journal.run(1).incumbent["max_num_seqs"] == 8
+        accepted = [s for s in journal.steps(1) if s.kind == "accept"]
+        assert len(accepted) == 1 and ledger.get(accepted[0].evidence["experiment_ids"][0]).accepted
+    report = subprocess.run([sys.executable, "-m", "oxserve.cli", "agent", "report", "--ledger", str(ledger_path),
+                             "--json", "--plot", str(tmp_path / "progress.png")], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert report.returncode == 0, report.stderr
+    assert json.loads(report.stdout)["final"]["max_num_seqs"] == 8 and (tmp_path / "progress.png").stat().st_size > 0
+
+
+def test_the_search_baseline_measures_its_draws_and_resumes_its_study(tiny_model_dir, data_dir, tmp_path):
+    goal = goal_from_dict(goal_dict(tiny_model_dir, confirm=False, budget={"experiments": 1}, policy="search"))
+    with Ledger(tmp_path / "ledger.sqlite") as ledger:
+        journal = Journal(ledger)
+        run = start_run(journal, goal, "search")
+        loop = AgentLoop(goal, SearchPolicy(seed=3), ledger, run, tmp_path, threads=1, log=lambda line: None)
+        loop.run()
+        (outcome,) = loop.history
+        assert outcome.action.origin == "search" and outcome.experiment_ids
+        # A fresh policy on the same history (a resumed run) knows the draw: it never proposes it again.
+        state = AgentState(goal, loop.incumbent, loop.incumbent_rate, None, loop.history)
+        again = SearchPolicy(seed=3).propose(state)
+        assert again and not any(state.tried(a) for a in again)
+
+
+def _samples(ledger_path: Path) -> int:
+    if not ledger_path.exists():
+        return 0
+    with Ledger(ledger_path) as ledger:
+        records = ledger.list(1)
+        return len(records[0].samples) if records else 0
