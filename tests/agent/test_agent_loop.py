@@ -14,17 +14,22 @@ from pathlib import Path
 import pytest
 import yaml
 
-from oxserve.agent.actions import Action
+from oxserve.agent.actions import Action, check_action
 from oxserve.agent.goal import goal_from_dict
 from oxserve.agent.journal import Journal
 from oxserve.agent.loop import AgentLoop, resumable_run, start_run
+from oxserve.agent.policies.llm import LLMPolicy
 from oxserve.agent.policies.search import SearchPolicy
 from oxserve.agent.policy import AgentState
 from oxserve.agent.report import build_report, render_markdown
+from oxserve.default_model import ensure_default_model
 from oxserve.experiment.procedure import STOPPED_BY_QUALITY_GATE
 from oxserve.feedback.ledger import Ledger, LedgerError
 
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tests" / "server"))  # the server tests' harness
+from server_harness import serve  # noqa: E402
+
 pytestmark = pytest.mark.slow
 
 
@@ -158,6 +163,29 @@ def test_the_search_baseline_measures_its_draws_and_resumes_its_study(tiny_model
         state = AgentState(goal, loop.incumbent, loop.incumbent_rate, None, loop.history)
         again = SearchPolicy(seed=3).propose(state)
         assert again and not any(state.tried(a) for a in again)
+
+
+def test_the_llm_policy_in_the_loop_against_a_real_server_runs_only_what_passes_its_checks(tiny_model_dir, data_dir, tmp_path):
+    """The default model (random weights) at a real `oxserve serve` answers what it answers, under
+    the answer's JSON schema: every answer is journaled and checked, and only checked actions run."""
+    goal = goal_from_dict(goal_dict(tiny_model_dir, confirm=False, budget={"experiments": 1}, policy="llm"))
+    with serve(ensure_default_model(), "--dtype", "bfloat16", "--served-model-name", "oxserve-default",
+               "--cache-memory-gib", "0.5", "--max-model-len", "4096", log_dir=tmp_path) as server:
+        policy = LLMPolicy(base_url=f"{server.base_url}/v1", model="oxserve-default", max_tokens=256, timeout_s=120)
+        with Ledger(tmp_path / "ledger.sqlite") as ledger:
+            journal = Journal(ledger)
+            run = start_run(journal, goal, "llm")
+            AgentLoop(goal, policy, ledger, run, tmp_path, threads=1, log=lambda line: None).run()
+            steps, status = journal.steps(run), journal.run(run).status
+    assert status == "finished" and steps[0].kind == "profile"
+    assert 1 <= policy.answers and policy.use_schema, "oxserve's own server takes the json_schema response format"
+    assert not any(r["reason"].startswith("endpoint error") for r in policy.rejected), policy.rejected
+    journaled = [s for s in steps if s.kind == "reject" and "answer" in s.evidence]
+    assert len(journaled) == len(policy.rejected) and all("never executed" in s.reasoning for s in journaled)
+    for s in steps:
+        if s.experiment_id is not None:  # whatever ran passed its checks first
+            changes = s.action["changes"]
+            assert check_action(Action(changes, "", 1.0, "llm"), goal, goal.start) == []
 
 
 def _samples(ledger_path: Path) -> int:
