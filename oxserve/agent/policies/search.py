@@ -14,6 +14,7 @@ import optuna
 
 from oxserve.agent.actions import Action
 from oxserve.agent.policy import AgentState, Outcome
+from oxserve.options import engine_config, flat_options
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 STARTUP_TRIALS = 4  # random draws before TPE models the space (Optuna's default is 10: too many for ~12 experiments)
@@ -32,9 +33,10 @@ class SearchPolicy:
     def propose(self, state: AgentState) -> list[Action]:
         study = self._study_for(state)
         distributions = _distributions(state)
+        current = flat_options(engine_config({**state.goal.base_options, **state.incumbent}))  # defaults filled in
         for _ in range(DRAWS_PER_PROPOSAL):
             trial = study.ask(distributions)
-            changes = {k: v for k, v in trial.params.items() if state.incumbent.get(k, _ABSENT) != v}
+            changes = {k: v for k, v in trial.params.items() if current[k] != v}
             action = Action(changes, f"TPE trial {trial.number}", 1.0, "search", {"params": trial.params})
             if not changes or state.tried(action):
                 # Known already: tell TPE what it is worth without spending an experiment.
@@ -54,7 +56,8 @@ class SearchPolicy:
             self._study = optuna.create_study(direction="maximize", sampler=self._sampler)
             distributions = _distributions(state)
             for o in state.history:  # a resumed run: what was measured before
-                params = {**{k: o.base.get(k) for k in distributions}, **o.action.changes}
+                base = flat_options(engine_config({**state.goal.base_options, **o.base}))
+                params = {**{k: base[k] for k in distributions}, **o.action.changes}
                 if all(params.get(k) in d.choices for k, d in distributions.items()):
                     self._study.add_trial(optuna.trial.create_trial(params=params, distributions=distributions,
                                                                     value=_value(o)))
@@ -78,5 +81,3 @@ def _known_value(state: AgentState, action: Action) -> float:
             return _value(o)
     return float(state.incumbent_rate or 0.0)
 
-
-_ABSENT = object()
