@@ -4,31 +4,47 @@ from __future__ import annotations
 
 from oxserve.agent.goal import Goal
 from oxserve.feedback.ledger import ExperimentRecord
-from oxserve.feedback.stats import B_FASTER, SUSPECT
+from oxserve.feedback.stats import B_FASTER, B_SLOWER, SUSPECT
+
+LIMIT_REPAIR_COST = 0.05  # the most speed a change that repairs a broken limit may cost
 
 
 def judge(record: ExperimentRecord, goal: Goal) -> list[str]:
     """Why `record` does not prove B better than A under `goal` (empty: it does). B must be
     faster -- the CI of the median ratio excludes 1 in the right direction, the median moved
     past the noise threshold, Mann-Whitney significant --, pass the quality gate, not be
-    suspect (faster than the roofline allows), and keep every limit of the goal."""
+    suspect (faster than the roofline allows), and keep every limit of the goal. When the
+    incumbent (A) breaks a limit that B keeps, B need only not be slower by more than
+    LIMIT_REPAIR_COST: meeting the goal's limits comes before speed."""
     if record.status != "finished":
         return [f"experiment {record.id} {record.status}: {record.error}"] + _quality(record, goal)
-    reasons = []
     stats = record.stats or {}
+    limits = _limits(stats.get("medians", {}).get("B", {}), goal, "B")
+    a_breaks = _limits(stats.get("medians", {}).get("A", {}), goal, "A", missing_breaks=False)
+    reasons = []
     if record.verdict == SUSPECT:
         reasons.append(f"suspect: {stats.get('reason', 'faster than the roofline allows')}")
+    elif a_breaks and not limits:
+        # B repairs a limit the incumbent breaks: it may cost a little speed, not more.
+        if record.verdict == B_SLOWER and stats.get("median_ratio", 0.0) < 1 - LIMIT_REPAIR_COST:
+            reasons.append(f"repairs {', '.join(a_breaks)} but costs more than {LIMIT_REPAIR_COST:.0%}: {stats.get('reason', '')}")
     elif record.verdict != B_FASTER:
         reasons.append(f"{record.verdict}: {stats.get('reason', '')}".rstrip(": "))
     reasons += _quality(record, goal) if record.quality else ["quality gate: no result"]
-    medians_b = stats.get("medians", {}).get("B", {})
+    return reasons + [f"limit {problem}" for problem in limits]
+
+
+def _limits(medians: dict, goal: Goal, arm: str, missing_breaks: bool = True) -> list[str]:
+    """The goal's limits that an arm's run-metric medians break (or, if `missing_breaks`, do not report)."""
+    broken = []
     for name, bound in goal.limits.items():
-        value = medians_b.get(name)
+        value = medians.get(name)
         if value is None:
-            reasons.append(f"limit {name}: not measured")
+            if missing_breaks:
+                broken.append(f"{name}: not measured")
         elif value > bound:
-            reasons.append(f"limit {name}: B's median {value:.4g} over {bound:.4g}")
-    return reasons
+            broken.append(f"{name}: {arm}'s median {value:.4g} over {bound:.4g}")
+    return broken
 
 
 def quality_failed(record: ExperimentRecord) -> bool:

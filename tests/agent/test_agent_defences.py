@@ -21,9 +21,9 @@ GOAL = goal_from_dict({
     "constraints": {"max": {"tpot_p90_s": 0.05}}, "risk": {"needs_approval": ["dtype"]}})
 
 
-def record(a, b, *, passed=True, roofline=None, tpot_b=0.01, status="finished") -> ExperimentRecord:
+def record(a, b, *, passed=True, roofline=None, tpot_a=0.01, tpot_b=0.01, status="finished") -> ExperimentRecord:
     c = compare(a, b, roofline=roofline, n_resamples=2000)
-    stats = {**c.to_dict(), "medians": {"A": {"tpot_p90_s": 0.01}, "B": {"tpot_p90_s": tpot_b}}}
+    stats = {**c.to_dict(), "medians": {"A": {"tpot_p90_s": tpot_a}, "B": {"tpot_p90_s": tpot_b}}}
     return ExperimentRecord(1, "", "", status, "", {}, {}, "", "w", {}, {}, c.verdict, stats,
                             {"passed": passed, "max_divergence": 0.0 if passed else 0.3, "bound": 0.05},
                             None, None if status == "finished" else "worker crashed", ())
@@ -66,6 +66,14 @@ def test_a_real_gain_is_accepted_and_each_failure_is_named():
     assert any("limit tpot_p90_s" in r for r in judge(record(a, b, tpot_b=0.2), GOAL))
     assert any(r.startswith("B slower") for r in judge(record(b, a), GOAL))
     assert "worker crashed" in judge(record(a, b, status="failed"), GOAL)[0]
+
+
+def test_repairing_a_broken_limit_may_cost_a_little_speed_not_more():
+    rng = np.random.default_rng(2)
+    a = 100 * np.exp(rng.normal(0, 0.01, 6))
+    assert judge(record(a, a * 0.97, tpot_a=0.2), GOAL) == []  # the incumbent breaks TPOT p90 <= 0.05, B keeps it
+    assert "costs more than 5%" in judge(record(a, a * 0.85, tpot_a=0.2), GOAL)[0]
+    assert judge(record(a, a * 0.97, tpot_a=0.2, tpot_b=0.1), GOAL)  # both break it: B must still be faster
 
 
 @pytest.mark.parametrize("changes, problem", [

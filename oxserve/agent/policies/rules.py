@@ -120,12 +120,13 @@ def prefill_budget(c: Context) -> list[Action]:
     current = c.options["max_num_batched_tokens"]
     prefill_share = c.share("prefill", "mixed")
     tokens = max(c.d.phase_tokens.get("prefill", 0.0), c.d.phase_tokens.get("mixed", 0.0))
-    if prefill_share < 0.05 or tokens < 0.8 * current:
+    mean_prompt = _prompt_stats(c.state.goal.workload)[0]
+    if prefill_share < 0.05 or mean_prompt <= current:
         return []  # prompts are not being cut into budget-sized chunks
     larger = sorted(v for v in c.space("max_num_batched_tokens") if v > current)
     if not larger:
         return []
-    prompt_tokens = _prompt_stats(c.state.goal.workload)[0] * min(_concurrency(c.state), c.options["max_num_seqs"])
+    prompt_tokens = mean_prompt * min(_concurrency(c.state), c.options["max_num_seqs"])
     target = next((v for v in larger if v >= prompt_tokens), larger[-1])
     model = c.step_model()
     if model is None:
@@ -136,6 +137,24 @@ def prefill_budget(c: Context) -> list[Action]:
                      f"prefill steps are cut at the {current}-token budget ({tokens:.0f} tokens per step, "
                      f"{prefill_share:.0%} of the time): raise it to {target}", r, prefill_share,
                      overhead_us=round(overhead_us, 1), per_token_us=round(per_token_us, 3))]
+
+
+def latency_limit(c: Context) -> list[Action]:
+    """A run metric over the goal's limit (e.g. TPOT p90): smaller prefill chunks stall the
+    decodes batched with them for less time. Its cost in speed is predicted (r < 1); it is
+    proposed first all the same, since the judge adopts a repair that costs little."""
+    broken = {name: c.d.metrics[name] for name, bound in c.state.goal.limits.items()
+              if c.d.metrics.get(name, 0.0) > bound}
+    smaller = sorted(v for v in c.space("max_num_batched_tokens") if v < c.options["max_num_batched_tokens"])
+    model = c.step_model()
+    if not broken or not smaller or model is None:
+        return []
+    current, target = c.options["max_num_batched_tokens"], smaller[-1]
+    overhead_us, per_token_us = model
+    r = (overhead_us / current + per_token_us) / (overhead_us / target + per_token_us)
+    return [c.action("latency_limit", {"max_num_batched_tokens": target},
+                     f"{', '.join(f'{k} {v:.4g}' for k, v in broken.items())} over the goal's limit: prefill in "
+                     f"{target}-token chunks instead of {current}", r, c.share("prefill", "mixed"), repairs=sorted(broken))]
 
 
 def _byte_change(rule: str, option: str, value: Any, when: Callable[[Context], str | None]) -> Callable[[Context], list[Action]]:
@@ -217,6 +236,7 @@ def prefix_caching(c: Context) -> list[Action]:
 
 
 CATALOGUE: tuple[Callable[[Context], list[Action]], ...] = (
+    latency_limit,
     batch_limit,
     prefill_budget,
     threads,
@@ -242,10 +262,12 @@ class RulesPolicy:
             raise ValueError("the rules policy needs the incumbent's diagnosis")
         options = flat_options_with(state)
         context = Context(state, state.diagnosis, options, self._step_bytes(state), self._bench(state, options))
+        proposed = [a for rule in CATALOGUE for a in rule(context)]
+        repairs = [a for a in proposed if a.evidence.get("repairs")]  # the goal's limits come first
         # A remedy its own model expects to lose is not worth an experiment.
-        actions = [a for rule in CATALOGUE for a in rule(context) if a.predicted_ratio > 1.0 + MIN_GAIN]
+        gains = [a for a in proposed if a not in repairs and a.predicted_ratio > 1.0 + MIN_GAIN]
         minutes = experiment_minutes(state)
-        return sorted(actions, key=lambda a: (a.predicted_ratio - 1) / minutes(a.predicted_ratio), reverse=True)
+        return repairs + sorted(gains, key=lambda a: (a.predicted_ratio - 1) / minutes(a.predicted_ratio), reverse=True)
 
     def observe(self, outcome: Outcome) -> None:
         pass  # the diagnosis of the next incumbent is what the rules read

@@ -1,0 +1,72 @@
+"""The rules policy on a real profile of the tiny checkpoint: each remedy is proposed when its
+diagnosis holds, not otherwise, with the prediction its cost model gives."""
+
+from __future__ import annotations
+
+import pytest
+
+from oxserve.agent.diagnosis import diagnose
+from oxserve.agent.goal import goal_from_dict
+from oxserve.agent.policies.rules import RulesPolicy, amdahl
+from oxserve.agent.policy import AgentState
+
+WORKLOAD = {"name": "eight", "num_requests": 8, "input_len": {"uniform": [24, 40]}, "output_len": 12,
+            "arrival": {"concurrency": 8}, "shared_prefix": {"fraction": 0.5},
+            "sampling": {"temperature": 0.0, "ignore_eos": True}}
+
+
+def goal(model, **over):
+    return goal_from_dict({
+        "objective": {"workload": WORKLOAD},
+        "start": {"max_num_seqs": 1, "dtype": "float32", "max_num_batched_tokens": 16, "enable_prefix_caching": False},
+        "base_options": {"model": str(model), "cache_memory_gib": 0.05, "threads": 1},
+        "search_space": {"max_num_seqs": [1, 4, 8], "dtype": ["float32", "bfloat16"],
+                         "max_num_batched_tokens": [8, 16, 256], "enable_prefix_caching": [False, True]},
+        **over})
+
+
+@pytest.fixture(scope="module")
+def naive(tiny_model_dir, tmp_path_factory):
+    """The profile of one sequence at a time, 16-token prefill chunks, fp32, no prefix cache."""
+    g = goal(tiny_model_dir)
+    return g, diagnose({**g.base_options, **g.start}, g.workload, tmp_path_factory.mktemp("profile"))
+
+
+def test_the_diagnosis_reads_the_profile(naive):
+    _, d = naive
+    assert d.decode_batch == pytest.approx(1.0)  # one sequence at a time
+    assert sum(d.phase_share.values()) == pytest.approx(1.0)
+    assert 8 <= d.phase_tokens["prefill"] <= 16  # chunks of the 16-token budget
+    assert d.headline and d.gaps and d.op_share["lm_head"] > 0 and 0 < d.decode_roofline["moe.experts"]
+
+
+def test_remedies_follow_their_diagnoses(naive):
+    g, d = naive
+    actions = {a.origin: a for a in RulesPolicy().propose(AgentState(g, g.start, None, d))}
+    batch = actions["rules:batch_limit"]
+    assert batch.changes == {"max_num_seqs": 8} and batch.predicted_ratio > 1.5
+    assert actions["rules:prefill_budget"].changes == {"max_num_batched_tokens": 256}
+    assert actions["rules:prefill_budget"].predicted_ratio > 1.0
+    assert actions["rules:prefix_caching"].changes == {"enable_prefix_caching": True}
+    bf16 = actions["rules:bf16_weights"]
+    assert bf16.evidence["bytes_ratio"] == pytest.approx(2.0, rel=0.1) and 1.0 < bf16.predicted_ratio < 2.0
+    ranked = RulesPolicy().propose(AgentState(g, g.start, None, d))
+    assert ranked[0].origin == "rules:batch_limit"  # the largest gain per minute of experiment
+
+    # The same numbers with a limit that does not bind, and a prefix cache that is on: no such remedy.
+    roomy = {**g.start, "max_num_seqs": 8, "enable_prefix_caching": True, "max_num_batched_tokens": 256}
+    origins = {a.origin for a in RulesPolicy().propose(AgentState(g, roomy, None, d))}
+    assert not origins & {"rules:batch_limit", "rules:prefix_caching", "rules:prefill_budget"}
+
+
+def test_a_broken_latency_limit_comes_first_even_at_a_predicted_cost(naive, tiny_model_dir):
+    _, d = naive
+    g = goal(tiny_model_dir, constraints={"max": {"tpot_p90_s": 1e-6}})
+    first = RulesPolicy().propose(AgentState(g, g.start, None, d))[0]
+    assert first.origin == "rules:latency_limit" and first.changes == {"max_num_batched_tokens": 8}
+    assert first.predicted_ratio < 1.0 and first.evidence["repairs"] == ["tpot_p90_s"]
+
+
+def test_amdahl():
+    assert amdahl(0.5, 2.0) == pytest.approx(1 / 0.75)
+    assert amdahl(0.0, 10.0) == 1.0 and amdahl(1.0, 3.0) == pytest.approx(3.0)
