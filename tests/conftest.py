@@ -19,6 +19,15 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     return build_checkpoint(tmp_path_factory.mktemp("tiny-model"), TINY_TEXT_CONFIG, seed=7, dtype=torch.float32)
 
 
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    """OXSERVE_DATA_DIR for the module: the machine's ceilings (measured once) and the default ledger."""
+    path = tmp_path_factory.mktemp("data")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("OXSERVE_DATA_DIR", str(path))
+        yield path
+
+
 def pytest_terminal_summary(terminalreporter):
     """Print how much of the reference comparisons the near-tie rule excused, and bf16 fidelity."""
     from hf_reference import FIDELITY_LINES, TALLY

@@ -33,15 +33,6 @@ from server_harness import serve  # noqa: E402
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    """The ceilings cache, measured once for the module."""
-    path = tmp_path_factory.mktemp("data")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("OXSERVE_DATA_DIR", str(path))
-        yield path
-
-
 def goal_dict(model: Path, **over) -> dict:
     run = {"temperature": 0.0, "ignore_eos": True}
     return {

@@ -26,7 +26,7 @@ def goal(model, **over):
 
 
 @pytest.fixture(scope="module")
-def naive(tiny_model_dir, tmp_path_factory):
+def naive(tiny_model_dir, data_dir, tmp_path_factory):
     """The profile of one sequence at a time, 16-token prefill chunks, fp32, no prefix cache."""
     g = goal(tiny_model_dir)
     return g, diagnose({**g.base_options, **g.start}, g.workload, tmp_path_factory.mktemp("profile"))

@@ -23,15 +23,6 @@ from oxserve.feedback.workload import Workload, load_workload
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    """The ceilings cache (measured once for the module) and default ledger live here."""
-    path = tmp_path_factory.mktemp("data")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("OXSERVE_DATA_DIR", str(path))
-        yield path
-
-
 @pytest.fixture
 def base(tiny_model_dir):
     return {"model": str(tiny_model_dir), "dtype": "float32", "cache_memory_gib": 0.05}
