@@ -113,7 +113,7 @@ class AgentLoop:
         judged by the longest experiment so far."""
         longest = max((s.seconds for s in self.journal.steps(self.run_id) if s.experiment_id), default=0.0)
         needed = (2 if self.goal.confirm else 1) * longest
-        if spent_s + needed > self.goal.budget.wall_time_s or experiments + 1 > self.goal.budget.experiments:
+        if spent_s + needed > self.goal.budget.wall_time_s or experiments + (2 if self.goal.confirm else 1) > self.goal.budget.experiments:
             self.journal.add_step(self.run_id, "stop", f"not enough budget left for {action.describe()}: "
                                   f"{self.goal.budget.wall_time_s - spent_s:.0f} s left, an experiment takes ~{longest:.0f} s")
             return False

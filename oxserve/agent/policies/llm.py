@@ -168,9 +168,17 @@ def parse_answer(answer: str) -> list[dict]:
         ratio = item["predicted_ratio"]
         if not isinstance(item["changes"], dict) or not isinstance(item["rationale"], str):
             raise ValueError(f"action {i}: changes must be an object and rationale a string")
-        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not math.isfinite(ratio) or ratio <= 0:
+        # float(): an integer too large for a float is as wrong as NaN (math.isfinite would raise on it)
+        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not _finite(ratio) or ratio <= 0:
             raise ValueError(f"action {i}: predicted_ratio {ratio!r} is not a positive number")
     return items
+
+
+def _finite(x: int | float) -> bool:
+    try:
+        return math.isfinite(x)
+    except OverflowError:
+        return False
 
 
 def _typed(value: Any, allowed: tuple) -> Any:

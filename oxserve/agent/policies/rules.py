@@ -97,7 +97,7 @@ def amdahl(share: float, ratio: float) -> float:
 
 def batch_limit(c: Context) -> list[Action]:
     current, concurrency = c.options["max_num_seqs"], _concurrency(c.state)
-    if c.d.decode_batch < 0.8 * min(current, concurrency):
+    if current >= concurrency or c.d.decode_batch < 0.8 * current:
         return []  # the limit is not what keeps batches small
     larger = [v for v in c.space("max_num_seqs") if v > current]
     fitting = [v for v in larger if v <= concurrency]
