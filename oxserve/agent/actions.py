@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from oxserve.agent.goal import Goal
-from oxserve.options import engine_config, flat_options
+from oxserve.options import engine_config
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,7 @@ def check_action(action: Action, goal: Goal, incumbent: Mapping[str, Any]) -> li
     problems = []
     if not action.changes:
         problems.append("it changes nothing")
-    current = flat_options(engine_config({**goal.base_options, **incumbent}))  # defaults filled in
+    current = goal.current_options(incumbent)
     for name, value in action.changes.items():
         if name not in goal.search_space:
             problems.append(f"{name} is not in the goal's search space ({', '.join(goal.search_space)})")

@@ -37,7 +37,7 @@ import yaml
 
 from oxserve.experiment.arms import options_from_file, option_name
 from oxserve.feedback.workload import Workload, load_workload
-from oxserve.options import engine_config, option_names
+from oxserve.options import engine_config, flat_options, option_names
 
 POLICIES = ("rules", "search", "llm")
 # Options that say where and how the engine runs rather than how fast it is: never searched.
@@ -93,8 +93,9 @@ class Goal:
     description: str = ""
     source: dict = field(default_factory=dict)  # the goal as read, for the journal
 
-    def to_json(self) -> str:
-        return json.dumps(self.source, sort_keys=True)
+    def current_options(self, incumbent: Mapping[str, Any]) -> dict[str, Any]:
+        """Every engine option of `incumbent` over base_options, the engine's defaults filled in."""
+        return flat_options(engine_config({**self.base_options, **incumbent}))
 
 
 def load_goal(path: str | Path) -> Goal:

@@ -15,7 +15,6 @@ from typing import Any
 from oxserve.feedback.ledger import Ledger, LedgerError
 
 RUN_STATUSES = ("running", "stopped", "finished", "failed")
-CHANGE_STATUSES = ("pending", "approved", "rejected", "applied")
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from oxserve.agent.goal import Goal
 from oxserve.feedback.ledger import ExperimentRecord
-from oxserve.feedback.stats import B_FASTER, B_SLOWER, SUSPECT
+from oxserve.feedback.stats import B_FASTER, SUSPECT
 
 LIMIT_REPAIR_COST = 0.05  # the most speed a change that repairs a broken limit may cost
 
@@ -26,7 +26,8 @@ def judge(record: ExperimentRecord, goal: Goal) -> list[str]:
         reasons.append(f"suspect: {stats.get('reason', 'faster than the roofline allows')}")
     elif a_breaks and not limits:
         # B repairs a limit the incumbent breaks: it may cost a little speed, not more.
-        if record.verdict == B_SLOWER and stats.get("median_ratio", 0.0) < 1 - LIMIT_REPAIR_COST:
+        # Any verdict: a 15% loss that 4 pairs cannot call significant is still a 15% loss.
+        if stats.get("median_ratio", 0.0) < 1 - LIMIT_REPAIR_COST:
             reasons.append(f"repairs {', '.join(a_breaks)} but costs more than {LIMIT_REPAIR_COST:.0%}: {stats.get('reason', '')}")
     elif record.verdict != B_FASTER:
         reasons.append(f"{record.verdict}: {stats.get('reason', '')}".rstrip(": "))

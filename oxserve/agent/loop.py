@@ -199,7 +199,8 @@ class AgentLoop:
             record = next(r for r in self.ledger.list(20) if r.id > newest and r.description == settings.description)
             self.log(f"  experiment {record.id} failed: {e}")
         evidence = {"ratio": _stat(record, "median_ratio"), "ci": [_stat(record, "ci_low"), _stat(record, "ci_high")],
-                    "p_value": _stat(record, "p_value"), "median_b": _stat(record, "median_b"),
+                    "p_value": _stat(record, "p_value"), "median_a": _stat(record, "median_a"),
+                    "median_b": _stat(record, "median_b"),
                     "predicted_ratio": action.predicted_ratio, "verdict": record.verdict,
                     "quality_passed": (record.quality or {}).get("passed"), "workload": workload.name}
         self.journal.add_step(self.run_id, kind, record.description, evidence, action=action.to_dict(),

@@ -12,14 +12,15 @@ from oxserve.agent.loop import outcomes_of
 
 def progress(steps: list[Step]) -> list[tuple[float, float]]:
     """(minutes of budget spent, incumbent's median metric) at the start and at each adoption.
-    The start's rate is the first experiment's A median."""
+    The start's rate is the first experiment's A median (journals before it was recorded:
+    B's median over the median pair ratio, close to it)."""
     points, spent = [], 0.0
     for s in steps:
         if s.kind == "held_out":  # measured after the search, outside its budget
             continue
         spent += s.seconds
         if s.kind == "experiment" and not points and s.evidence.get("ratio"):
-            points.append((0.0, s.evidence["median_b"] / s.evidence["ratio"]))
+            points.append((0.0, s.evidence.get("median_a") or s.evidence["median_b"] / s.evidence["ratio"]))
         elif s.kind == "accept" and s.evidence.get("incumbent_rate") is not None:
             points.append((spent / 60.0, s.evidence["incumbent_rate"]))
     if points:

@@ -73,6 +73,9 @@ def test_repairing_a_broken_limit_may_cost_a_little_speed_not_more():
     a = 100 * np.exp(rng.normal(0, 0.01, 6))
     assert judge(record(a, a * 0.97, tpot_a=0.2), GOAL) == []  # the incumbent breaks TPOT p90 <= 0.05, B keeps it
     assert "costs more than 5%" in judge(record(a, a * 0.85, tpot_a=0.2), GOAL)[0]
+    noisy = 100 * np.exp(rng.normal(0, 0.2, 4))  # too noisy to call a 15% loss significant: still refused
+    slower = record(noisy, noisy * 0.85 * np.exp(rng.normal(0, 0.2, 4)), tpot_a=0.2)
+    assert slower.stats["median_ratio"] < 0.95 and "costs more than 5%" in judge(slower, GOAL)[0]
     assert judge(record(a, a * 0.97, tpot_a=0.2, tpot_b=0.1), GOAL)  # both break it: B must still be faster
 
 

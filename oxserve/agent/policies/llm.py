@@ -23,7 +23,6 @@ from typing import Any
 from oxserve.agent.actions import Action, check_action
 from oxserve.agent.goal import Goal
 from oxserve.agent.policy import AgentState, Outcome
-from oxserve.options import engine_config, flat_options
 
 MAX_ACTIONS = 4
 HISTORY = 20  # outcomes shown: the prompt must fit a small context
@@ -194,7 +193,7 @@ _NONE = object()  # no allowed value
 
 def prompt(state: AgentState) -> str:
     """The user message: goal, incumbent, allowed actions, diagnosis and ledger, compact."""
-    goal, d, current = state.goal, state.diagnosis, _current(state)
+    goal, d, current = state.goal, state.diagnosis, state.goal.current_options(state.incumbent)
     lines = [f"Goal: maximise {goal.metric} on workload {goal.workload.name!r}"
              + (f"; limits (must stay under): {_j(goal.limits)}" if goal.limits else ""),
              f"Incumbent options: {_j(state.incumbent)}; {goal.metric}: {_num(state.incumbent_rate)}",
@@ -218,11 +217,6 @@ def prompt(state: AgentState) -> str:
         lines.append(f"- {_j(dict(o.action.changes))}{base}: predicted x{_num(o.action.predicted_ratio)}, "
                      f"measured x{_num(o.ratio)}, {verdict}")
     return "\n".join(lines)
-
-
-def _current(state: AgentState) -> dict[str, Any]:
-    """Every engine option of the incumbent, defaults filled in."""
-    return flat_options(engine_config({**state.goal.base_options, **state.incumbent}))
 
 
 def _num(x: Any) -> Any:

@@ -37,7 +37,6 @@ from oxserve.agent.policy import AgentState, Outcome
 from oxserve.experiment.procedure import _model_path, decode_step_cost
 from oxserve.model.config import TextModelConfig
 from oxserve.feedback.workload import Workload
-from oxserve.options import engine_config, flat_options
 
 PARALLEL_FRACTION = 0.7  # share of a step assumed to scale with threads
 PROCESS_START_S = 6.0  # a worker's start and warm-up, per run
@@ -260,7 +259,7 @@ class RulesPolicy:
     def propose(self, state: AgentState) -> list[Action]:
         if state.diagnosis is None:
             raise ValueError("the rules policy needs the incumbent's diagnosis")
-        options = flat_options_with(state)
+        options = state.goal.current_options(state.incumbent)
         context = Context(state, state.diagnosis, options, self._step_bytes(state), self._bench(state, options))
         proposed = [a for rule in CATALOGUE for a in rule(context)]
         repairs = [a for a in proposed if a.evidence.get("repairs")]  # the goal's limits come first
@@ -284,10 +283,6 @@ class RulesPolicy:
     def _step_bytes(self, state: AgentState) -> Callable[[Mapping[str, Any], int], float]:
         cfg = TextModelConfig.from_file(_model_path(state.goal.base_options))
         return lambda options, batch: decode_step_cost(cfg, options, batch).bytes
-
-
-def flat_options_with(state: AgentState) -> dict[str, Any]:
-    return flat_options(engine_config({**state.goal.base_options, **state.incumbent}))
 
 
 def experiment_minutes(state: AgentState) -> Callable[[float], float]:

@@ -14,7 +14,6 @@ import optuna
 
 from oxserve.agent.actions import Action
 from oxserve.agent.policy import AgentState, Outcome
-from oxserve.options import engine_config, flat_options
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 STARTUP_TRIALS = 4  # random draws before TPE models the space (Optuna's default is 10: too many for ~12 experiments)
@@ -33,7 +32,7 @@ class SearchPolicy:
     def propose(self, state: AgentState) -> list[Action]:
         study = self._study_for(state)
         distributions = _distributions(state)
-        current = flat_options(engine_config({**state.goal.base_options, **state.incumbent}))  # defaults filled in
+        current = state.goal.current_options(state.incumbent)
         for _ in range(DRAWS_PER_PROPOSAL):
             trial = study.ask(distributions)
             changes = {k: v for k, v in trial.params.items() if current[k] != v}
@@ -56,7 +55,7 @@ class SearchPolicy:
             self._study = optuna.create_study(direction="maximize", sampler=self._sampler)
             distributions = _distributions(state)
             for o in state.history:  # a resumed run: what was measured before
-                base = flat_options(engine_config({**state.goal.base_options, **o.base}))
+                base = state.goal.current_options(o.base)
                 params = {**{k: base[k] for k in distributions}, **o.action.changes}
                 if all(params.get(k) in d.choices for k, d in distributions.items()):
                     self._study.add_trial(optuna.trial.create_trial(params=params, distributions=distributions,
