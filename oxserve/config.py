@@ -117,7 +117,8 @@ class SchedulerConfig:
     )
     speculative_config: str | None = opt(
         None, 'speculative decoding, as vLLM spells it: JSON {"method": "ngram", "num_speculative_tokens": k, '
-        '"prompt_lookup_max": 4, "prompt_lookup_min": 1}; drafts are verified in one pass and KDA layers run '
+        '"prompt_lookup_max": 4, "prompt_lookup_min": 1}, or {"method": "mtp", "num_speculative_tokens": k} '
+        "(the checkpoint's MTP layer drafts, applied k times); drafts are verified in one pass and KDA layers run "
         "with ReplaySSM rings of at least k + 1 (a rejection is a ring-count move)",
     )
     deterministic: bool = opt(

@@ -77,14 +77,21 @@ def test_greedy_verification_keeps_drafts_up_to_the_first_miss():
     assert [next(iter(lp)) for lp in verified.logprobs] == [4, 7]
 
 
-class OracleProposer:
+class HistoryProposer:
+    """A test proposer that drafts from each request's history alone, as n-gram lookup does."""
+
+    def propose(self, wanted):
+        return {r.request_id: self.draft(r.prompt_token_ids + r.output_token_ids, k) for r, k in wanted}
+
+
+class OracleProposer(HistoryProposer):
     """Drafts from known continuations, some tokens deliberately wrong: accepted and
     rejected drafts in every run."""
 
     def __init__(self, continuations: dict[tuple[int, ...], list[int]], wrong: float, seed: int):
         self.continuations, self.wrong, self.rng = continuations, wrong, random.Random(seed)
 
-    def propose(self, history: list[int], k: int) -> list[int]:
+    def draft(self, history: list[int], k: int) -> list[int]:
         for prompt, output in self.continuations.items():
             if tuple(history[: len(prompt)]) == prompt:
                 done = len(history) - len(prompt)
@@ -121,10 +128,10 @@ def test_speculative_greedy_equals_plain_greedy(tiny_model_dir, kda_replay_len=5
         assert len(b.token_ids) == len(a.token_ids) == 120
 
 
-class EchoProposer:
+class EchoProposer(HistoryProposer):
     """Drafts the last token k times: mostly rejected, sometimes not."""
 
-    def propose(self, history: list[int], k: int) -> list[int]:
+    def draft(self, history: list[int], k: int) -> list[int]:
         return history[-1:] * k
 
 
@@ -155,8 +162,8 @@ def test_drafting_backs_off_when_drafts_are_rejected(tiny_model_dir):
     probes with one draft every DRAFT_PROBE_INTERVAL decodes, so almost every step is plain."""
     from oxserve.engine.scheduler import DRAFT_PROBE_INTERVAL
 
-    class Wrong:
-        def propose(self, history, k):
+    class Wrong(HistoryProposer):
+        def draft(self, history, k):
             return [0] * k  # token 0 (end of text, never sampled by ignore_eos greedy here)
 
     llm = LLM(model=str(tiny_model_dir), dtype="float32", speculative_config=SPEC)

@@ -131,8 +131,12 @@ class LLMEngine:
         self.linear_kernel, kernel = choose_linear_kernel(config.model.linear_kernel, self.device, self.dtype)
         # Quantization first: the kernel choice takes the Linears it leaves.
         transforms = [t for t in (quantize and quantize.transform, kernel) if t is not None]
+        self.speculative = SpeculativeConfig.parse(config.scheduler.speculative_config)
+        mtp = self.speculative is not None and self.speculative.method == "mtp"
+        if mtp and placement.world_size > 1:
+            raise ValueError("MTP speculative decoding runs on one rank; use the ngram method with parallel ranks")
         loaded = load_model(path, dtype=self.dtype, device=self.device, transform=lambda m: [t(m) for t in transforms],
-                            tp=placement.tp, ls=placement.ls)  # fmt: skip
+                            tp=placement.tp, ls=placement.ls, with_mtp=mtp)  # fmt: skip
         log.info("oxserve: high-precision projection and LM head products through %s", self.linear_kernel)
         self.model_config = loaded.config
         Faults.from_env().plant_in_model(loaded.model)  # none unless the reliability suite asks
@@ -144,14 +148,14 @@ class LLMEngine:
         default = LayerCachePrecision(latent=kv, index_keys=kv, kda_state=config.cache.kda_state_dtype,
                                       kda_conv=config.cache.kda_conv_dtype)
         self.cache_plan = self.quantization_plan.cache_plan(default) if self.quantization_plan else CachePlan(default)
-        self.speculative = SpeculativeConfig.parse(config.scheduler.speculative_config)
-        self.proposer = make_proposer(self.speculative) if self.speculative else None
         self.kda_replay = config.cache.kda_replay_len if config.cache.kda_decode == "replay" else 0  # ring length
         if self.speculative:  # drafts are undone by moving ring counts: rings that hold a token and its drafts
             self.kda_replay = max(self.kda_replay, self.speculative.num_speculative_tokens + 1)
         # Under Layer Split each rank caches its own MLA layers: blocks that fit on every rank.
         specs_by_rank = [loaded.model.cache_specs(self.dtype, self.cache_plan, kda_replay=self.kda_replay, ls_rank=s)
                          for s in range(placement.ls.size)]  # fmt: skip
+        if mtp:  # the MTP layer's own MLA cache, after the decoder layers' (one rank: see above), planned with them
+            specs_by_rank[0].append(loaded.model.mtp.cache_spec(self.dtype, self.cache_plan.for_layer(len(loaded.model.layers))))
         cache_specs = specs_by_rank[placement.ls.rank]
         layout = plan_split_cache(config.cache, config.scheduler, specs_by_rank, limit)
         self.prefix_caching = plan_prefix_caching(config.cache, cache_specs, layout, prefill_cost(loaded.model))
@@ -167,7 +171,9 @@ class LLMEngine:
                                         config.scheduler.deterministic, num_checkpoints, config.model.seed),
                                loaded.model)  # fmt: skip
         self.runner = ModelRunner(loaded.model, layout, cache_specs, self.device, deterministic=config.scheduler.deterministic,
-                                  grammars=self.grammars, num_checkpoints=num_checkpoints, workers=self.workers)  # fmt: skip
+                                  grammars=self.grammars, num_checkpoints=num_checkpoints, workers=self.workers,
+                                  mtp_drafts=mtp)  # fmt: skip
+        self.proposer = make_proposer(self.speculative, self.runner) if self.speculative else None
         self.role_token_ids = self.tokenizer.role_token_ids() if self.tokenizer is not None else frozenset()
         torch.manual_seed(config.model.seed)  # requests without their own seed draw from this
         self._texts: dict[str, OutputText] = {}

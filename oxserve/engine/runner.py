@@ -13,6 +13,7 @@ request kept, so that every rank's KDA states undo the same rejected tokens.
 
 from __future__ import annotations
 
+import logging
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -28,6 +29,7 @@ from oxserve.engine.interface import (
     ScheduledRequest,
     SchedulerOutput,
 )
+from oxserve.engine.mtp_drafter import MTPDrafter
 from oxserve.engine.prompt_logprobs import score_prompt_tokens
 from oxserve.engine.sampler import SamplingRow, make_generator, sample
 from oxserve.engine.speculative import verify
@@ -38,6 +40,8 @@ from oxserve.sampling_params import SamplingParams
 from oxserve.structured.grammar import GrammarCompiler
 from oxserve.structured.masks import BatchMasks, RequestGrammar
 from oxserve.telemetry import Tracer, span
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -61,6 +65,7 @@ class ModelRunner:
         grammars: GrammarCompiler | None = None,
         num_checkpoints: int = 0,
         workers: WorkerGroup | None = None,
+        mtp_drafts: bool = False,
     ):
         self.model = model
         self.workers = workers  # tensor parallelism, on rank 0: the other ranks
@@ -69,16 +74,36 @@ class ModelRunner:
         self.deterministic = deterministic
         self.tracer: Tracer | None = None  # set by the profiler
         self.caches = [spec.allocate(layout, device) for spec in cache_specs]
+        # MTP speculation: the MTP layer's cache is the last one, after the decoder layers'
+        self.drafter = MTPDrafter(model, self.caches[-1], layout, device) if mtp_drafts else None
         ring = replay_length(cache_specs)
         self.rings = ReplayBook(layout.num_slots, ring) if ring else None  # KDA ReplaySSM ring counts
         self.checkpoints = CheckpointStore(cache_specs, num_checkpoints, device) if num_checkpoints else None  # prefix caching
         self.requests: dict[str, RequestState] = {}
+        self._step_hidden: torch.Tensor | None = None  # MTP drafting: this step's hidden states, every row
         self.grammars = grammars
         self.masks = BatchMasks(grammars.vocab_size) if grammars is not None else None
 
     def drop(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
             self.requests.pop(request_id, None)
+            if self.drafter is not None:
+                self.drafter.forget(request_id)
+
+    @torch.inference_mode()
+    def propose_drafts(self, wanted: dict[str, int]) -> dict[str, list[int]]:
+        """MTP drafts: up to k for each request in `wanted` (that sampled in the last step).
+        Drafts are optional: a failure to make them is logged, and the step goes on plainly."""
+        with span(self.tracer, "mtp_draft", track="engine"):
+            try:
+                return self.drafter.propose(wanted, self._block_tables(wanted))
+            except Exception:  # noqa: BLE001 -- never let an optional draft fail the requests
+                log.exception("oxserve: MTP drafting failed; this step's requests decode without drafts")
+                self.drafter.clear()
+                return {}
+
+    def _block_tables(self, request_ids) -> dict[str, list[int]]:
+        return {rid: self.requests[rid].block_ids for rid in request_ids}
 
     def settle(self, out: SchedulerOutput) -> None:
         """A step with nothing to compute: forget finished requests, apply prefix-cache ops."""
@@ -125,8 +150,21 @@ class ModelRunner:
         sampling = [s for s in scheduled if s.samples]
         with span(self.tracer, "sample", track="engine"):
             tokens, logprobs = self._sample(sampling, logits)
+        if self.drafter is not None:
+            self._advance_drafter(scheduled, {s.request_id: t for s, t in zip(sampling, tokens)})
         return ModelRunnerOutput(request_ids=[s.request_id for s in sampling], sampled_token_ids=tokens, logprobs=logprobs,
                                  prompt_logprobs=prompt_logprobs)
+
+    def _advance_drafter(self, scheduled: list[ScheduledRequest], yielded: dict[str, list[int]]) -> None:
+        """The MTP pass after the step (its tokens are final): a failure costs drafts only."""
+        with span(self.tracer, "mtp_advance", track="engine"):
+            try:
+                self.drafter.advance(scheduled, self._step_hidden, yielded, self._block_tables(s.request_id for s in scheduled))
+            except Exception:  # noqa: BLE001 -- the step's tokens stand; only the drafts are lost
+                log.exception("oxserve: the MTP pass failed; drafting restarts from the next step")
+                self.drafter.clear()
+            finally:
+                self._step_hidden = None
 
     def _sample(self, sampling: list[ScheduledRequest], logits: torch.Tensor) -> tuple[list[list[int]], list]:
         """One token per plain request; for a request verifying drafts, the drafts it keeps
@@ -181,6 +219,8 @@ class ModelRunner:
             grammar = old.grammar if old is not None else None
             self.requests[new.request_id] = RequestState(new.params, new.prompt_token_ids, list(new.output_token_ids), [],
                                                          generator, grammar)
+            if self.drafter is not None:
+                self.drafter.restart(new.request_id)
         for s in out.scheduled:
             state = self.requests[s.request_id]
             state.block_ids.extend(s.new_block_ids)
@@ -204,7 +244,11 @@ class ModelRunner:
             input_ids = torch.tensor([t for s in scheduled for t in s.token_ids], dtype=torch.long, device=self.device)
         batch.tracer = self.tracer
         with span(self.tracer, "forward", track="engine", **step_conditions(batch)):
-            hidden = self.model(input_ids, batch, self.caches)
+            if self.drafter is None:
+                hidden = self.model(input_ids, batch, self.caches)
+            else:  # the drafter reads every row's hidden state after sampling
+                self._step_hidden = self.model(input_ids, batch, self.caches, all_rows=True)
+                hidden = self._step_hidden[batch.logits_indices]
             num_sampling_rows = len(hidden) - sum(len(s.prompt_logprob_positions) for s in scheduled)
             logits = self.model.compute_logits(hidden[:num_sampling_rows], self.tracer)
         if num_sampling_rows == len(hidden):

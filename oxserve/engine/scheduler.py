@@ -363,9 +363,10 @@ class Scheduler:
         return updates
 
     def propose_drafts(self, proposer, max_drafts: int) -> None:
-        """Draft tokens from `proposer` (`propose(history, k) -> tokens`) for every running
-        request whose next step is a decode: at most `max_drafts`, and at most as many as it
-        may still generate beyond the one token the step yields anyway."""
+        """Draft tokens from `proposer` (`propose([(request, k)]) -> {request_id: tokens}`) for
+        every running request whose next step is a decode: at most `max_drafts`, and at most
+        as many as it may still generate beyond the one token the step yields anyway."""
+        wanted: list[tuple[Request, int]] = []
         for request in self.running:
             # A constrained request is not drafted: its verify rows would each need the mask
             # of the draft prefix before them.
@@ -382,7 +383,11 @@ class Scheduler:
                 request.draft_limit, request.decodes_without_drafts, limit = 1, 0, 1
             k = min(limit, max_drafts, room - 1)
             if k > 0:
-                request.draft_token_ids = proposer.propose(request.prompt_token_ids + request.output_token_ids, k)[:k]
+                wanted.append((request, k))
+        if wanted:
+            drafts = proposer.propose(wanted)
+            for request, k in wanted:
+                request.draft_token_ids = drafts.get(request.request_id, [])[:k]
 
     def _append(self, request: Request, tokens: list[int], logprobs: list[dict[int, float]] | None) -> RequestUpdate:
         accepted = []

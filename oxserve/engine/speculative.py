@@ -1,7 +1,9 @@
 """Speculative decoding: propose draft tokens, verify them in one forward pass, keep what
 the target model's own sampling agrees with.
 
-    proposer (after each step)   request.draft_token_ids = up to k guesses of what follows
+    proposer (after each step)   request.draft_token_ids = up to k guesses of what follows:
+                                 n-gram lookup in its history, or the MTP layer (greedy, on
+                                 the runner, from the step's hidden states: mtp_drafter.py)
     scheduler                    schedules [last token, drafts...] as one decode
     runner                       logits at every one of those positions; `verify` accepts a
                                  prefix of the drafts and adds one token of its own
@@ -10,7 +12,7 @@ the target model's own sampling agrees with.
                                  entries of rejected positions are overwritten later
 
 `verify` is rejection sampling (Leviathan et al.; Chen et al.) for a proposer whose draft is
-one token with certainty (n-gram lookup): draft t at a position with target distribution p
+one token with certainty (n-gram lookup, greedy MTP): draft t at a position with target distribution p
 is kept with probability p(t); a rejection samples from p with t removed, renormalised.
 The tokens that come out are distributed exactly as sampling the target token by token, for
 any temperature, top-k/top-p/min-p and penalties (each position's penalties count the
@@ -25,9 +27,10 @@ from dataclasses import dataclass
 
 import torch
 
+from oxserve.engine.request import Request
 from oxserve.engine.sampler import SamplingRow, apply_penalties, filtered_probs, logprob_entries
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "mtp")
 
 
 @dataclass(frozen=True)
@@ -70,12 +73,24 @@ class NgramProposer:
     def __init__(self, config: SpeculativeConfig):
         self.lookup_max, self.lookup_min = config.prompt_lookup_max, config.prompt_lookup_min
 
-    def propose(self, history: list[int], k: int) -> list[int]:
-        return ngram_drafts(history, k, self.lookup_max, self.lookup_min)
+    def propose(self, wanted: list[tuple[Request, int]]) -> dict[str, list[int]]:
+        return {r.request_id: ngram_drafts(r.prompt_token_ids + r.output_token_ids, k, self.lookup_max, self.lookup_min)
+                for r, k in wanted}  # fmt: skip
 
 
-def make_proposer(config: SpeculativeConfig) -> NgramProposer:
-    return NgramProposer(config)
+class MTPProposer:
+    """vLLM's `mtp` method: the checkpoint's MTP layer drafts, on the runner (`MTPDrafter`),
+    from the hidden states of the step that just ran."""
+
+    def __init__(self, runner):
+        self.runner = runner
+
+    def propose(self, wanted: list[tuple[Request, int]]) -> dict[str, list[int]]:
+        return self.runner.propose_drafts({r.request_id: k for r, k in wanted})
+
+
+def make_proposer(config: SpeculativeConfig, runner) -> NgramProposer | MTPProposer:
+    return MTPProposer(runner) if config.method == "mtp" else NgramProposer(config)
 
 
 def ngram_drafts(tokens: list[int], k: int, lookup_max: int, lookup_min: int) -> list[int]:

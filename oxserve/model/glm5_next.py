@@ -126,8 +126,10 @@ class Glm5NextForCausalLM(nn.Module):
 
         return [spec(i, layer.self_attn) for i, layer in enumerate(self.layers)]
 
-    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, caches: list[LayerCache]) -> torch.Tensor:
-        """input_ids [T] -> final hidden states of the rows in batch.logits_indices [S, D]."""
+    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, caches: list[LayerCache],
+                all_rows: bool = False) -> torch.Tensor:  # fmt: skip
+        """input_ids [T] -> final hidden states of the rows in batch.logits_indices [S, D]
+        (with `all_rows`, of every row [T, D]: the MTP drafter reads them all)."""
         with span(batch.tracer, "embed"):
             x = self.embed(input_ids)
             streams = x.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
@@ -135,7 +137,7 @@ class Glm5NextForCausalLM(nn.Module):
         for layer, cache in zip(self.layers, caches):
             streams, selection = layer(streams, batch, cache, selection)
         with span(batch.tracer, "final_norm"):
-            return self.norm(streams[batch.logits_indices].mean(1))
+            return self.norm((streams if all_rows else streams[batch.logits_indices]).mean(1))
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:

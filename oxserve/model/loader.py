@@ -143,6 +143,9 @@ def load_model(
     prequantized = read_scheme(json.loads((path / "config.json").read_text()))
     if prequantized and tp.size > 1:
         raise ValueError("tensor parallelism does not load pre-quantized (compressed-tensors) checkpoints yet")
+    if with_mtp and not any(_is_mtp_tensor(_strip_prefix(name), cfg) for name in _tensor_names(path)):
+        raise CheckpointError(f"{path} has no MTP layer (layer {cfg.num_hidden_layers}'s tensors): "
+                              "MTP speculative decoding needs one; the ngram method does not")
     with _default_dtype(dtype), torch.device(device):
         model = Glm5NextForCausalLM(cfg, with_mtp=with_mtp, tp=tp, ls=ls)
         # Collected before any transform: a swapped-in module keeps its parameters' names.
@@ -190,6 +193,10 @@ def _target(local: str, cfg: TextModelConfig, with_mtp: bool) -> Target | None:
     if layer:
         return _layer_target(f"layers.{layer[1]}.", layer[2])
     return _top_target(local, cfg)
+
+
+def _is_mtp_tensor(local: str, cfg: TextModelConfig) -> bool:
+    return local.startswith(f"layers.{cfg.num_hidden_layers}.")
 
 
 def _quantized_modules(path: Path, cfg: TextModelConfig, with_mtp: bool) -> set[str]:
