@@ -19,12 +19,11 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	touch $(STAMP)
 
-# The main job: the OpenAI-compatible server on the embedded default model (built on first use).
+# The main job: the OpenAI-compatible server on the embedded default model (trained, shipped in the repo).
 run: $(STAMP)
-	$(VENV)/bin/oxserve build-default-model
-	@echo 'oxserve: serving the default model (random weights) at http://127.0.0.1:8000/v1 -- try:'
-	@echo "  curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' -d '{\"prompt\": \"Hello\", \"max_tokens\": 16}'"
-	@echo '  or, in Python: openai.OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="x").completions.create(model="oxserve-default", prompt="Hello")'
+	@echo 'oxserve: serving the default model (a small Python code model) at http://127.0.0.1:8000/v1 -- try:'
+	@echo "  curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' -d '{\"prompt\": \"def fibonacci(n):\", \"max_tokens\": 48}'"
+	@echo '  or, in Python: openai.OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="x").completions.create(model="oxserve-default", prompt="import os")'
 	$(VENV)/bin/oxserve serve --host 127.0.0.1 --port 8000 --tool-call-parser glm --enable-auto-tool-choice --reasoning-parser glm
 
 test: $(STAMP)

@@ -296,25 +296,25 @@ def fake_builds(monkeypatch):
     return builds
 
 
-def test_default_model_dir_follows_the_env(monkeypatch, tmp_path):
+def test_random_model_dir_follows_the_env(monkeypatch, tmp_path):
     monkeypatch.setenv("OXSERVE_CACHE_DIR", str(tmp_path))
-    assert dm.default_model_dir() == tmp_path / "default-model-v2"
+    assert dm.random_model_dir() == tmp_path / "random-model-v2"
     monkeypatch.delenv("OXSERVE_CACHE_DIR")
-    assert dm.default_model_dir() == Path.home() / ".cache" / "oxserve" / "default-model-v2"
+    assert dm.random_model_dir() == Path.home() / ".cache" / "oxserve" / "random-model-v2"
 
 
 def test_ensure_builds_once(monkeypatch, tmp_path, fake_builds):
     monkeypatch.setenv("OXSERVE_CACHE_DIR", str(tmp_path))
-    path = dm.ensure_default_model()
-    assert path == tmp_path / "default-model-v2" and (path / "config.json").is_file()
+    path = dm.ensure_random_model()
+    assert path == tmp_path / "random-model-v2" and (path / "config.json").is_file()
     first = read_bytes(path)
-    assert dm.ensure_default_model() == path
+    assert dm.ensure_random_model() == path
     assert len(fake_builds) == 1 and read_bytes(path) == first
-    assert [p.name for p in tmp_path.iterdir()] == ["default-model-v2"]  # no staging left behind
+    assert [p.name for p in tmp_path.iterdir()] == ["random-model-v2"]  # no staging left behind
 
-    dm.ensure_default_model(force=True)
+    dm.ensure_random_model(force=True)
     assert len(fake_builds) == 2 and read_bytes(path) == first
-    assert [p.name for p in tmp_path.iterdir()] == ["default-model-v2"]
+    assert [p.name for p in tmp_path.iterdir()] == ["random-model-v2"]
 
 
 def test_a_crashed_build_leaves_nothing(monkeypatch, tmp_path):
@@ -324,7 +324,7 @@ def test_a_crashed_build_leaves_nothing(monkeypatch, tmp_path):
 
     monkeypatch.setattr(dm, "build_checkpoint", crashing_build)
     with pytest.raises(RuntimeError):
-        dm.ensure_default_model(tmp_path / "model")
+        dm.ensure_random_model(tmp_path / "model")
     assert list(tmp_path.iterdir()) == []
 
 
@@ -337,7 +337,7 @@ def test_a_concurrent_builder_that_finishes_first_wins(monkeypatch, tmp_path):
         return build.build_checkpoint(out_dir, TINY, seed=0)
 
     monkeypatch.setattr(dm, "build_checkpoint", racing_build)
-    assert dm.ensure_default_model(target) == target
+    assert dm.ensure_random_model(target) == target
     assert [p.name for p in tmp_path.iterdir()] == ["model"]
     winner = build.build_checkpoint(tmp_path / "expected", TINY, seed=7)
     assert read_bytes(target) == read_bytes(winner)

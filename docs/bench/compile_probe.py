@@ -33,7 +33,7 @@ def best_median_us(f, x, repeats=3, calls=30):
 def main() -> None:
     dtype = getattr(torch, sys.argv[1] if len(sys.argv) > 1 else "float32")
     torch.set_num_threads(1)
-    model = load_model(Path.home() / ".cache/oxserve/default-model-v2", dtype=dtype).model
+    model = load_model(Path.home() / ".cache/oxserve/random-model-v2", dtype=dtype).model
     layer = next(layer for layer in model.layers if layer.sparse)
     pieces = {
         "moe (routed + shared)": (layer.mlp, lambda b: torch.randn(b, 512, dtype=dtype)),

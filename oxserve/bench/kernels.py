@@ -89,9 +89,9 @@ def bench(cfg, names, shapes, dtype, device, *, impl=None, warmup=3, reps=20, se
 
 def model_config(path: str | None) -> TextModelConfig:
     if path is None:
-        from oxserve.default_model import SMALL_TEXT_CONFIG
+        from oxserve.default_model import default_model
 
-        return TextModelConfig.from_hf_dict(SMALL_TEXT_CONFIG)
+        path = default_model()
     return TextModelConfig.from_file(path)
 
 

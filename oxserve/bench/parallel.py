@@ -204,6 +204,6 @@ def _rank_memory(cfg: TextModelConfig, layout: Layout) -> tuple[float, float, fl
 
 
 def _default_model() -> Path:
-    from oxserve.default_model import ensure_default_model
+    from oxserve.default_model import default_model
 
-    return ensure_default_model()
+    return default_model()

@@ -13,7 +13,7 @@ import torch
 
 from oxserve.cache.precision import CachePlan, LayerCachePrecision
 from oxserve.cache.spec import bytes_per_request, bytes_per_token
-from oxserve.default_model import ensure_default_model
+from oxserve.default_model import default_model
 from oxserve.engine.engine import DTYPES
 from oxserve.model.loader import load_model
 from oxserve.quantization import sensitivity
@@ -41,7 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
-    path = Path(args.model) if args.model else ensure_default_model()
+    path = Path(args.model) if args.model else default_model()
     dtype = DTYPES[args.dtype]
     tokenizer = Tokenizer.from_dir(path)
     text = args.calibration_file.read_text() if args.calibration_file else shipped_calibration_text()

@@ -496,8 +496,9 @@ def corpus_files() -> list[Path]:
     return sorted(Path(__file__).parent.glob("*.txt"))
 
 
-def train_tokenizer() -> Tokenizer:
-    """Byte-level BPE on the shipped corpus: every string encodes, and decodes back unchanged."""
+def train_tokenizer(files: list[Path] | None = None) -> Tokenizer:
+    """Byte-level BPE on `files` (default: the shipped corpus): every string encodes, and
+    decodes back unchanged."""
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
@@ -507,7 +508,7 @@ def train_tokenizer() -> Tokenizer:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train([str(p) for p in corpus_files()], trainer)
+    tokenizer.train([str(p) for p in files or corpus_files()], trainer)
     tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in TEXT_MARKUP_TOKENS])
     return tokenizer
 

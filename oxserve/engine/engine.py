@@ -469,6 +469,6 @@ def _fit_to_cache(limit: int, layout: CacheLayout) -> int:
 
 
 def _default_model() -> Path:
-    from oxserve.default_model import ensure_default_model
+    from oxserve.default_model import default_model
 
-    return ensure_default_model()
+    return default_model()

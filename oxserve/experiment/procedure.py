@@ -214,9 +214,9 @@ def decode_step_cost(cfg: TextModelConfig, options: Mapping[str, Any], batch: in
 def _model_path(options: Mapping[str, Any]) -> Path:
     if options.get("model"):
         return Path(options["model"])
-    from oxserve.default_model import ensure_default_model
+    from oxserve.default_model import default_model
 
-    return ensure_default_model()
+    return default_model()
 
 
 def _source_name(arm: Arm, commit: str | None) -> str:

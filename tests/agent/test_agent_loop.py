@@ -22,7 +22,7 @@ from oxserve.agent.policies.llm import LLMPolicy
 from oxserve.agent.policies.search import SearchPolicy
 from oxserve.agent.policy import AgentState
 from oxserve.agent.report import build_report, render_markdown
-from oxserve.default_model import ensure_default_model
+from oxserve.default_model import default_model
 from oxserve.experiment.procedure import STOPPED_BY_QUALITY_GATE
 from oxserve.feedback.ledger import Ledger, LedgerError
 
@@ -160,7 +160,7 @@ def test_the_llm_policy_in_the_loop_against_a_real_server_runs_only_what_passes_
     """The default model (random weights) at a real `oxserve serve` answers what it answers, under
     the answer's JSON schema: every answer is journaled and checked, and only checked actions run."""
     goal = goal_from_dict(goal_dict(tiny_model_dir, confirm=False, budget={"experiments": 1}, policy="llm"))
-    with serve(ensure_default_model(), "--dtype", "bfloat16", "--served-model-name", "oxserve-default",
+    with serve(default_model(), "--dtype", "bfloat16", "--served-model-name", "oxserve-default",
                "--cache-memory-gib", "0.5", "--max-model-len", "4096", log_dir=tmp_path) as server:
         policy = LLMPolicy(base_url=f"{server.base_url}/v1", model="oxserve-default", max_tokens=256, timeout_s=120)
         with Ledger(tmp_path / "ledger.sqlite") as ledger:
