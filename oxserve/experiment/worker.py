@@ -35,7 +35,8 @@ def run_job(job: dict) -> dict:
         torch.set_num_threads(int(job["threads"]))
     engine = LLMEngine(engine_config(job["options"]))
     workload = Workload.from_dict(job["workload"])
-    requests = workload.requests(engine.model_config.vocab_size, min_token_id=PROMPT_MIN_TOKEN_ID)
+    requests = workload.requests(engine.model_config.vocab_size, min_token_id=PROMPT_MIN_TOKEN_ID,
+                                 model_dir=engine.model_path)
     warm = dataclasses.replace(requests[0], sampling={**dict(requests[0].sampling), "max_tokens": 2})
     run_workload(engine, [warm], Arrival(concurrency=1))
     result = {

@@ -14,6 +14,7 @@ optional)::
                                               # or {request_rate: inf}
     shared_prefix: {fraction: 0.25}           # or {length: 512}
     conversation: {turns: 10}                 # multi-turn: see below
+    prompts: random                           # or held_out_code: see below
     sampling: {temperature: 0.0, ignore_eos: true}
 
 Each prompt is `shared prefix + unique tokens`. The shared prefix of every request is a
@@ -28,6 +29,11 @@ turns (request c * T + t is turn t of conversation c). Turn 0's prompt is as abo
 shared prefix is the system prompt); a later turn's prompt is the previous turn's prompt and
 output followed by `input_len` new tokens, so it is known only once the previous turn has
 finished: the driver sends it then (`oxserve.feedback.drive`). Arrivals apply to turn 0.
+
+With `prompts: held_out_code`, each prompt is instead a window of real text: the source files
+of the Python standard library that the trained default model never saw (one in 20, see
+`oxserve.default_model.train`), in the served model's tokenizer -- the workload of code
+completion, where speculative drafts have something to predict.
 """
 
 from __future__ import annotations
@@ -48,8 +54,9 @@ WORKLOADS_DIR = Path(__file__).resolve().parents[2] / "workloads"
 
 _TOP_LEVEL_KEYS = {
     "name", "description", "num_requests", "seed", "input_len", "output_len",
-    "arrival", "shared_prefix", "conversation", "sampling",
+    "arrival", "shared_prefix", "conversation", "sampling", "prompts",
 }
+PROMPT_SOURCES = ("random", "held_out_code")
 
 
 @dataclass(frozen=True)
@@ -268,6 +275,7 @@ class Workload:
     sampling: Mapping[str, Any] = field(default_factory=dict, hash=False)
     seed: int = 0
     description: str = ""
+    prompts: str = "random"  # or "held_out_code": windows of code the default model never saw
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.strip():
@@ -280,6 +288,11 @@ class Workload:
                 raise ValueError(f"{name} must be a {kind.__name__}")
         if self.conversation.turns > 1 and self.shared_prefix.fraction:
             raise ValueError("a conversation's shared prefix is a system prompt: give its length, not a fraction")
+        if self.prompts not in PROMPT_SOURCES:
+            raise ValueError(f"prompts must be one of {', '.join(PROMPT_SOURCES)}, got {self.prompts!r}")
+        if self.prompts != "random" and (self.shared_prefix.fraction or self.shared_prefix.length
+                                         or self.conversation.turns > 1):  # fmt: skip
+            raise ValueError("prompts from text have no shared prefix or conversation turns")
         if self.num_requests % self.conversation.turns:
             raise ValueError(f"num_requests ({self.num_requests}) must be a multiple of conversation turns "
                              f"({self.conversation.turns})")
@@ -289,10 +302,11 @@ class Workload:
         object.__setattr__(self, "sampling", MappingProxyType(dict(self.sampling)))
 
     def requests(
-        self, vocab_size: int, rng_seed: int | None = None, min_token_id: int = 0
+        self, vocab_size: int, rng_seed: int | None = None, min_token_id: int = 0, model_dir: str | Path | None = None
     ) -> list[WorkloadRequest]:
         """Generate the requests: token ids in [min_token_id, vocab_size) (set
-        min_token_id to skip low special ids). Same seed, same requests; independent
+        min_token_id to skip low special ids), or text in the tokenizer of the model at
+        `model_dir` (`prompts: held_out_code`). Same seed, same requests; independent
         random streams keep, e.g., the prompts unchanged when only the arrival changes."""
         _require_int(vocab_size, "vocab_size", minimum=1)
         _require_int(min_token_id, "min_token_id", minimum=0)
@@ -312,10 +326,15 @@ class Workload:
         else:
             prefix_lens = self.shared_prefix.prefix_lens(input_lens)
         master = token_rng.integers(min_token_id, vocab_size, size=int(prefix_lens.max()))
+        text = self._text_tokens(model_dir) if self.prompts != "random" else None
         out = []
         for i in range(n):
             n_unique = int(input_lens[i] - prefix_lens[i]) if turns == 1 else int(input_lens[i])
-            unique = token_rng.integers(min_token_id, vocab_size, size=n_unique)
+            if text is not None:
+                start = int(token_rng.integers(0, len(text) - n_unique))
+                unique = text[start : start + n_unique]
+            else:
+                unique = token_rng.integers(min_token_id, vocab_size, size=n_unique)
             prompt = np.concatenate([master[: prefix_lens[i]], unique])
             out.append(WorkloadRequest(
                 index=i,
@@ -329,6 +348,16 @@ class Workload:
             ))
         return out
 
+    def _text_tokens(self, model_dir: str | Path | None) -> np.ndarray:
+        if model_dir is None:
+            raise ValueError(f"workload {self.name} takes its prompts from text: it needs the model's tokenizer")
+        from oxserve.default_model.train import held_out_tokens
+
+        tokens = held_out_tokens(model_dir)
+        if len(tokens) <= self.input_len.max_value:
+            raise ValueError(f"the held-out code has {len(tokens)} tokens, fewer than a prompt of this workload")
+        return tokens
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "name": self.name,
@@ -340,6 +369,7 @@ class Workload:
             "arrival": self.arrival.to_spec(),
             "shared_prefix": self.shared_prefix.to_spec(),
             **({"conversation": self.conversation.to_spec()} if self.conversation.turns > 1 else {}),
+            **({"prompts": self.prompts} if self.prompts != "random" else {}),
             "sampling": dict(self.sampling),
         }
 
@@ -356,7 +386,7 @@ class Workload:
             if key not in data:
                 raise ValueError(f"{key} is required")
         kwargs: dict[str, Any] = {
-            key: data[key] for key in ("name", "num_requests", "seed", "description", "sampling")
+            key: data[key] for key in ("name", "num_requests", "seed", "description", "sampling", "prompts")
             if key in data
         }
         parsers = {"input_len": LengthDist.from_spec, "output_len": LengthDist.from_spec,

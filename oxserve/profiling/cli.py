@@ -49,7 +49,8 @@ def run(args: argparse.Namespace) -> int:
     workload = load_workload(args.workload)
     args.out.mkdir(parents=True, exist_ok=True)
     engine = LLMEngine(config)
-    requests = workload.requests(engine.model_config.vocab_size, min_token_id=PROMPT_MIN_TOKEN_ID)
+    requests = workload.requests(engine.model_config.vocab_size, min_token_id=PROMPT_MIN_TOKEN_ID,
+                                 model_dir=engine.model_path)
     requests = requests[: args.max_requests]
     # One short untraced request first: lazy initialisation is not what we want to see.
     warm = dataclasses.replace(requests[0], sampling={**dict(requests[0].sampling), "max_tokens": 2})

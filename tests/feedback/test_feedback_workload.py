@@ -9,7 +9,8 @@ from oxserve.feedback.workload import (
     WORKLOADS_DIR, Arrival, LengthDist, Workload, load_workload, shipped_workloads,
 )
 
-SHIPPED = ["agent_decode_heavy", "long_context_16k", "long_context_capacity", "mixed", "short_chat", "smoke"]
+SHIPPED = ["agent_decode_heavy", "code_completion", "code_completion_b1", "code_completion_b64", "long_context_16k",
+           "long_context_capacity", "mixed", "short_chat", "smoke"]
 
 
 def smoke_dict() -> dict:
@@ -135,3 +136,27 @@ def test_smoke_is_small():
 def test_bad_token_range_is_rejected():
     with pytest.raises(ValueError, match="min_token_id"):
         load_workload("smoke").requests(10, min_token_id=10)
+
+
+def test_code_prompts_are_held_out_source_in_the_models_tokenizer():
+    """`prompts: held_out_code`: each prompt is a window of stdlib source the default model
+    was not trained on, and decodes back to that source."""
+    from tokenizers import Tokenizer
+
+    from oxserve.default_model import default_model
+    from oxserve.default_model.train import _read, is_held_out, stdlib_files
+
+    w = load_workload("code_completion")
+    requests = w.requests(8192, model_dir=default_model())
+    assert requests == w.requests(8192, model_dir=default_model())  # same seed, same prompts
+    tokenizer = Tokenizer.from_file(str(default_model() / "tokenizer.json"))
+    held_out = "".join(_read(p) or "" for p in stdlib_files() if is_held_out(p))
+    for r in requests:
+        assert 64 <= r.input_len <= 256
+        text = tokenizer.decode(list(r.prompt_token_ids), skip_special_tokens=False)
+        piece = max(text.split("<|endoftext|>"), key=len)  # a window may cross files
+        assert piece[1:-1] in held_out
+    with pytest.raises(ValueError, match="tokenizer"):
+        w.requests(8192)
+    with pytest.raises(ValueError, match="shared prefix"):
+        Workload.from_dict({**w.to_dict(), "shared_prefix": {"length": 8}})
