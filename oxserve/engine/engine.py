@@ -174,6 +174,7 @@ class LLMEngine:
                                   grammars=self.grammars, num_checkpoints=num_checkpoints, workers=self.workers,
                                   mtp_drafts=mtp)  # fmt: skip
         self.proposer = make_proposer(self.speculative, self.runner) if self.speculative else None
+        self._drafting_s = 0.0  # the last proposal's time, charged to the step that verifies it
         self.role_token_ids = self.tokenizer.role_token_ids() if self.tokenizer is not None else frozenset()
         torch.manual_seed(config.model.seed)  # requests without their own seed draw from this
         self._texts: dict[str, OutputText] = {}
@@ -279,12 +280,14 @@ class LLMEngine:
             raise  # a lost rank: nothing can run, so there is nothing to isolate
         except Exception:
             return self._contain(scheduled)
-        self.scheduler.observe_step(scheduled, time.perf_counter() - started)
+        self.scheduler.observe_step(scheduled, time.perf_counter() - started + self._drafting_s)
         with span(tracer, "postprocess", track="engine"):
             updates = self.scheduler.update_from_output(scheduled, result)
             outputs = [self._output_of(update) for update in updates]
-            if self.proposer is not None:
+            if self.proposer is not None:  # drafts for the next step, which is charged their time
+                drafting = time.perf_counter()
                 self.scheduler.propose_drafts(self.proposer, self.speculative.num_speculative_tokens)
+                self._drafting_s = time.perf_counter() - drafting
             return outputs
 
     def _contain(self, scheduled: SchedulerOutput) -> list[RequestOutput]:

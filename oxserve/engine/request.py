@@ -44,7 +44,10 @@ class Request:
     # with why (prefill chunks end there).
     boundaries: tuple[int, ...] = ()
     checkpoint_at: list[tuple[int, str]] = field(default_factory=list)
-    draft_limit: int | None = None  # adaptive draft length (None: the configured k)
+    # Speculation guard (spec_guard.py): drafts kept and tried, older verifies faded; the
+    # prior is a keep rate of 0.75 worth four verifies
+    draft_hits: float = 3.0
+    draft_trials: float = 4.0
     decodes_without_drafts: int = 0  # since drafting was switched off for it
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING

@@ -36,13 +36,9 @@ from oxserve.config import SchedulerConfig
 from oxserve.engine.interface import ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput
 from oxserve.engine.pacing import StepPacer
 from oxserve.engine.request import Request, RequestStatus
+from oxserve.engine.spec_guard import KEEP_FLOOR, PROBE_INTERVAL, DraftCost, draft_depth, record_verify
 from oxserve.engine.stop import token_stop
 
-
-# Speculation guard: a request whose drafts are all rejected drafts half as many next time,
-# down to none; one whose drafts are all kept drafts one more, up to k. A request with
-# drafting off tries one draft again after this many plain decodes.
-DRAFT_PROBE_INTERVAL = 16
 
 # A request in this many failed steps that never failed alone runs alone from then on: the
 # fault depends on what it is batched with, and batching it again would loop.
@@ -61,15 +57,6 @@ def _insert_by_priority(queue: list[Request] | deque[Request], request: Request)
     key = (request.priority, request.arrival_time)
     at = next((i for i, r in enumerate(queue) if (r.priority, r.arrival_time) > key), len(queue))
     queue.insert(at, request)
-
-
-def _adapt_draft_limit(request: Request, drafted: int, accepted: int) -> None:
-    if accepted == 0:  # halve the limit (a proposal may have been shorter than it)
-        request.draft_limit = max(drafted, request.draft_limit or 0) // 2
-    elif accepted == drafted:
-        request.draft_limit = drafted + 1
-    else:
-        request.draft_limit = max(accepted, 1)
 
 
 @dataclass
@@ -99,6 +86,8 @@ class Scheduler:
         self._finished_ids: list[str] = []  # retired since the last schedule(): the runner drops them
         self._blocks_sent: dict[str, int] = {}  # blocks of each running request the runner already has
         self.pacer = StepPacer(config.max_stall)
+        self.draft_cost = DraftCost()  # speculative decoding: what a draft row costs at this batch size
+        self._step_seconds: float | None = None  # the last step's wall time (observe_step)
         # Priority policy: both queues ordered by (priority, arrival), so the running loop
         # serves the most urgent first and preemption takes the least urgent (the last).
         self.by_priority = config.scheduling_policy == "priority"
@@ -321,9 +310,11 @@ class Scheduler:
 
     # ---- results ----------------------------------------------------------------------------
     def observe_step(self, scheduled: SchedulerOutput, seconds: float) -> None:
-        """The wall time a step took, for stall-free pacing."""
+        """The wall time a step took (its drafting included), for stall-free pacing and the
+        speculation guard."""
         decodes = sum(1 for s in scheduled.scheduled if s.is_decode)
         self.pacer.observe(scheduled.num_tokens - scheduled.num_decode_tokens, decodes, seconds)
+        self._step_seconds = seconds
 
     def update_from_output(self, scheduled: SchedulerOutput, output: ModelRunnerOutput) -> list[RequestUpdate]:
         """Apply one step's results; returns one update per request that produced tokens."""
@@ -352,7 +343,7 @@ class Scheduler:
                 self.num_drafts += 1
                 self.num_draft_tokens += s.num_draft_tokens
                 self.num_accepted_tokens += len(tokens) - 1
-                _adapt_draft_limit(request, s.num_draft_tokens, len(tokens) - 1)
+                record_verify(request, s.num_draft_tokens, len(tokens) - 1)
             request.draft_token_ids = []
             updates.append(self._append(request, tokens, logprobs))
         if self.cache.prefix is not None:
@@ -360,28 +351,40 @@ class Scheduler:
                 request = self.requests.get(s.request_id)
                 if request is not None and not request.is_finished:
                     self._reached(request)
+        if self._step_seconds and scheduled.num_tokens == scheduled.num_decode_tokens:
+            self.draft_cost.observe(len(scheduled.scheduled), sum(s.num_draft_tokens for s in scheduled.scheduled),
+                                    self._step_seconds)  # fmt: skip
+        self._step_seconds = None
         return updates
 
     def propose_drafts(self, proposer, max_drafts: int) -> None:
         """Draft tokens from `proposer` (`propose([(request, k)]) -> {request_id: tokens}`) for
         every running request whose next step is a decode: at most `max_drafts`, and at most
-        as many as it may still generate beyond the one token the step yields anyway."""
+        as many as it may still generate beyond the one token the step yields anyway; none
+        when a draft row costs more than a draft returns at this batch size (spec_guard.py).
+        A request with its own seed drafts on its acceptance alone (at KEEP_FLOOR): measured
+        costs vary run to run, and where drafts fall decides which random draws it makes."""
+        decoding = sum(1 for r in self.running if r.num_uncomputed == 1)
+        batch_floor = self.draft_cost.floor(decoding) if decoding else None
         wanted: list[tuple[Request, int]] = []
         for request in self.running:
             # A constrained request is not drafted: its verify rows would each need the mask
             # of the draft prefix before them.
             if request.num_uncomputed != 1 or request.params.structured_outputs is not None:
                 continue
+            floor = KEEP_FLOOR if request.params.seed is not None else batch_floor
+            if floor is None:
+                continue
             room = request.max_total_tokens - request.num_tokens
             if request.params.max_tokens is not None:
                 room = min(room, request.params.max_tokens - len(request.output_token_ids))
-            limit = max_drafts if request.draft_limit is None else request.draft_limit
-            if limit == 0:  # drafting is off for this request: probe again after a while
+            depth = draft_depth(request, max_drafts, floor)
+            if depth == 0:  # drafting is off for this request: probe again after a while
                 request.decodes_without_drafts += 1
-                if request.decodes_without_drafts < DRAFT_PROBE_INTERVAL:
+                if request.decodes_without_drafts < PROBE_INTERVAL:
                     continue
-                request.draft_limit, request.decodes_without_drafts, limit = 1, 0, 1
-            k = min(limit, max_drafts, room - 1)
+                request.decodes_without_drafts, depth = 0, 1
+            k = min(depth, room - 1)
             if k > 0:
                 wanted.append((request, k))
         if wanted:

@@ -1,0 +1,88 @@
+"""When speculation pays: how many drafts each request makes at this batch size.
+
+A draft is worth its verify row when its chance of being kept is at least what the row
+costs, in units of one request's plain decode step. Both sides are measured:
+
+- Per request, a running estimate `alpha` of the chance that a draft token is kept. A verify
+  that kept a of d drafts saw a hits and, when a < d, one miss; older verifies fade by DECAY.
+  The j-th draft survives only if those before it did, with chance about alpha^j. A new
+  request starts at alpha = 0.75, worth four verifies (`Request.draft_hits`).
+- Per batch-size bucket (powers of two), `DraftCost` measures what a draft row costs: from
+  decode-only steps, the plain step time, and for steps with drafts the extra time per draft
+  row over the plain step, as a share of a request's part of that step. At batch 1 on these
+  CPUs a row costs about a quarter of a step (more rows touch more experts); at batch 64 a
+  step is compute-bound and a row costs about what a plain row does, so drafting stops.
+
+A request drafts the depths j with alpha^j >= that cost (KEEP_FLOOR until measured, never
+under MIN_FLOOR), at most k. One below the cost at depth 1 drafts nothing, and probes with
+one draft after PROBE_INTERVAL plain decodes. One step in EXPLORE per bucket goes the other
+way (plain where drafting pays, drafting at KEEP_FLOOR where it does not) so that both stay
+measured; a bucket's first FIRST_PLAIN steps are plain, to measure the step the cost is
+relative to.
+"""
+
+from __future__ import annotations
+
+import math
+
+from oxserve.engine.request import Request
+
+DECAY = 0.9
+KEEP_FLOOR = 0.3
+MIN_FLOOR = 0.1
+PROBE_INTERVAL = 16
+EXPLORE = 16
+FIRST_PLAIN = 3  # a bucket's first steps: the plain step, measured past a slow first one
+SMOOTHING = 0.1  # weight of the newest step in a bucket's measurements
+
+
+def draft_depth(request: Request, k: int, floor: float) -> int:
+    """How many drafts the request's acceptance warrants when a row costs `floor` (0: none)."""
+    alpha = request.draft_hits / request.draft_trials
+    if alpha < floor:
+        return 0
+    if alpha >= 1.0:
+        return k
+    return min(k, max(1, int(math.log(floor) / math.log(alpha))))
+
+
+def record_verify(request: Request, drafted: int, accepted: int) -> None:
+    request.draft_hits = DECAY * request.draft_hits + accepted
+    request.draft_trials = DECAY * request.draft_trials + accepted + (1 if accepted < drafted else 0)
+
+
+class DraftCost:
+    def __init__(self) -> None:
+        self.plain_s: dict[int, float] = {}  # bucket -> decode-only step without drafts, seconds
+        self.row_cost: dict[int, float] = {}  # bucket -> a draft row, in request-steps
+        self._steps: dict[int, int] = {}  # decisions made per bucket
+
+    def floor(self, decodes: int) -> float | None:
+        """The chance of being kept a draft needs in the next step, with `decodes` decoding
+        requests; None: no drafts in that step."""
+        bucket = decodes.bit_length()
+        n = self._steps.get(bucket, 0)
+        self._steps[bucket] = n + 1
+        cost = self.row_cost.get(bucket, KEEP_FLOOR)
+        pays = cost < 1.0
+        if n < FIRST_PLAIN or n % EXPLORE == 0:  # the other way, to keep both measured
+            return None if pays else KEEP_FLOOR
+        return max(MIN_FLOOR, cost) if pays else None
+
+    def observe(self, decodes: int, draft_rows: int, seconds: float) -> None:
+        """A decode-only step: its decoding requests, its draft rows, its wall time (the
+        drafting included)."""
+        if decodes <= 0 or seconds <= 0:
+            return
+        bucket = decodes.bit_length()
+        if draft_rows == 0:  # few samples, some slowed by what else ran: follow the faster ones
+            old = self.plain_s.get(bucket)
+            self.plain_s[bucket] = seconds if old is None or seconds < old else _mix(old, seconds)
+        elif bucket in self.plain_s:
+            plain = self.plain_s[bucket]
+            cost = decodes * (seconds - plain) / (draft_rows * plain)
+            self.row_cost[bucket] = _mix(self.row_cost.get(bucket), min(max(cost, 0.0), 2.0))
+
+
+def _mix(old: float | None, new: float) -> float:
+    return new if old is None else (1 - SMOOTHING) * old + SMOOTHING * new

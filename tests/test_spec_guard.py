@@ -1,0 +1,63 @@
+"""The speculation guard: per-request draft depth from acceptance, per-batch payoff."""
+
+from __future__ import annotations
+
+import random
+
+from oxserve.engine.request import Request
+from oxserve.sampling_params import SamplingParams
+from oxserve.engine.spec_guard import EXPLORE, FIRST_PLAIN, KEEP_FLOOR, MIN_FLOOR, DraftCost, draft_depth, record_verify
+
+
+def _request() -> Request:
+    return Request("r", [1, 2, 3], SamplingParams(), 1000)
+
+
+def test_depth_follows_the_acceptance_estimate():
+    rng = random.Random()
+    k, floor = rng.randrange(2, 8), rng.uniform(MIN_FLOOR, 0.5)
+    request = _request()
+    alpha = rng.uniform(0.55, 0.9)
+    estimates = []
+    for i in range(300):  # verifies of depth-d drafts, each kept with chance alpha in a row
+        d = max(1, draft_depth(request, k, floor))
+        kept = next((j for j in range(d) if rng.random() >= alpha), d)
+        record_verify(request, d, kept)
+        if i >= 100:
+            estimates.append(request.draft_hits / request.draft_trials)
+    assert abs(sum(estimates) / len(estimates) - alpha) < 0.15  # 0.12 at worst in 20,000 trials
+    estimate, depth = request.draft_hits / request.draft_trials, draft_depth(request, k, floor)
+    if estimate >= floor:  # the deepest draft is worth its row, one more would not be
+        assert 1 <= depth <= k
+        assert estimate**depth >= floor or depth == 1
+        assert estimate ** (depth + 1) < floor or depth == k
+    else:
+        assert depth == 0
+
+
+def test_depth_is_zero_when_drafts_are_always_rejected():
+    request = _request()
+    assert draft_depth(request, 4, KEEP_FLOOR) == 4  # the prior: a new request drafts k
+    for _ in range(13):  # 0.75 -> 0.587 -> ... -> 0.090
+        record_verify(request, max(1, draft_depth(request, 4, MIN_FLOOR)), 0)
+    assert draft_depth(request, 4, MIN_FLOOR) == 0
+
+
+def test_cost_is_measured_per_batch_size_and_stops_drafting_where_rows_are_dear():
+    cost = DraftCost()
+    floors = [cost.floor(1) for _ in range(2 * EXPLORE)]
+    plain = [i for i, f in enumerate(floors) if f is None]
+    assert plain == [*range(FIRST_PLAIN), EXPLORE]  # plain: the step the cost is relative to
+    assert all(f == KEEP_FLOOR for f in floors if f is not None)  # not measured yet: the prior
+    for _ in range(60):  # batch 1: 10 ms plain, 13 ms with 3 drafts -> a row costs 0.1 of a step
+        cost.observe(1, 0, 0.010)
+        cost.observe(1, 3, 0.013)
+    assert abs(cost.row_cost[1] - 0.1) < 1e-6
+    assert cost.floor(1) in (None, max(MIN_FLOOR, 0.1))
+    for _ in range(60):  # batch 64: 100 ms plain, 240 ms with 64 drafts -> a row costs 1.4 steps of a request
+        cost.observe(64, 0, 0.100)
+        cost.observe(64, 64, 0.240)
+    floors = [cost.floor(64) for _ in range(2 * EXPLORE)]
+    assert floors.count(None) == 2 * EXPLORE - floors.count(KEEP_FLOOR)
+    assert 2 <= floors.count(KEEP_FLOOR) <= FIRST_PLAIN + 2  # explores only
+    assert 1 not in cost.row_cost or cost.row_cost[1] < 1  # buckets are separate
