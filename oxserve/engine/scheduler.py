@@ -361,11 +361,15 @@ class Scheduler:
         """Draft tokens from `proposer` (`propose([(request, k)]) -> {request_id: tokens}`) for
         every running request whose next step is a decode: at most `max_drafts`, and at most
         as many as it may still generate beyond the one token the step yields anyway; none
-        when a draft row costs more than a draft returns at this batch size (spec_guard.py).
+        when a draft row costs more than a draft returns at this batch size (spec_guard.py),
+        or when the step will carry prefill.
         A request with its own seed drafts on its acceptance alone (at KEEP_FLOOR): measured
         costs vary run to run, and where drafts fall decides which random draws it makes."""
         decoding = sum(1 for r in self.running if r.num_uncomputed == 1)
-        batch_floor = self.draft_cost.floor(decoding) if decoding else None
+        # A step that carries prefill is a throughput step: draft rows would take its token
+        # budget, and their cost there is not measured.
+        prefill_next = len(self.running) > decoding or (self.waiting and len(self.running) < self.config.max_num_seqs)
+        batch_floor = self.draft_cost.floor(decoding) if decoding and not prefill_next else None
         wanted: list[tuple[Request, int]] = []
         for request in self.running:
             # A constrained request is not drafted: its verify rows would each need the mask

@@ -54,6 +54,7 @@ class MTPLayer(nn.Module):
         embeds = embeds.masked_fill((batch.positions == 0).unsqueeze(-1), 0.0)
         x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden)], dim=-1))
         attn, _ = self.self_attn(self.input_layernorm(x), batch, cache, None)
-        y = x + self.tp.reduce(attn)
+        # Only the drafting rows go on: the others were run for the cache entries attention wrote.
+        y = (x + self.tp.reduce(attn))[batch.logits_indices]
         z = y + self.tp.reduce(self.mlp(self.post_attention_layernorm(y), batch.tracer))
-        return self.shared_head_norm(z[batch.logits_indices])
+        return self.shared_head_norm(z)
