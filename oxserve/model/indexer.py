@@ -64,12 +64,15 @@ class Indexer(nn.Module):
         pos = batch.positions
         seq_lens = batch.seq_lens
         parts = []
-        nd = batch.num_decodes
-        if nd:
-            requests = torch.arange(nd, device=x.device)
-            parts.append(self._select(q[:nd], head_weights[:nd], pos[:nd], batch, requests, max(seq_lens[:nd]), cache))
         starts = batch.query_start
-        for r in range(nd, batch.num_requests):
+        # Decodes and verifies (a few queries per request) in one call, each row with its own
+        # request; prefill chunks one request at a time, sharing its pool keys.
+        nb = batch.num_decodes + batch.num_verifies
+        if nb:
+            rows = starts[nb]
+            parts.append(self._select(q[:rows], head_weights[:rows], pos[:rows], batch, batch.request_index[:rows],
+                                      max(seq_lens[:nb]), cache))  # fmt: skip
+        for r in range(nb, batch.num_requests):
             s, e = starts[r], starts[r + 1]
             parts.append(self._select(q[s:e], head_weights[s:e], pos[s:e], batch, r, seq_lens[r], cache))
         width = max(p.shape[1] for p in parts)
@@ -89,7 +92,7 @@ class Indexer(nn.Module):
     def _select(self, q, head_weights, query_pos, batch: ForwardBatch, request, longest: int, cache: MLACache) -> torch.Tensor:
         """Pick positions for a group of queries; `longest` bounds their sequence lengths (host-side).
 
-        Decodes: one query per request, `request` is a tensor of request indices.
+        Decodes and verifies: `request` is a tensor, each query's request index.
         Prefill: all queries from one request, `request` is an int; they share its pool keys.
         """
         visible_pools = (query_pos + 1) // self.kpool
