@@ -21,7 +21,7 @@ import xgrammar as xgr
 from transformers import AutoTokenizer
 
 from oxserve.bench.serve import BENCH_SCHEMA
-from oxserve.default_model import ensure_default_model
+from oxserve.default_model import default_model
 from oxserve.structured import StructuredOutputs
 from oxserve.structured.grammar import GrammarCompiler
 from oxserve.structured.masks import BatchMasks
@@ -54,7 +54,7 @@ def timed(accept, times):
 
 
 def main() -> None:
-    model = ensure_default_model()
+    model = default_model()
     text = json.loads((model / "config.json").read_text())["text_config"]
     vocab, eos = text["vocab_size"], text["eos_token_id"]  # the model's vocabulary: the mask spans it
     eos = eos[0] if isinstance(eos, list) else eos

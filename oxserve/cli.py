@@ -38,7 +38,7 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("agent", "report"): ("oxserve.agent.cli", "an agent run's findings with their evidence, and its progress plot"),
     ("agent", "ui"): ("oxserve.agent.cli", "the agent's web dashboard (local)"),
     ("quantize", "sensitivity"): ("oxserve.commands.quantize", "per-layer quantization sensitivity and a plan within a KL budget"),
-    ("build-default-model",): ("oxserve.commands.build_default_model", "write the embedded random default model"),
+    ("build-default-model",): ("oxserve.commands.build_default_model", "write a random-weight model of the default family, or train the default model (--train)"),
 }
 
 

@@ -15,7 +15,7 @@ def opt(default, help: str, **extra):
 
 @dataclass(frozen=True)
 class ModelConfig:
-    model: str | None = opt(None, "checkpoint directory (Hugging Face format); default: the embedded random model")
+    model: str | None = opt(None, "checkpoint directory (Hugging Face format); default: the embedded trained model")
     dtype: str = opt("bfloat16", "weight and activation dtype", choices=("bfloat16", "float32", "float16"))
     device: str = opt("cpu", "torch device: cpu, cuda, cuda:1, ...")
     max_model_len: int | None = opt(None, "longest prompt + output in tokens (default: the model's limit, capped at 32768)")
