@@ -124,6 +124,40 @@ def test_native_kernels_match_the_token_by_token_reference():
     torch.testing.assert_close(write_back, expected.float(), rtol=1e-5, atol=1e-6)
 
 
+def test_native_verify_runs_match_the_token_by_token_reference():
+    """Verifies: runs of 1-5 tokens per request in one native call, against the float64
+    recurrence, rings folded first when a run does not fit (ring 6)."""
+    _, layer = _layer(-5.0, heads=3, head_dim=24)
+    h, d, ring_len = 3, 24, 6
+    rng = random.Random(random.SystemRandom().randrange(2**31))
+    gen = torch.Generator().manual_seed(rng.randrange(2**31))
+    states = torch.randn(SLOTS, h, d, d, generator=gen) * 0.1
+    expected = states.double().clone()
+    ring = layer.cache_spec(torch.float32, replay=ring_len).ring.allocate(CacheLayout(1, 64, SLOTS), "cpu")
+    counts = [0] * SLOTS
+    folds = 0
+    for _ in range(30):
+        slots = rng.sample(range(SLOTS), rng.randrange(1, SLOTS + 1))
+        lens = [rng.randrange(1, 6) for _ in slots]
+        q, k, v, g, beta = _tokens(sum(lens), h, d, -5.0, gen)
+        want, t = [], 0
+        for slot, n in zip(slots, lens):
+            for _ in range(n):
+                out, expected[slot] = reference.delta_rule_step(q[t].double()[None], k[t].double()[None], v[t].double()[None],
+                                                                g[t].double()[None], beta[t].double()[None],
+                                                                expected[slot][None])  # fmt: skip
+                want.append(out[0])
+                t += 1
+        got = kda_decode.replay_verify(states, ring, torch.tensor(slots), [counts[s] for s in slots], lens, q, k, v, g, beta)
+        torch.testing.assert_close(got, torch.stack(want).float(), rtol=1e-5, atol=1e-6)
+        for slot, n in zip(slots, lens):
+            folds += counts[slot] + n > ring_len
+            counts[slot] = (counts[slot] if counts[slot] + n <= ring_len else 0) + n
+    assert folds > 5
+    kda_decode.replay_fold(states, ring, torch.arange(SLOTS), counts, torch.tensor(counts))
+    torch.testing.assert_close(states, expected.float(), rtol=1e-5, atol=1e-6)
+
+
 def test_bf16_checkpoints_round_only_at_folds():
     """A bf16 state table (torch path): replay rounds the state once per fold, write-back once
     per step, so replay stays at least as close to the fp32 run."""

@@ -48,6 +48,7 @@ def _kernel() -> ctypes.CDLL | None:
     lib.kda_writeback_step.argtypes = [p] * 7 + [i64, i32, i32, i32, p, i32]
     lib.kda_replay_step.argtypes = [p] * 11 + [i64, i32, i32, i32, i32, i32, p, i32]
     lib.kda_replay_fold.argtypes = [p] * 6 + [i64, i32, i32, i32, i32, i32, i32]
+    lib.kda_replay_run.argtypes = [p] * 13 + [i64, i32, i32, i32, i32, i32, p, i32]
     return lib
 
 
@@ -142,13 +143,29 @@ def replay_verify(states: torch.Tensor, ring: ReplayRing, slots: torch.Tensor, c
         replay_fold(states, ring, slots[full], pending, torch.tensor(pending, device=slots.device))
         counts = [0 if b in full else c for b, c in enumerate(counts)]
     starts = [sum(lens[:b]) for b in range(len(lens))]
+    q, k, v, g, beta = _inputs(q, k, v, g, beta)
+    slots = slots.contiguous()
+    lib = _native(states, ring, q, k, v, g, beta)
+    if lib is not None:  # each request's run in one pass
+        out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
+        host = [torch.tensor(x, dtype=torch.int64) for x in (counts, starts, lens)]
+        lib.kda_replay_run(*_ptrs(q, k, v, g, beta, states, ring.keys, ring.decays, ring.deltas, slots, *host),
+                           len(lens), q.shape[1], q.shape[2], v.shape[-1], ring.length, int(ring.exact), native.pointer(out),
+                           torch.get_num_threads())  # fmt: skip
+        return out
+    return replay_verify_torch(states, ring, slots, counts, lens, starts, q, k, v, g, beta)
+
+
+def replay_verify_torch(states, ring: ReplayRing, slots, counts: list[int], lens: list[int], starts: list[int],
+                        q, k, v, g, beta) -> torch.Tensor:
+    """`replay_verify` one step at a time (counts already leave room for lens)."""
     out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1], dtype=torch.float32)
     for i in range(max(lens)):
         rows = [b for b, n in enumerate(lens) if n > i]
         tokens = torch.tensor([starts[b] + i for b in rows], device=q.device)
         step_counts = [counts[b] + i for b in rows]
         step = (t.index_select(0, tokens) for t in (q, k, v, g, beta))
-        out[tokens] = replay_step(states, ring, slots[rows], step_counts, torch.tensor(step_counts, device=q.device), *step)
+        out[tokens] = replay_step_torch(states, ring, slots[rows], step_counts, *step)
     return out
 
 

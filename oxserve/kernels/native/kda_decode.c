@@ -131,6 +131,49 @@ int kda_writeback_step(const float *q, const float *k, const float *v, const flo
     return 0;
 }
 
+/* One replay step of head h of the request in `slot`, whose ring holds n < len entries: writes
+ * ring entry n and o [Dv]. */
+static void replay_token(const Ring *ring, float *S, int64_t slot, int h, int n, const float *qh, const float *kh,
+                         const float *gh, const float *vh, float beta, float *o) {
+    const int dk = ring->dk, dv = ring->dv;
+    const float *prev = n ? entry(ring, ring->decays, slot, n - 1, h, dk) : 0;
+    float *G = entry(ring, ring->decays, slot, n, h, dk), *key = entry(ring, ring->keys, slot, n, h, dk);
+    float A[MAX_D], x[MAX_D], y[MAX_D], p[MAX_D], r[MAX_D];
+    for (int d = 0; d < dk; d++) {
+        G[d] = (prev ? prev[d] : 0.0f) + gh[d];
+        A[d] = expf(G[d]);
+        x[d] = qh[d] * A[d];
+        y[d] = kh[d] * A[d];
+    }
+    two_products(S, x, y, dk, dv, p, r);
+    for (int j = 0; j < n; j++) {
+        const float *kj = entry(ring, ring->keys, slot, j, h, dk);
+        float c = 0.0f, s = 0.0f;
+        if (ring->exact) {
+            const float *Gj = entry(ring, ring->decays, slot, j, h, dk);
+            for (int d = 0; d < dk; d++) {
+                const float w = kj[d] * expf(G[d] - Gj[d]);
+                c += kh[d] * w;
+                s += qh[d] * w;
+            }
+        } else {
+            dot2(y, x, kj, dk, &c, &s);
+        }
+        const float *restrict dj = entry(ring, ring->deltas, slot, j, h, dv);
+        for (int e = 0; e < dv; e++) {
+            r[e] += c * dj[e];
+            p[e] += s * dj[e];
+        }
+    }
+    const float qk = dot(qh, kh, dk);
+    float *delta = entry(ring, ring->deltas, slot, n, h, dv);
+    for (int e = 0; e < dv; e++) {
+        delta[e] = beta * (vh[e] - r[e]);
+        o[e] = p[e] + qk * delta[e];
+    }
+    for (int d = 0; d < dk; d++) key[d] = ring->exact ? kh[d] : kh[d] / A[d];  // A >= e^-80 here: a normal fp32
+}
+
 int kda_replay_step(const float *q, const float *k, const float *v, const float *g, const float *beta, float *states,
                     float *ring_keys, float *ring_decays, float *ring_deltas, const int64_t *slots,
                     const int64_t *counts, int64_t batch, int heads, int dk, int dv, int ring_len, int exact,
@@ -142,48 +185,39 @@ int kda_replay_step(const float *q, const float *k, const float *v, const float 
         const int64_t b = bh / heads, slot = slots[b];
         const int h = (int)(bh % heads);
         float *S = states + (slot * heads + h) * (int64_t)dk * dv;
-        const float *qh = q + bh * dk, *kh = k + bh * dk, *gh = g + bh * dk, *vh = v + bh * dv;
         int n = (int)counts[b];
         if (n == ring_len) {
             fold(S, &ring, slot, h, n);
             n = 0;
         }
-        const float *prev = n ? entry(&ring, ring.decays, slot, n - 1, h, dk) : 0;
-        float *G = entry(&ring, ring.decays, slot, n, h, dk), *key = entry(&ring, ring.keys, slot, n, h, dk);
-        float A[MAX_D], x[MAX_D], y[MAX_D], p[MAX_D], r[MAX_D];
-        for (int d = 0; d < dk; d++) {
-            G[d] = (prev ? prev[d] : 0.0f) + gh[d];
-            A[d] = expf(G[d]);
-            x[d] = qh[d] * A[d];
-            y[d] = kh[d] * A[d];
+        replay_token(&ring, S, slot, h, n, q + bh * dk, k + bh * dk, g + bh * dk, v + bh * dv, beta[bh], out + bh * dv);
+    }
+    return 0;
+}
+
+/* Verifies: for each request b, lens[b] consecutive replay steps on tokens starts[b] ..
+ * (packed request after request: q, k, g [T, H, Dk], v and out [T, H, Dv], beta [T, H]),
+ * appended to its ring after counts[b] entries; the host has folded any ring that could not
+ * take them all (counts[b] + lens[b] <= ring_len). One pass per head keeps the steps of a
+ * request in order and its checkpoint and ring in cache. */
+int kda_replay_run(const float *q, const float *k, const float *v, const float *g, const float *beta, float *states,
+                   float *ring_keys, float *ring_decays, float *ring_deltas, const int64_t *slots, const int64_t *counts,
+                   const int64_t *starts, const int64_t *lens, int64_t batch, int heads, int dk, int dv, int ring_len,
+                   int exact, float *out, int threads) {
+    if (dk > MAX_D || dv > MAX_D) return -1;
+    for (int64_t b = 0; b < batch; b++)
+        if (counts[b] + lens[b] > ring_len) return -2;
+    const Ring ring = {ring_keys, ring_decays, ring_deltas, ring_len, heads, dk, dv, exact};
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t bh = 0; bh < batch * heads; bh++) {
+        const int64_t b = bh / heads, slot = slots[b];
+        const int h = (int)(bh % heads);
+        float *S = states + (slot * heads + h) * (int64_t)dk * dv;
+        for (int64_t t = 0; t < lens[b]; t++) {
+            const int64_t th = (starts[b] + t) * heads + h;
+            replay_token(&ring, S, slot, h, (int)(counts[b] + t), q + th * dk, k + th * dk, g + th * dk, v + th * dv,
+                         beta[th], out + th * dv);
         }
-        two_products(S, x, y, dk, dv, p, r);
-        for (int j = 0; j < n; j++) {
-            const float *kj = entry(&ring, ring.keys, slot, j, h, dk);
-            float c = 0.0f, s = 0.0f;
-            if (exact) {
-                const float *Gj = entry(&ring, ring.decays, slot, j, h, dk);
-                for (int d = 0; d < dk; d++) {
-                    const float w = kj[d] * expf(G[d] - Gj[d]);
-                    c += kh[d] * w;
-                    s += qh[d] * w;
-                }
-            } else {
-                dot2(y, x, kj, dk, &c, &s);
-            }
-            const float *restrict dj = entry(&ring, ring.deltas, slot, j, h, dv);
-            for (int e = 0; e < dv; e++) {
-                r[e] += c * dj[e];
-                p[e] += s * dj[e];
-            }
-        }
-        const float qk = dot(qh, kh, dk);
-        float *o = out + bh * dv, *delta = entry(&ring, ring.deltas, slot, n, h, dv);
-        for (int e = 0; e < dv; e++) {
-            delta[e] = beta[bh] * (vh[e] - r[e]);
-            o[e] = p[e] + qk * delta[e];
-        }
-        for (int d = 0; d < dk; d++) key[d] = exact ? kh[d] : kh[d] / A[d];  // A >= e^-80 here: a normal fp32
     }
     return 0;
 }
