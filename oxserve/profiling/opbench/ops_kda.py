@@ -9,7 +9,14 @@ from oxserve.kernels import reference
 from oxserve.cache.layers import ReplayRing
 from oxserve.cache.spec import CacheLayout, ReplayRingSpec
 from oxserve.kernels.kda import causal_conv, chunk_layout, chunk_plan, conv_layout, kda_chunked, kda_recurrent_step
-from oxserve.kernels.kda_decode import replay_exact, replay_step, replay_step_torch, writeback_step
+from oxserve.kernels.kda_decode import (
+    replay_exact,
+    replay_step,
+    replay_step_torch,
+    replay_verify,
+    replay_verify_torch,
+    writeback_step,
+)
 from oxserve.model.activations import activation
 from oxserve.profiling.opbench.checks import TOLERANCE, close, close_for, randn
 from oxserve.profiling.opbench.registry import Case, Op, register_op, returning
@@ -163,6 +170,69 @@ register_op(Op("kda.replay_step", _replay_cases, reference_replay_step, close(TO
 
 def _replay_step_torch(states, ring, slots, counts, count_tensor, q, k, v, g, beta):
     return replay_step_torch(states, ring, slots, counts, q, k, v, g, beta)
+
+
+# ---- ReplaySSM verify: a token and its drafts, from the same half-full ring ----------------
+
+VERIFY_TOKENS = 4  # the last token and 3 drafts
+
+
+def _verify_inputs(cfg, batch: int, device, gen) -> dict:
+    i = _replay_inputs(cfg, batch, device, gen)
+    run = [_delta_inputs(cfg, 1, batch, device, gen) for _ in range(VERIFY_TOKENS)]
+    for name in ("q", "k", "v", "g", "beta"):  # [B * V, ...], request after request
+        i[name] = torch.stack([r[name] for r in run], dim=1).flatten(0, 1)
+    return i
+
+
+def reference_replay_verify(cfg, i):
+    batch = i["state"].shape[0]
+    state = i["state"].double()
+    for n in range(i["prev_k"].shape[0]):  # q does not change the state
+        _, state = reference.delta_rule_step(*(i[f"prev_{x}"][n].double() for x in ("k", "k", "v", "g", "beta")), state)
+    per_request = {n: i[n].double().view(batch, VERIFY_TOKENS, *i[n].shape[1:]) for n in ("q", "k", "v", "g", "beta")}
+    outs = []
+    for t in range(VERIFY_TOKENS):
+        out, state = reference.delta_rule_step(*(per_request[n][:, t] for n in ("q", "k", "v", "g", "beta")), state)
+        outs.append(out)
+    return (torch.stack(outs, dim=1).flatten(0, 1),)
+
+
+def verify_candidate(cfg, i, verify=replay_verify):
+    batch, steps = i["state"].shape[0], i["prev_k"].shape[0]
+    ring = ReplayRing(i["ring_keys"], i["ring_decays"], i["ring_deltas"], replay_exact(cfg.linear_lower_bound, REPLAY_RING))
+    slots = torch.arange(batch, device=i["q"].device)
+
+    def run(out):
+        out[0].copy_(verify(i["state"], ring, slots, [steps] * batch, [VERIFY_TOKENS] * batch,
+                            i["q"], i["k"], i["v"], i["g"], i["beta"]))  # fmt: skip
+    return run
+
+
+def _verify_torch(states, ring, slots, counts, lens, q, k, v, g, beta):
+    return replay_verify_torch(states, ring, slots, counts, lens, [sum(lens[:b]) for b in range(len(lens))], q, k, v, g, beta)
+
+
+def _verify_cost(i) -> tuple[float, float]:
+    b, h, dk = i["state"].shape[:3]
+    dv, steps, t = i["v"].shape[-1], i["prev_k"].shape[0], i["q"].shape[0]
+    current = sum(i[n].numel() for n in ("q", "k", "v", "g", "beta")) + t * h * dv
+    ring = b * h * (steps * (dk + dv) + VERIFY_TOKENS * (2 * dk + dv))  # read once, V entries written
+    flops = t * h * (4.0 * dk * dv + (steps + VERIFY_TOKENS) * 2 * (dk + dv))
+    return (current + i["state"].numel() + ring) * 4, flops
+
+
+def _verify_cases(cfg, shapes, dtype, device):
+    h, d = cfg.linear_num_heads, cfg.linear_head_dim
+    return [
+        Case(f"B={b}", lambda gen, b=b: _verify_inputs(cfg, b, device, gen),
+             lambda i, b=b: (torch.empty(b * VERIFY_TOKENS, h, d, device=device),), _verify_cost, "fp32")
+        for b in shapes.batches
+    ]
+
+
+register_op(Op("kda.replay_verify", _verify_cases, reference_replay_verify, close(TOLERANCE[FP32]),
+               {"native": verify_candidate, "torch": lambda cfg, i: verify_candidate(cfg, i, _verify_torch)}))
 # The chunked form reorders a long fp32 recurrence: allow more rounding than a single step.
 register_op(Op("kda.chunked", _chunked_cases, reference_chunked, close(1e-3), {"torch": chunked_candidate}))
 
