@@ -78,7 +78,7 @@ def test_mtp_drafts_are_the_mtp_layer_run_over_the_whole_sequence(tiny_mtp_dir, 
 
     # the guard off: k drafts at every decode
     monkeypatch.setattr(oxserve.engine.scheduler, "draft_depth", lambda request, k, floor: k)
-    monkeypatch.setattr(oxserve.engine.scheduler.DraftCost, "floor", lambda self, decodes: 0.5)
+    monkeypatch.setattr(oxserve.engine.scheduler.DraftCost, "budget", lambda self, decodes: (0.5, 99))
     rng = random.Random()
     prompt = [rng.randrange(20, 8000) for _ in range(rng.randrange(30, 80))]
     llm = LLM(model=str(tiny_mtp_dir), dtype="float32", speculative_config=MTP_SPEC, kda_replay_len=4,

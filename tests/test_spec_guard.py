@@ -6,7 +6,17 @@ import random
 
 from oxserve.engine.request import Request
 from oxserve.sampling_params import SamplingParams
-from oxserve.engine.spec_guard import EXPLORE, FIRST_PLAIN, KEEP_FLOOR, MIN_FLOOR, DraftCost, draft_depth, record_verify
+from oxserve.engine.spec_guard import (
+    EXPLORE,
+    EXPLORE_DEAR,
+    FIRST_PLAIN,
+    KEEP_FLOOR,
+    MAX_DEPTH,
+    MIN_FLOOR,
+    DraftCost,
+    draft_depth,
+    record_verify,
+)
 
 
 def _request() -> Request:
@@ -45,19 +55,20 @@ def test_depth_is_zero_when_drafts_are_always_rejected():
 
 def test_cost_is_measured_per_batch_size_and_stops_drafting_where_rows_are_dear():
     cost = DraftCost()
-    floors = [cost.floor(1) for _ in range(2 * EXPLORE)]
-    plain = [i for i, f in enumerate(floors) if f is None]
+    budgets = [cost.budget(1) for _ in range(2 * EXPLORE)]
+    plain = [i for i, b in enumerate(budgets) if b is None]
     assert plain == [*range(FIRST_PLAIN), EXPLORE]  # plain: the step the cost is relative to
-    assert all(f == KEEP_FLOOR for f in floors if f is not None)  # not measured yet: the prior
+    assert all(b == (KEEP_FLOOR, MAX_DEPTH) for b in budgets if b is not None)  # not measured yet: the prior
     for _ in range(60):  # batch 1: 10 ms plain, 13 ms with 3 drafts -> a row costs 0.1 of a step
         cost.observe(1, 0, 0.010)
         cost.observe(1, 3, 0.013)
     assert abs(cost.row_cost[1] - 0.1) < 1e-6
-    assert cost.floor(1) in (None, max(MIN_FLOOR, 0.1))
+    assert cost.budget(1) in (None, (max(MIN_FLOOR, 0.1), MAX_DEPTH))
     for _ in range(60):  # batch 64: 100 ms plain, 240 ms with 64 drafts -> a row costs 1.4 steps of a request
         cost.observe(64, 0, 0.100)
         cost.observe(64, 64, 0.240)
-    floors = [cost.floor(64) for _ in range(2 * EXPLORE)]
-    assert floors.count(None) == 2 * EXPLORE - floors.count(KEEP_FLOOR)
-    assert 2 <= floors.count(KEEP_FLOOR) <= FIRST_PLAIN + 2  # explores only
+    budgets = [cost.budget(64) for _ in range(2 * EXPLORE_DEAR)]
+    probes = [i for i, b in enumerate(budgets) if b is not None]
+    assert len(probes) == 2 and probes[1] - probes[0] == EXPLORE_DEAR  # rows are dear: a rare probe
+    assert all(budgets[i] == (KEEP_FLOOR, 1) for i in probes)  # one draft per request
     assert 1 not in cost.row_cost or cost.row_cost[1] < 1  # buckets are separate

@@ -60,7 +60,7 @@ def main() -> None:
     args = parser.parse_args()
     # the guard off, k drafts at every decode: the curve, not the guard
     scheduler.draft_depth = lambda request, k, floor: k
-    scheduler.DraftCost.floor = lambda self, decodes: 0.5
+    scheduler.DraftCost.budget = lambda self, decodes: (0.5, 99)
     workload = load_workload("code_completion")
     prompts = [list(r.prompt_token_ids) for r in workload.requests(8192, model_dir=default_model())][: args.requests]
     rows = [measure(m, k, prompts, args.max_tokens) for m in ("mtp", "ngram") for k in map(int, args.k.split(","))]

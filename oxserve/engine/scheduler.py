@@ -369,20 +369,23 @@ class Scheduler:
         # A step that carries prefill is a throughput step: draft rows would take its token
         # budget, and their cost there is not measured.
         prefill_next = len(self.running) > decoding or (self.waiting and len(self.running) < self.config.max_num_seqs)
-        batch_floor = self.draft_cost.floor(decoding) if decoding and not prefill_next else None
+        budget = self.draft_cost.budget(decoding) if decoding and not prefill_next else None
         wanted: list[tuple[Request, int]] = []
         for request in self.running:
             # A constrained request is not drafted: its verify rows would each need the mask
             # of the draft prefix before them.
             if request.num_uncomputed != 1 or request.params.structured_outputs is not None:
                 continue
-            floor = KEEP_FLOOR if request.params.seed is not None else batch_floor
-            if floor is None:
+            if request.params.seed is not None:
+                floor, most = KEEP_FLOOR, max_drafts
+            elif budget is not None:
+                floor, most = budget
+            else:
                 continue
             room = request.max_total_tokens - request.num_tokens
             if request.params.max_tokens is not None:
                 room = min(room, request.params.max_tokens - len(request.output_token_ids))
-            depth = draft_depth(request, max_drafts, floor)
+            depth = draft_depth(request, min(max_drafts, most), floor)
             if depth == 0:  # drafting is off for this request: probe again after a while
                 request.decodes_without_drafts += 1
                 if request.decodes_without_drafts < PROBE_INTERVAL:

@@ -15,10 +15,10 @@ costs, in units of one request's plain decode step. Both sides are measured:
 
 A request drafts the depths j with alpha^j >= that cost (KEEP_FLOOR until measured, never
 under MIN_FLOOR), at most k. One below the cost at depth 1 drafts nothing, and probes with
-one draft after PROBE_INTERVAL plain decodes. One step in EXPLORE per bucket goes the other
-way (plain where drafting pays, drafting at KEEP_FLOOR where it does not) so that both stay
-measured; a bucket's first FIRST_PLAIN steps are plain, to measure the step the cost is
-relative to.
+one draft after PROBE_INTERVAL plain decodes. Both times stay measured: where drafting pays,
+one step in EXPLORE per bucket is plain (and a bucket's first FIRST_PLAIN steps, to measure
+the step the cost is relative to); where it does not, one step in EXPLORE_DEAR drafts, one
+draft per request at KEEP_FLOOR, so that the probe costs little where rows are dear.
 """
 
 from __future__ import annotations
@@ -32,6 +32,8 @@ KEEP_FLOOR = 0.3
 MIN_FLOOR = 0.1
 PROBE_INTERVAL = 16
 EXPLORE = 16
+EXPLORE_DEAR = 64
+MAX_DEPTH = 1 << 30  # no cap: k bounds it
 FIRST_PLAIN = 3  # a bucket's first steps: the plain step, measured past a slow first one
 SMOOTHING = 0.1  # weight of the newest step in a bucket's measurements
 
@@ -57,17 +59,17 @@ class DraftCost:
         self.row_cost: dict[int, float] = {}  # bucket -> a draft row, in request-steps
         self._steps: dict[int, int] = {}  # decisions made per bucket
 
-    def floor(self, decodes: int) -> float | None:
-        """The chance of being kept a draft needs in the next step, with `decodes` decoding
-        requests; None: no drafts in that step."""
+    def budget(self, decodes: int) -> tuple[float, int] | None:
+        """For the next step, with `decodes` decoding requests: the chance of being kept a
+        draft needs, and the most drafts a request may make; None: no drafts in that step."""
         bucket = decodes.bit_length()
         n = self._steps.get(bucket, 0)
         self._steps[bucket] = n + 1
         cost = self.row_cost.get(bucket, KEEP_FLOOR)
-        pays = cost < 1.0
-        if n < FIRST_PLAIN or n % EXPLORE == 0:  # the other way, to keep both measured
-            return None if pays else KEEP_FLOOR
-        return max(MIN_FLOOR, cost) if pays else None
+        if cost < 1.0:  # drafting pays: one plain step in EXPLORE keeps the plain time current
+            return None if n < FIRST_PLAIN or n % EXPLORE == 0 else (max(MIN_FLOOR, cost), MAX_DEPTH)
+        # It does not: one draft per request, one step in EXPLORE_DEAR, to notice if it comes to
+        return (KEEP_FLOOR, 1) if n % EXPLORE_DEAR == 0 else None
 
     def observe(self, decodes: int, draft_rows: int, seconds: float) -> None:
         """A decode-only step: its decoding requests, its draft rows, its wall time (the
