@@ -107,7 +107,8 @@ def is_held_out(path: Path) -> bool:
     return hashlib.blake2b(rel.encode(), digest_size=4).digest()[0] % 20 == 0
 
 
-def _read(path: Path) -> str | None:
+def source_text(path: Path) -> str | None:
+    """A source file's text; None for one that is not UTF-8 (a few test fixtures)."""
     try:
         return path.read_text(encoding="utf-8")
     except (UnicodeDecodeError, OSError):
@@ -116,7 +117,7 @@ def _read(path: Path) -> str | None:
 
 def token_stream(tokenizer, files: list[Path]) -> torch.Tensor:
     """Every file's tokens followed by end-of-text, one long stream."""
-    texts = [t for t in (_read(p) for p in files) if t]
+    texts = [t for t in (source_text(p) for p in files) if t]
     eos = TOKEN_IDS[EOS_TOKEN]
     ids: list[int] = []
     for encoding in tokenizer.encode_batch(texts, add_special_tokens=False):
@@ -147,7 +148,8 @@ def held_out_windows(model_dir: str | Path, count: int, length: int, seed: int) 
 
 def chunk_kda(query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=False,
               use_qk_l2norm_in_kernel=False, **_):
-    """transformers' `chunk_kimi_delta_attention`, same math and signature, fast to train.
+    """transformers' `chunk_kimi_delta_attention`, same math and signature, fast to train
+    (chunks of 16 whatever `chunk_size` says: the factoring below needs short chunks).
 
     The reference builds [chunk, chunk, d_k] decay tensors and inverts the WY matrix row by row;
     here exp(g_i - g_j) is factored around each chunk's middle (each factor within
@@ -274,15 +276,16 @@ def _lr(step: int, s: TrainSettings) -> float:
     return s.lr * (s.min_lr_ratio + (1 - s.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def _losses(model, mtp: TrainingMTP, window: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Teacher-forced next-token and MTP (token after next) cross-entropies of [B, T+2] windows."""
+def _losses(model, mtp: TrainingMTP, window: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Teacher-forced next-token and MTP (token after next) cross-entropies of [B, T+2]
+    windows, and the MTP logits [B, T, V]."""
     tokens, next_tokens, after_next = window[:, :-2], window[:, 1:-1], window[:, 2:]
     text = model.model.language_model
     hidden = text(input_ids=tokens).last_hidden_state
     main = F.cross_entropy(model.lm_head(hidden).flatten(0, 1), next_tokens.flatten())
-    drafted = mtp(text.embed_tokens(next_tokens), hidden)
-    extra = F.cross_entropy(model.lm_head(drafted).flatten(0, 1), after_next.flatten())
-    return main, extra
+    drafted = model.lm_head(mtp(text.embed_tokens(next_tokens), hidden))
+    extra = F.cross_entropy(drafted.flatten(0, 1), after_next.flatten())
+    return main, extra, drafted
 
 
 def _windows(stream: torch.Tensor, count: int, length: int, generator: torch.Generator) -> torch.Tensor:
@@ -299,13 +302,10 @@ def evaluate(model, mtp: TrainingMTP, stream: torch.Tensor, s: TrainSettings, ba
     mtp.eval()
     for _ in range(batches):
         window = _windows(stream, s.batch, s.seq_len + 2, generator)
-        main, extra = _losses(model, mtp, window)
-        text = model.model.language_model
-        hidden = text(input_ids=window[:, :-2]).last_hidden_state
-        drafted = model.lm_head(mtp(text.embed_tokens(window[:, 1:-1]), hidden)).argmax(-1)
+        main, extra, drafted = _losses(model, mtp, window)
         totals["loss"] += main.item() / batches
         totals["mtp_loss"] += extra.item() / batches
-        totals["mtp_top1"] += (drafted == window[:, 2:]).float().mean().item() / batches
+        totals["mtp_top1"] += (drafted.argmax(-1) == window[:, 2:]).float().mean().item() / batches
     model.train()
     mtp.train()
     return totals
@@ -348,7 +348,7 @@ def train(out_dir: str | Path, settings: TrainSettings = TrainSettings(), log=pr
     for step in range(settings.steps):
         for group in optimizer.param_groups:
             group["lr"] = _lr(step, settings)
-        main, extra = _losses(model, mtp, _windows(train_stream, settings.batch, settings.seq_len + 2, generator))
+        main, extra, _ = _losses(model, mtp, _windows(train_stream, settings.batch, settings.seq_len + 2, generator))
         (main + settings.mtp_weight * extra).backward()
         torch.nn.utils.clip_grad_norm_(params, settings.clip)
         optimizer.step()

@@ -48,8 +48,9 @@ def calibration_sequences(tokenizer, text: str, count: int, length: int) -> list
 def shipped_calibration_text(code_files: int = 40) -> str:
     """Text like the default model's training data: the shipped English corpus and the first
     `code_files` standard library files it was trained on (never its held-out files)."""
-    from oxserve.default_model.train import _read, is_held_out, stdlib_files
+    from oxserve.default_model.train import is_held_out, source_text, stdlib_files
 
     english = (Path(__file__).parents[1] / "default_model" / "corpus.txt").read_text()
-    code = [_read(p) or "" for p in stdlib_files() if not is_held_out(p)][:code_files]
+    files = [p for p in stdlib_files() if not is_held_out(p)][:code_files]
+    code = [source_text(p) or "" for p in files]
     return "\n".join([english, *code])

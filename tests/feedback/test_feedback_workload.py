@@ -144,13 +144,13 @@ def test_code_prompts_are_held_out_source_in_the_models_tokenizer():
     from tokenizers import Tokenizer
 
     from oxserve.default_model import default_model
-    from oxserve.default_model.train import _read, is_held_out, stdlib_files
+    from oxserve.default_model.train import is_held_out, source_text, stdlib_files
 
     w = load_workload("code_completion")
     requests = w.requests(8192, model_dir=default_model())
     assert requests == w.requests(8192, model_dir=default_model())  # same seed, same prompts
     tokenizer = Tokenizer.from_file(str(default_model() / "tokenizer.json"))
-    held_out = "".join(_read(p) or "" for p in stdlib_files() if is_held_out(p))
+    held_out = "".join(source_text(p) or "" for p in stdlib_files() if is_held_out(p))
     for r in requests:
         assert 64 <= r.input_len <= 256
         text = tokenizer.decode(list(r.prompt_token_ids), skip_special_tokens=False)
