@@ -157,7 +157,7 @@ def test_the_search_baseline_measures_its_draws_and_resumes_its_study(tiny_model
 
 
 def test_the_llm_policy_in_the_loop_against_a_real_server_runs_only_what_passes_its_checks(tiny_model_dir, data_dir, tmp_path):
-    """The default model (random weights) at a real `oxserve serve` answers what it answers, under
+    """The default model (a small code model) at a real `oxserve serve` answers what it answers, under
     the answer's JSON schema: every answer is journaled and checked, and only checked actions run."""
     goal = goal_from_dict(goal_dict(tiny_model_dir, confirm=False, budget={"experiments": 1}, policy="llm"))
     with serve(default_model(), "--dtype", "bfloat16", "--served-model-name", "oxserve-default",
