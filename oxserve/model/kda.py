@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from oxserve.cache.layers import KDACache
 from oxserve.cache.precision import LayerCachePrecision
 from oxserve.cache.spec import KDACacheSpec, ReplayRingSpec, StateTensor
-from oxserve.kernels.kda import causal_conv, conv_windows, kda_chunked, l2norm
+from oxserve.kernels import kda_io
+from oxserve.kernels.kda import causal_conv, conv_windows, kda_chunked
 from oxserve.kernels.kda_decode import replay_exact
 from oxserve.model.activations import activation
 from oxserve.model.batch import ForwardBatch
@@ -20,23 +20,20 @@ from oxserve.telemetry import span
 
 
 class ForgetGate(nn.Module):
+    """The low-rank projection of the per-channel forget gate and its parameters; the gate's
+    math is `kda_io.forget_decay`."""
+
     def __init__(self, cfg: TextModelConfig, tp: TensorParallel = SINGLE):
         super().__init__()
-        self.head_dim = cfg.linear_head_dim
         heads = tp.local(cfg.linear_num_heads, "linear_num_heads")
         self.f_a_proj = Linear(cfg.hidden_size, cfg.linear_head_dim)
         self.f_b_proj = Linear(cfg.linear_head_dim, cfg.kda_dim, tp, "column")
-        self.dt_bias = loadable(empty_param(heads * self.head_dim, dtype=torch.float32), split=tp.split(0))
+        self.dt_bias = loadable(empty_param(heads * cfg.linear_head_dim, dtype=torch.float32), split=tp.split(0))
         self.A_log = loadable(empty_param(heads, dtype=torch.float32), split=tp.split(0))
-        self.lower_bound = cfg.linear_lower_bound
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, D] -> per-channel log-decay g [T, H, Dk] (fp32, <= 0)."""
-        g = (self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias).view(x.shape[0], -1, self.head_dim)
-        rate = self.A_log.exp().view(1, -1, 1)
-        if self.lower_bound is not None:
-            return self.lower_bound * torch.sigmoid(rate * g)
-        return -rate * F.softplus(g, threshold=20.0)
+        """x [T, D] -> the gate's pre-activation f [T, H*Dk] (before dt_bias)."""
+        return self.f_b_proj(self.f_a_proj(x))
 
 
 class KDAttention(nn.Module):
@@ -54,7 +51,7 @@ class KDAttention(nn.Module):
         conv_rows = copy_loader((self.dim,) * 3, reshape=lambda t: t.reshape(t.shape[0], -1))  # [C, 1, K] -> [C, K]
         self.conv_weight = loadable(empty_param(3 * self.dim, self.conv_kernel, dtype=torch.float32), conv_rows,
                                     tp.split(0, (cfg.kda_dim,) * 3))  # fmt: skip
-        self.conv_act = activation(cfg.hidden_act)
+        self.conv_act, self.conv_act_name = activation(cfg.hidden_act), cfg.hidden_act
         self.forget_gate = ForgetGate(cfg, tp)
         self.b_proj = Linear(cfg.hidden_size, cfg.linear_num_heads, tp, "column")
         self.g_a_proj = Linear(cfg.hidden_size, cfg.linear_head_dim)
@@ -77,27 +74,32 @@ class KDAttention(nn.Module):
         )
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: KDACache) -> torch.Tensor:
-        tokens, tracer = x.shape[0], batch.tracer
+        tracer = batch.tracer
         with span(tracer, f"{self.name}.qkv_proj"):
             mixed = self.qkv_proj(x)
-        with span(tracer, f"{self.name}.conv"):
-            states = _initial(cache.conv_states(batch.state_slots).to(mixed.dtype), batch.has_initial_state)
-            if batch.num_verifies:  # the conv state after each verified token, for when drafts are rejected
-                nd, nv = batch.num_decodes, batch.num_verifies
-                cache.stage_conv(batch.state_slots[nd : nd + nv], conv_windows(mixed, states, batch.conv))
-            mixed, states = causal_conv(mixed, states, self.conv_weight, batch.conv, self.conv_act)
-            cache.store_conv_states(batch.state_slots, states)
         with span(tracer, f"{self.name}.gates"):
-            q, k, v = (t.float().view(tokens, self.num_heads, self.head_dim) for t in mixed.split(self.dim, dim=-1))
-            q = l2norm(q) * self.head_dim**-0.5
-            k = l2norm(k)
-            g = self.forget_gate(x)
-            beta = torch.sigmoid(self.b_proj(x)).float()
+            f, beta_logits = self.forget_gate(x), self.b_proj(x)
+        gate_params = (self.forget_gate.dt_bias, self.forget_gate.A_log, self.lower_bound)
+        if batch.num_decodes == batch.num_requests and kda_io.decode_inputs_fit(
+                mixed, f, beta_logits, cache.conv, self.conv_act_name, self.head_dim):
+            with span(tracer, f"{self.name}.conv"):  # the conv and the gates' pointwise math, in one call
+                q, k, v, g, beta = kda_io.decode_inputs(mixed, cache.conv, batch.state_slots, self.conv_weight, f,
+                                                        *gate_params, beta_logits, self.head_dim)
+        else:
+            with span(tracer, f"{self.name}.conv"):
+                states = _initial(cache.conv_states(batch.state_slots).to(mixed.dtype), batch.has_initial_state)
+                if batch.num_verifies:  # the conv state after each verified token, for when drafts are rejected
+                    nd, nv = batch.num_decodes, batch.num_verifies
+                    cache.stage_conv(batch.state_slots[nd : nd + nv], conv_windows(mixed, states, batch.conv))
+                mixed, states = causal_conv(mixed, states, self.conv_weight, batch.conv, self.conv_act)
+                cache.store_conv_states(batch.state_slots, states)
+            with span(tracer, f"{self.name}.gates"):
+                q, k, v, g, beta = kda_io.kda_gates(mixed, f, *gate_params, beta_logits, self.head_dim)
         with span(tracer, f"{self.name}.recurrent"):
             core = self._delta_rule(q, k, v, g, beta, batch, cache)
         with span(tracer, f"{self.name}.out"):
-            gate = self.g_b_proj(self.g_a_proj(x)).view(tokens, self.num_heads, self.head_dim)
-            return self.o_proj(self._gated_norm(core, gate).to(x.dtype).view(tokens, self.dim))
+            gate = self.g_b_proj(self.g_a_proj(x))
+            return self.o_proj(kda_io.gated_norm(core, gate, self.o_norm_weight, self.norm_eps).to(x.dtype))
 
     def _delta_rule(self, q, k, v, g, beta, batch: ForwardBatch, cache: KDACache) -> torch.Tensor:
         """Decodes take one recurrent step each, on the cached states in place; verifies a
@@ -121,10 +123,6 @@ class KDAttention(nn.Module):
             cache.store_recurrent_states(slots, states)
             parts.append(out)
         return parts[0] if len(parts) == 1 else torch.cat(parts)
-
-    def _gated_norm(self, core: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        normed = core * torch.rsqrt(core.pow(2).mean(-1, keepdim=True) + self.norm_eps)
-        return self.o_norm_weight.float() * normed * torch.sigmoid(gate.float())
 
 
 def _initial(states: torch.Tensor, has_initial_state: torch.Tensor) -> torch.Tensor:

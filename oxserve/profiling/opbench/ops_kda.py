@@ -1,11 +1,12 @@
-"""KDA ops: the delta rule (decode step: write-back and ReplaySSM; chunked prefill) and the short causal conv."""
+"""KDA ops: the delta rule (decode step: write-back and ReplaySSM; chunked prefill), the short causal conv,
+and the pointwise work around a decode step (conv + gates in, gated norm out)."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from oxserve.kernels import reference
+from oxserve.kernels import kda_io, reference
 from oxserve.cache.layers import ReplayRing
 from oxserve.cache.spec import CacheLayout, ReplayRingSpec
 from oxserve.kernels.kda import causal_conv, chunk_layout, chunk_plan, conv_layout, kda_chunked, kda_recurrent_step
@@ -302,3 +303,119 @@ def _conv_chunk_cases(cfg, shapes, dtype, device):
 
 register_op(Op("conv.step", _conv_step_cases, reference_conv, close_for("x"), {"torch": conv_candidate}))
 register_op(Op("conv.chunk", _conv_chunk_cases, reference_conv, close_for("x"), {"torch": conv_candidate}))
+
+
+# ---- decode inputs (conv + gates) and the gated output norm ---------------------------------
+# The pointwise work around a decode step's delta rule (`oxserve.kernels.kda_io`). The
+# candidates write the conv states into their output table (a copy of the input table:
+# both pay the copy), so every call starts from the same states.
+
+
+def _decode_io_inputs(cfg, batch: int, dtype, device, gen) -> dict:
+    h, d, width = cfg.linear_num_heads, cfg.linear_head_dim, cfg.linear_conv_kernel_dim
+    channels = 3 * h * d
+    return {
+        "mixed": randn(gen, batch, channels, dtype=dtype, device=device),
+        "conv_table": randn(gen, batch, width - 1, channels, dtype=dtype, device=device),
+        "slots": torch.randperm(batch, generator=gen).to(device),
+        "conv_weight": randn(gen, channels, width, dtype=FP32, device=device, scale=width**-0.5),
+        "f": randn(gen, batch, h * d, dtype=dtype, device=device, scale=3.0),
+        "dt_bias": randn(gen, h * d, dtype=FP32, device=device),
+        "a_log": randn(gen, h, dtype=FP32, device=device, scale=0.5),
+        "beta_logits": randn(gen, batch, h, dtype=dtype, device=device, scale=2.0),
+    }
+
+
+def reference_decode_inputs(cfg, i):
+    """Per request, in float64: the conv window, silu, l2-normalised q (scaled) and k, the
+    forget gate's log-decay and beta; the table with each request's window shifted."""
+    d = cfg.linear_head_dim
+    batch = i["mixed"].shape[0]
+    table = i["conv_table"].double().clone()
+    window = torch.cat([table[i["slots"]], i["mixed"].double()[:, None]], dim=1)  # [B, K, C]
+    conv = (window * i["conv_weight"].double().t()).sum(1)
+    conv = conv * torch.sigmoid(conv)
+    table[i["slots"]] = window[:, 1:]
+    q, k, v = (t.reshape(batch, -1, d) for t in conv.chunk(3, dim=-1))
+    q = q / (q.pow(2).sum(-1, keepdim=True) + 1e-6).sqrt() * d**-0.5
+    k = k / (k.pow(2).sum(-1, keepdim=True) + 1e-6).sqrt()
+    x = (i["f"].double() + i["dt_bias"].double()).view(batch, -1, d)
+    rate = i["a_log"].double().exp().view(1, -1, 1)
+    lower = cfg.linear_lower_bound
+    g = lower * torch.sigmoid(rate * x) if lower is not None else -rate * F.softplus(x, threshold=20.0)
+    return q, k, v, g, torch.sigmoid(i["beta_logits"].double()), table
+
+
+def decode_inputs_candidate(cfg, i, native: bool = True):
+    act = activation(cfg.hidden_act)
+    gate = (i["f"], i["dt_bias"], i["a_log"], cfg.linear_lower_bound, i["beta_logits"], cfg.linear_head_dim)
+
+    def run(out):
+        table = out[5]
+        table.copy_(i["conv_table"])
+        if native and kda_io.decode_inputs_fit(i["mixed"], i["f"], i["beta_logits"], table, cfg.hidden_act,
+                                               cfg.linear_head_dim):
+            result = kda_io.decode_inputs(i["mixed"], table, i["slots"], i["conv_weight"], *gate)
+        else:
+            result = kda_io.decode_inputs_torch(i["mixed"], table, i["slots"], i["conv_weight"], act, *gate)
+        for buffer, value in zip(out[:5], result, strict=True):
+            buffer.copy_(value)
+    return run
+
+
+def _decode_io_cost(i) -> tuple[float, float]:
+    table = i["conv_table"]
+    data = sum(t.numel() * t.element_size() for t in i.values()) + table.numel() * table.element_size()
+    q_out = i["mixed"].numel() + i["f"].numel() + i["beta_logits"].numel()  # q, k, v and g, beta, fp32
+    return data + q_out * 4, 2.0 * i["mixed"].numel() * (table.shape[1] + 1) + 10.0 * i["mixed"].numel()
+
+
+def _decode_io_cases(cfg, shapes, dtype, device):
+    h, d, width = cfg.linear_num_heads, cfg.linear_head_dim, cfg.linear_conv_kernel_dim
+
+    def outputs(i, b):
+        return (*(torch.empty(b, h, d, device=device) for _ in range(4)), torch.empty(b, h, device=device),
+                torch.empty(b, width - 1, 3 * h * d, dtype=dtype, device=device))
+    return [
+        Case(f"B={b}", lambda gen, b=b: _decode_io_inputs(cfg, b, dtype, device, gen),
+             lambda i, b=b: outputs(i, b), _decode_io_cost, "fp32")
+        for b in shapes.batches
+    ]
+
+
+register_op(Op("kda.decode_inputs", _decode_io_cases, reference_decode_inputs, close_for("mixed"),
+               {"native": decode_inputs_candidate, "torch": lambda cfg, i: decode_inputs_candidate(cfg, i, native=False)}))
+
+
+def _gated_norm_inputs(cfg, tokens: int, dtype, device, gen) -> dict:
+    h, d = cfg.linear_num_heads, cfg.linear_head_dim
+    return {
+        "core": randn(gen, tokens, h, d, dtype=FP32, device=device, scale=3.0),
+        "gate": randn(gen, tokens, h * d, dtype=dtype, device=device, scale=2.0),
+        "weight": (torch.rand(d, generator=gen) + 0.5).to(dtype=dtype, device=device),
+    }
+
+
+def reference_gated_norm(cfg, i):
+    core = i["core"].double()
+    normed = core / (core.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps).sqrt()
+    return ((i["weight"].double() * normed * torch.sigmoid(i["gate"].double().view(core.shape))).flatten(1),)
+
+
+def _gated_norm_cases(cfg, shapes, dtype, device):
+    h, d = cfg.linear_num_heads, cfg.linear_head_dim
+    return [
+        Case(f"B={b}", lambda gen, b=b: _gated_norm_inputs(cfg, b, dtype, device, gen),
+             lambda i, b=b: (torch.empty(b, h * d, dtype=dtype, device=device),),
+             lambda i: (sum(t.numel() * t.element_size() for t in i.values()) + i["gate"].numel() * i["gate"].element_size(),
+                        8.0 * i["core"].numel()), "fp32")
+        for b in shapes.batches
+    ]
+
+
+def _gated_norm_candidate(fn):
+    return lambda cfg, i: returning(lambda core, gate, weight: fn(core, gate, weight, cfg.rms_norm_eps))(cfg, i)
+
+
+register_op(Op("kda.gated_norm", _gated_norm_cases, reference_gated_norm, close_for("gate"),
+               {"native": _gated_norm_candidate(kda_io.gated_norm), "torch": _gated_norm_candidate(kda_io.gated_norm_torch)}))
