@@ -21,10 +21,10 @@ import torch.nn.functional as F
 from oxserve.kernels import native
 
 NATIVE_MAX_N = 16  # MAX_N in hc_gates.c
-# Up to this many tokens a call takes the native collapse and expand (one thread; larger
-# batches take torch's threaded products).
+# Up to this many tokens a call takes the native collapse and expand (larger batches take
+# torch's products).
 NATIVE_MAX_TOKENS = 64
-BUILD_FLAGS = native.NATIVE_ISA + ("-O3",)  # vector sums; no FMA contraction under -std=c11
+BUILD_FLAGS = native.NATIVE_ISA + native.OPENMP + ("-O3",)  # vector sums; no FMA contraction under -std=c11
 
 
 def hc_gates_torch(
@@ -113,7 +113,8 @@ def hc_collapse_native(
     ptr = native.pointer
     status = _kernel().hc_collapse(ptr(streams), ctypes.c_int(streams.dtype == torch.bfloat16), ctypes.c_int64(tokens),
                                    ctypes.c_int(n), ctypes.c_int64(d), ptr(fn), ptr(base), ptr(scale), ctypes.c_int(iters),
-                                   ctypes.c_float(eps), ctypes.c_float(norm_eps), ptr(pre), ptr(post), ptr(comb), ptr(out))
+                                   ctypes.c_float(eps), ctypes.c_float(norm_eps), ptr(pre), ptr(post), ptr(comb), ptr(out),
+                                   ctypes.c_int(torch.get_num_threads()))
     if status != 0:
         raise MemoryError(f"hc_collapse: no scratch memory for {tokens} tokens")
     return post, comb, out

@@ -110,7 +110,7 @@ static void narrow_row(const float *src, int64_t count, int is_bf16, void *dst, 
 
 static inline float rounded(float v, int is_bf16) { return is_bf16 ? round_bf16(v) : v; }
 
-#define SUMS 64 /* independent partial sums: four vector registers, so the adds do not wait on each other */
+#define SUMS 32 /* independent partial sums, so the adds do not wait on each other (x4 in dot4_f32: in registers) */
 
 static float dot_f32(const float *a, const float *b, int64_t count) {
     float part[SUMS] = {0};
@@ -123,29 +123,62 @@ static float dot_f32(const float *a, const float *b, int64_t count) {
     return sum;
 }
 
+/* dot_f32 of four rows a0..a3 (stride `stride`) with b at once, each summed exactly as
+ * dot_f32 sums it: b is read once for the four. */
+static void dot4_f32(const float *a, int64_t stride, const float *b, int64_t count, float sums[4]) {
+    float part[4][SUMS] = {{0}};
+    int64_t k = 0;
+    for (; k + SUMS <= count; k += SUMS)
+        for (int l = 0; l < SUMS; l++) {
+            const float w = b[k + l];
+            for (int r = 0; r < 4; r++) part[r][l] += a[r * stride + k + l] * w;
+        }
+    for (int r = 0; r < 4; r++) {
+        float sum = 0.0f;
+        for (int l = 0; l < SUMS; l++) sum += part[r][l];
+        for (int64_t i = k; i < count; i++) sum += a[r * stride + i] * b[i];
+        sums[r] = sum;
+    }
+}
+
+#define BLOCK 4 /* tokens that share each read of fn */
+
 /* collapse: mixed[t] = fn . x_t / rms(x_t) over the flattened streams x_t [N*D] (fn
  * [(2+N)N, N*D] fp32), the gates, then out[t] = sum_n pre[t, n] x_t[n] in the streams'
- * dtype. pre [T, N], post [T, N], comb [T, N, N] fp32 as hc_gates. Returns 0, -1 above
- * MAX_N, -2 without scratch memory. */
+ * dtype. pre [T, N], post [T, N], comb [T, N, N] fp32 as hc_gates. The projection and the
+ * sum run on `threads` threads, BLOCK tokens at a time. Returns 0, -1 above MAX_N, -2
+ * without scratch memory. */
 int hc_collapse(const void *streams, int is_bf16, int64_t tokens, int n, int64_t d, const float *fn,
                 const float *base, const float *scale, int iters, float eps, float norm_eps,
-                float *pre, float *post, float *comb, void *out) {
+                float *pre, float *post, float *comb, void *out, int threads) {
     if (n > MAX_N) return -1;
     if (tokens == 0) return 0;
     const int width = (2 + n) * n;
     const int64_t flat = (int64_t)n * d;
     float *mixed = malloc((size_t)(tokens * width) * sizeof(float));
     float *x = malloc((size_t)(tokens * flat) * sizeof(float));
-    float *row = malloc((size_t)d * sizeof(float));
-    if (mixed == NULL || x == NULL || row == NULL) { free(mixed); free(x); free(row); return -2; }
-    widen_row(streams, 0, tokens * flat, is_bf16, x);
-    for (int64_t t = 0; t < tokens; t++) {
-        const float *xt = x + t * flat;
-        float inv_rms = 1.0f / sqrtf(dot_f32(xt, xt, flat) / (float)flat + norm_eps);
-        for (int j = 0; j < width; j++) mixed[t * width + j] = dot_f32(xt, fn + j * flat, flat) * inv_rms;
+    float *rows = malloc((size_t)(tokens * d) * sizeof(float));
+    if (mixed == NULL || x == NULL || rows == NULL) { free(mixed); free(x); free(rows); return -2; }
+    const int64_t blocks = (tokens + BLOCK - 1) / BLOCK;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t blk = 0; blk < blocks; blk++) {
+        const int64_t t0 = blk * BLOCK, nt = tokens - t0 < BLOCK ? tokens - t0 : BLOCK;
+        float *xb = x + t0 * flat, inv_rms[BLOCK], sums[BLOCK];
+        widen_row(streams, t0 * flat, nt * flat, is_bf16, xb);
+        for (int64_t i = 0; i < nt; i++)
+            inv_rms[i] = 1.0f / sqrtf(dot_f32(xb + i * flat, xb + i * flat, flat) / (float)flat + norm_eps);
+        for (int j = 0; j < width; j++) {
+            if (nt == BLOCK)
+                dot4_f32(xb, flat, fn + j * flat, flat, sums);
+            else
+                for (int64_t i = 0; i < nt; i++) sums[i] = dot_f32(xb + i * flat, fn + j * flat, flat);
+            for (int64_t i = 0; i < nt; i++) mixed[(t0 + i) * width + j] = sums[i] * inv_rms[i];
+        }
     }
     hc_gates(mixed, base, scale, tokens, n, iters, eps, pre, post, comb);
+#pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t t = 0; t < tokens; t++) {
+        float *row = rows + t * d;
         for (int64_t c = 0; c < d; c++) row[c] = 0.0f;
         for (int j = 0; j < n; j++) {
             const float *xj = x + t * flat + j * d, w = pre[t * n + j];
@@ -155,7 +188,7 @@ int hc_collapse(const void *streams, int is_bf16, int64_t tokens, int n, int64_t
     }
     free(mixed);
     free(x);
-    free(row);
+    free(rows);
     return 0;
 }
 
