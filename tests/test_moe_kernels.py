@@ -170,3 +170,27 @@ def test_amx_experts_keep_a_nan_and_a_loaded_layer_computes_what_the_dense_one_d
     dense = layer(x, weights, ids)
     layer.after_load()
     torch.testing.assert_close(layer(x, weights, ids).float(), dense.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("linear_kernel", ["torch", "onednn"])
+@pytest.mark.parametrize("hidden_act,tokens", [("silu", 1), ("silu", 37), ("gelu", 5)])
+def test_a_loaded_dense_mlp_runs_as_one_amx_expert_where_it_can(linear_kernel, hidden_act, tokens):
+    """Shared experts and dense MLPs: on AMX a bf16 SiLU MLP moves into the experts kernel's
+    panels and computes what its two products and the GLU did; elsewhere it stays as it is."""
+    from oxserve.kernels.onednn import choose_linear_kernel
+    from oxserve.model.common import DenseMLP
+
+    mlp = DenseMLP(64, 96, 7.0, hidden_act)
+    for p in mlp.parameters():
+        p.data = (torch.randn_like(p, dtype=torch.float32) * 0.1).bfloat16()
+    x = torch.randn(tokens, 64).bfloat16() * 3
+    dense = mlp(x)
+    _, install = choose_linear_kernel(linear_kernel, torch.device("cpu"), torch.bfloat16)
+    if install is not None:
+        install(mlp)
+    for module in reversed(list(mlp.modules())):  # as the loader does: children first
+        if hasattr(module, "after_load"):
+            module.after_load()
+    expect_amx = AMX and hidden_act == "silu"
+    assert (mlp.panels is not None) == expect_amx and (mlp.gate_up_proj is None) == expect_amx
+    torch.testing.assert_close(mlp(x).float(), dense.float(), rtol=2e-2, atol=2e-2)

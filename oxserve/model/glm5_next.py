@@ -16,7 +16,6 @@ from torch import nn
 from oxserve.cache.layers import LayerCache
 from oxserve.cache.precision import CachePlan
 from oxserve.cache.spec import ElsewhereCacheSpec, LayerCacheSpec
-from oxserve.model.activations import activation
 from oxserve.model.batch import ForwardBatch
 from oxserve.model.common import DenseMLP, RMSNorm
 from oxserve.model.config import TextModelConfig
@@ -47,7 +46,7 @@ class DecoderLayer(nn.Module):
         if self.sparse:
             self.mlp = MoE(cfg, f"L{index}.moe", tp)
         else:
-            self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size, cfg.swiglu_limit, activation(cfg.hidden_act), tp)
+            self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size, cfg.swiglu_limit, cfg.hidden_act, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         hc = (cfg.hidden_size, cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps)

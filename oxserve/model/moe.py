@@ -10,7 +10,6 @@ from oxserve.kernels.moe import (
     amx_experts, amx_experts_fit, grouped_experts, grouped_gemm_supported, looped_experts, native_experts,
     native_experts_fit, pack_panels,
 )
-from oxserve.model.activations import activation
 from oxserve.model.common import DenseMLP
 from oxserve.model.config import TextModelConfig
 from oxserve.model.linear import copy_loader, empty_param, loadable
@@ -127,8 +126,7 @@ class MoE(nn.Module):
         self.gate = Router(cfg)
         self.experts = Experts(cfg, tp)
         shared = cfg.moe_intermediate_size * cfg.n_shared_experts
-        act = activation(cfg.hidden_act)
-        self.shared_experts = DenseMLP(cfg.hidden_size, shared, cfg.swiglu_limit, act, tp) if shared else None
+        self.shared_experts = DenseMLP(cfg.hidden_size, shared, cfg.swiglu_limit, cfg.hidden_act, tp) if shared else None
 
     def forward(self, x: torch.Tensor, tracer: Tracer | None = None) -> torch.Tensor:
         with span(tracer, f"{self.name}.router"):
