@@ -19,6 +19,7 @@ from torch import nn
 from oxserve.cache.layers import MLACache
 from oxserve.cache.precision import LayerCachePrecision
 from oxserve.cache.spec import MLACacheSpec, PagedTensor
+from oxserve.kernels.mla_attention import latent_attention, latent_attention_fit
 from oxserve.model.batch import ForwardBatch
 from oxserve.model.common import RMSNorm
 from oxserve.model.config import TextModelConfig
@@ -86,10 +87,14 @@ class MLAttention(nn.Module):
         else:
             raise ValueError("a shared DSA layer needs the selection of the full layer before it")
         with span(tracer, f"{self.name}.attention"):
-            out_latent = torch.empty_like(q_latent)
-            for s in range(0, tokens, QUERY_BLOCK):
-                e = min(s + QUERY_BLOCK, tokens)
-                out_latent[s:e] = self._attend(q_latent[s:e], selection[s:e], batch.request_index[s:e], batch, cache)
+            if latent_attention_fit(q_latent, cache.latent):  # on the cache in place
+                out_latent = latent_attention(q_latent, selection, batch.request_index, batch.block_tables,
+                                              batch.block_size, cache.latent, self.scale)
+            else:
+                out_latent = torch.empty_like(q_latent)
+                for s in range(0, tokens, QUERY_BLOCK):
+                    e = min(s + QUERY_BLOCK, tokens)
+                    out_latent[s:e] = self._attend(q_latent[s:e], selection[s:e], batch.request_index[s:e], batch, cache)
         with span(tracer, f"{self.name}.o_proj"):
             out = torch.einsum("thc,hvc->thv", out_latent, self.w_uv)
             return self.o_proj(out.reshape(tokens, self.num_heads * self.v_dim)), selection

@@ -26,6 +26,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "vmath.h"
 
 #define MAX_DIM 1024 /* head dim; NATIVE_MAX_DIM in kda_io.py */
 
@@ -41,27 +42,6 @@ static inline void store(void *base, int64_t i, float x, int bf16) {
 }
 
 static inline float model_round(float x, int bf16) { return bf16 ? round_bf16(x) : x; }
-
-/* e^x in plain C that gcc vectorises: x = n ln2 + r, e^r by Cephes' degree-7 polynomial, times
- * 2^n put in the exponent bits. Within 2 ulp of expf for x in [-87, 88]; outside it saturates
- * there (e^-87 ~ 1.6e-38, e^88 ~ 1.7e38), which no sigmoid or silu here can tell apart from 0
- * or infinity after its division. NaN stays NaN. */
-static inline float vexp(float x) {
-    x = x > 88.0f ? 88.0f : x;
-    x = x < -87.0f ? -87.0f : x;
-    const float n = __builtin_rintf(x * 1.44269504088896341f);
-    float r = x - n * 0.693359375f;
-    r = r - n * -2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * (r * r) + (r + 1.0f);
-    union { int32_t i; float f; } scale = {.i = ((int32_t)n + 127) * (1 << 23)};
-    return p * scale.f;
-}
 
 static inline float sigmoid(float x) { return 1.0f / (1.0f + vexp(-x)); }
 

@@ -1,4 +1,4 @@
-"""MLA latent attention over gathered latents, and DSA indexer scoring/selection (decode).
+"""MLA latent attention over the selected latents (gathered in torch, in place natively), and DSA indexer scoring/selection (decode).
 
 Both read a paged cache. A case is a decode batch: request 0 has exactly `context` tokens,
 the others between context/2 and context, their blocks scattered at random over the cache:
@@ -13,6 +13,7 @@ import math
 import torch
 
 from oxserve.cache.layers import MLACache
+from oxserve.kernels.mla_attention import latent_attention
 from oxserve.model.batch import ForwardBatch
 from oxserve.model.indexer import Indexer
 from oxserve.model.mla import QUERY_BLOCK, MLAttention
@@ -110,8 +111,17 @@ def _attention_cases(cfg, shapes, dtype, device):
     ]
 
 
+def native_attention_candidate(cfg, i):
+    scale = cfg.qk_head_dim**-0.5
+
+    def run(out):
+        out[0].copy_(latent_attention(i["q_latent"], i["positions"], i["request"], i["block_tables"], BLOCK_SIZE,
+                                      i["latent"], scale))
+    return run
+
+
 register_op(Op("mla.attention", _attention_cases, reference_attention, close_for("q_latent"),
-               {"torch": attention_candidate}))
+               {"torch": attention_candidate, "native": native_attention_candidate}))
 
 
 # ---- DSA indexer: score pools, keep the best, add the tail -----------------------------------

@@ -1,0 +1,67 @@
+"""The native MLA latent attention against the torch form the model runs elsewhere."""
+
+import pytest
+import torch
+
+from oxserve.cache.layers import MLACache
+from oxserve.kernels.mla_attention import latent_attention, latent_attention_fit
+from oxserve.model.batch import ForwardBatch
+from oxserve.model.mla import MLAttention
+from test_moe_kernels import make_config
+
+BLOCK = 16
+
+
+def _case(gen, tokens, heads, dim, width, dtype):
+    """Queries of 3 requests whose blocks are scattered over the cache; each query selects up
+    to `width` distinct positions of its request, -1 in between, some none at all."""
+    requests, blocks_per = 3, 6
+    blocks = torch.randperm(requests * blocks_per + 2, generator=gen)[: requests * blocks_per].view(requests, blocks_per)
+    request = torch.randint(0, requests, (tokens,), generator=gen)
+    positions = torch.full((tokens, width), -1, dtype=torch.long)
+    for t in range(tokens):
+        chosen = torch.randperm(blocks_per * BLOCK, generator=gen)[: int(torch.randint(0, width + 1, (), generator=gen))]
+        slots = torch.randperm(width, generator=gen)[: chosen.numel()]
+        positions[t, slots] = chosen
+    positions[0] = -1  # a query with nothing selected attends to nothing
+    latent = (torch.randn((requests * blocks_per + 2) * BLOCK, dim, generator=gen)).to(dtype)
+    q = (torch.randn(tokens, heads, dim, generator=gen) * 0.3).to(dtype)
+    return q, positions, request, blocks, latent
+
+
+def _torch_attention(q, positions, request, blocks, latent, scale):
+    with torch.device("meta"):  # `_attend` reads only `scale`
+        attn = MLAttention(make_config(), has_indexer=False, name="test")
+    attn.scale = scale
+    tokens = q.shape[0]
+    batch = ForwardBatch(
+        query_lens=[1] * tokens, context_lens=[0] * tokens, num_decodes=tokens, positions=torch.zeros(tokens, dtype=torch.long),
+        request_index=request, cache_rows=torch.zeros(tokens, dtype=torch.long), block_tables=blocks,
+        state_slots=request, has_initial_state=torch.ones(tokens, dtype=torch.bool), block_size=BLOCK,
+        logits_indices=request,
+    )
+    return attn._attend(q, positions, request, batch, MLACache(latent))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("tokens,heads,dim,width", [(1, 1, 16, 4), (9, 4, 64, 40), (33, 2, 40, 100)])
+def test_native_latent_attention_matches_torch(dtype, tokens, heads, dim, width):
+    gen = torch.Generator().manual_seed(tokens * 7 + dim)
+    q, positions, request, blocks, latent = _case(gen, tokens, heads, dim, width, dtype)
+    scale = dim**-0.5
+    assert latent_attention_fit(q, latent)
+    got = latent_attention(q, positions, request, blocks, BLOCK, latent, scale)
+    want = _torch_attention(q, positions, request, blocks, latent, scale)
+    assert got.dtype == dtype and got.shape == (tokens, heads, dim)
+    assert torch.equal(got[0], torch.zeros_like(got[0]))
+    # bf16: scores and probabilities are rounded where torch rounds them; fp32 sums in another order.
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+
+
+def test_quantized_or_mismatched_tables_take_the_torch_path():
+    q = torch.zeros(2, 1, 8)
+    assert latent_attention_fit(q, torch.zeros(16, 8))
+    assert not latent_attention_fit(q, torch.zeros(16, 8).bfloat16())
+    assert not latent_attention_fit(q.half(), torch.zeros(16, 8).half())
+    assert not latent_attention_fit(q, torch.zeros(16, 16)[:, ::2])
