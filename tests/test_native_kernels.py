@@ -79,11 +79,14 @@ def test_hc_collapse_and_expand_native_match_torch(dtype, tokens, n, d):
     streams = (torch.randn(tokens, n, d, generator=gen) * 3).to(dtype)
     fn = (torch.randn(width, n * d, generator=gen) * (n * d) ** -0.5).to(dtype)
     base, scale = torch.randn(width, generator=gen), torch.rand(3, generator=gen) + 0.5
-    got = hc_collapse_native(streams, fn, base, scale, 20, 1e-6, 1e-5)
+    block_norm = ((torch.rand(d, generator=gen) + 0.5).to(dtype), 1e-5)  # the block's RMSNorm, fused
+    for norm in (None, block_norm):
+        got = hc_collapse_native(streams, fn, base, scale, 20, 1e-6, 1e-5, norm)
+        eager = hc_collapse_torch(streams, fn, base, scale, 20, 1e-6, 1e-5, norm)
+        for g, e in zip(got, eager, strict=True):
+            assert g.shape == e.shape and g.dtype == e.dtype
+            torch.testing.assert_close(g.float(), e.float(), **(_close_in(dtype) if g.dtype == dtype else dict(rtol=2e-5, atol=2e-5)))
     eager = hc_collapse_torch(streams, fn, base, scale, 20, 1e-6, 1e-5)
-    for g, e in zip(got, eager, strict=True):
-        assert g.shape == e.shape and g.dtype == e.dtype
-        torch.testing.assert_close(g.float(), e.float(), **(_close_in(dtype) if g.dtype == dtype else dict(rtol=2e-5, atol=2e-5)))
     post, comb, block = eager
     new = hc_expand_native(post, comb, block, streams)
     expected = hc_expand_torch(post, comb, block, streams)

@@ -6,7 +6,8 @@
 
 `hc_gates` runs the native C kernel on CPU (one call instead of ~120 tiny ops) and
 `hc_gates_torch` elsewhere. `hc_collapse` and `hc_expand` run the whole of each in one
-native call for decode-sized batches on CPU (bf16 or fp32), else their torch versions. The
+native call for decode-sized batches on CPU (bf16 or fp32), else their torch versions; the
+collapse includes the block's input RMSNorm when given one. The
 torch versions are what the kernels are tested against.
 """
 
@@ -19,11 +20,13 @@ import torch
 import torch.nn.functional as F
 
 from oxserve.kernels import native
+from oxserve.kernels.norm import rms_norm
 
 NATIVE_MAX_N = 16  # MAX_N in hc_gates.c
 # Up to this many tokens a call takes the native collapse and expand (larger batches take
 # torch's products).
 NATIVE_MAX_TOKENS = 64
+BlockNorm = tuple[torch.Tensor, float]  # the RMSNorm after a collapse: (weight, eps)
 BUILD_FLAGS = native.NATIVE_ISA + native.OPENMP + ("-O3",)  # vector sums; no FMA contraction under -std=c11
 
 
@@ -87,9 +90,10 @@ def _native_fits(streams: torch.Tensor, n: int) -> bool:
 
 def hc_collapse_torch(
     streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int, eps: float,
-    norm_eps: float, gates=hc_gates,
+    norm_eps: float, block_norm: BlockNorm | None = None, gates=hc_gates,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """streams [T,N,D] -> (post [T,N] fp32, comb [T,N,N] fp32, block input [T,D])."""
+    """streams [T,N,D] -> (post [T,N] fp32, comb [T,N,N] fp32, block input [T,D]); with
+    `block_norm` (weight, eps), the block input after the block's RMSNorm."""
     n = streams.shape[1]
     streams_f = streams.float()
     flat = streams_f.flatten(1)
@@ -98,22 +102,26 @@ def hc_collapse_torch(
     mixed = F.linear(flat, fn.float()) * torch.rsqrt(mean_square + norm_eps)
     pre, post, comb = gates(mixed, base, scale, n, iters, eps)
     collapsed = torch.bmm(pre.unsqueeze(1), streams_f).squeeze(1).to(streams.dtype)
-    return post, comb, collapsed
+    return post, comb, collapsed if block_norm is None else rms_norm(collapsed, *block_norm)
 
 
 def hc_collapse_native(
     streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int, eps: float,
-    norm_eps: float,
+    norm_eps: float, block_norm: BlockNorm | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     tokens, n, d = streams.shape
     streams = streams.contiguous()
-    fn, base, scale = (t.float().contiguous() for t in (fn, base, scale))
+    fn, base, scale = (t.float().contiguous() for t in (fn, base, scale))  # no copies where already fp32
     pre, post = streams.new_empty(tokens, n, dtype=torch.float32), streams.new_empty(tokens, n, dtype=torch.float32)
     comb, out = streams.new_empty(tokens, n, n, dtype=torch.float32), streams.new_empty(tokens, d)
+    norm_weight, block_eps = (None, 0.0) if block_norm is None else block_norm
+    if norm_weight is not None:
+        norm_weight = norm_weight.to(streams.dtype).contiguous()
     ptr = native.pointer
     status = _kernel().hc_collapse(ptr(streams), ctypes.c_int(streams.dtype == torch.bfloat16), ctypes.c_int64(tokens),
                                    ctypes.c_int(n), ctypes.c_int64(d), ptr(fn), ptr(base), ptr(scale), ctypes.c_int(iters),
                                    ctypes.c_float(eps), ctypes.c_float(norm_eps), ptr(pre), ptr(post), ptr(comb), ptr(out),
+                                   None if norm_weight is None else ptr(norm_weight), ctypes.c_float(block_eps),
                                    ctypes.c_int(torch.get_num_threads()))
     if status != 0:
         raise MemoryError(f"hc_collapse: no scratch memory for {tokens} tokens")
@@ -122,11 +130,11 @@ def hc_collapse_native(
 
 def hc_collapse(
     streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int, eps: float,
-    norm_eps: float,
+    norm_eps: float, block_norm: BlockNorm | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    if _native_fits(streams, streams.shape[1]):
-        return hc_collapse_native(streams, fn, base, scale, iters, eps, norm_eps)
-    return hc_collapse_torch(streams, fn, base, scale, iters, eps, norm_eps)
+    fits = _native_fits(streams, streams.shape[1]) and (block_norm is None or block_norm[0].dtype == streams.dtype)
+    kernel = hc_collapse_native if fits else hc_collapse_torch
+    return kernel(streams, fn, base, scale, iters, eps, norm_eps, block_norm)
 
 
 # ---- expand -------------------------------------------------------------------------------

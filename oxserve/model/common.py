@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from oxserve.kernels.moe import amx_experts, amx_experts_fit, clamped_glu, pack_panels
+from oxserve.kernels.norm import rms_norm
 from oxserve.kernels.onednn import OneDNNLinear
 from oxserve.model.activations import activation
 from oxserve.model.linear import Linear, empty_param, loadable
@@ -13,7 +14,8 @@ from oxserve.parallel.tensor import SINGLE, TensorParallel
 
 
 class RMSNorm(nn.Module):
-    """Normalise in fp32, cast back, then scale (the reference's order of operations)."""
+    """Normalise in fp32, cast back, then scale (the reference's order of operations:
+    `oxserve.kernels.norm.rms_norm`)."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -21,9 +23,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 class DenseMLP(nn.Module):

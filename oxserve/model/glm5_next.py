@@ -58,8 +58,7 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         tracer = batch.tracer
         with span(tracer, f"{self.name}.hc.collapse"):
-            post, comb, x = self.attn_hc.collapse(streams)
-            x = self.input_layernorm(x)
+            post, comb, x = self.attn_hc.collapse(streams, self.input_layernorm)
         if not self.ls.owns(self.owner):  # another rank holds this layer's cache and runs it
             x, selection = torch.empty_like(x), None
         elif self.is_mla:
@@ -73,8 +72,7 @@ class DecoderLayer(nn.Module):
         with span(tracer, f"{self.name}.hc.expand"):
             streams = HyperConnection.expand(post, comb, x, streams)
         with span(tracer, f"{self.name}.hc.collapse"):
-            post, comb, x = self.ffn_hc.collapse(streams)
-            x = self.post_attention_layernorm(x)
+            post, comb, x = self.ffn_hc.collapse(streams, self.post_attention_layernorm)
         if self.sparse:
             x = self.mlp(x, tracer)
         else:

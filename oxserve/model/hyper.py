@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from oxserve.kernels.hyper import hc_collapse, hc_expand
+from oxserve.model.common import RMSNorm
 from oxserve.model.linear import empty_param, loadable
 
 
@@ -28,9 +29,16 @@ class HyperConnection(nn.Module):
         self.norm_eps = norm_eps
         self.collapse_kernel = hc_collapse  # a bench swaps in other versions
 
-    def collapse(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """streams [T,N,D] -> (post [T,N] fp32, comb [T,N,N] fp32, block input [T,D])."""
-        return self.collapse_kernel(streams, self.fn, self.base, self.scale, self.sinkhorn_iters, self.hc_eps, self.norm_eps)
+    def collapse(self, streams: torch.Tensor, norm: RMSNorm | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """streams [T,N,D] -> (post [T,N] fp32, comb [T,N,N] fp32, block input [T,D], after
+        `norm` when given: fused into the collapse where it runs natively)."""
+        block_norm = None if norm is None else (norm.weight, norm.eps)
+        return self.collapse_kernel(streams, self.fn, self.base, self.scale, self.sinkhorn_iters, self.hc_eps,
+                                    self.norm_eps, block_norm)
+
+    def after_load(self) -> None:
+        """fn in fp32, which the projection computes in (exact; saves a conversion a call)."""
+        self.fn.data = self.fn.data.float()
 
     @staticmethod
     def expand(post: torch.Tensor, comb: torch.Tensor, block_out: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:

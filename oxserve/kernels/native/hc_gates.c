@@ -143,14 +143,31 @@ static void dot4_f32(const float *a, int64_t stride, const float *b, int64_t cou
 
 #define BLOCK 4 /* tokens that share each read of fn */
 
+/* The block's input RMSNorm, as torch's RMSNorm does it: x (values of the streams' dtype)
+ * normalised in fp32, rounded to that dtype, times the weight, rounded again. */
+static void block_norm(float *x, int64_t d, const void *weight, float eps, int is_bf16) {
+    float sum = 0.0f;
+    for (int64_t c = 0; c < d; c++) sum += x[c] * x[c];
+    const float inv = 1.0f / sqrtf(sum / (float)d + eps);
+    if (is_bf16) {
+        const uint16_t *w = weight;
+        for (int64_t c = 0; c < d; c++) x[c] = round_bf16(bf16_to_f32(w[c]) * round_bf16(x[c] * inv));
+    } else {
+        const float *w = weight;
+        for (int64_t c = 0; c < d; c++) x[c] = w[c] * (x[c] * inv);
+    }
+}
+
 /* collapse: mixed[t] = fn . x_t / rms(x_t) over the flattened streams x_t [N*D] (fn
  * [(2+N)N, N*D] fp32), the gates, then out[t] = sum_n pre[t, n] x_t[n] in the streams'
- * dtype. pre [T, N], post [T, N], comb [T, N, N] fp32 as hc_gates. The projection and the
- * sum run on `threads` threads, BLOCK tokens at a time. Returns 0, -1 above MAX_N, -2
- * without scratch memory. */
+ * dtype, and with a `norm_weight` (the streams' dtype) the block's RMSNorm of it (eps
+ * `block_eps`). pre [T, N], post [T, N], comb [T, N, N] fp32 as hc_gates. The projection
+ * and the sum run on `threads` threads, BLOCK tokens at a time. Returns 0, -1 above MAX_N,
+ * -2 without scratch memory. */
 int hc_collapse(const void *streams, int is_bf16, int64_t tokens, int n, int64_t d, const float *fn,
                 const float *base, const float *scale, int iters, float eps, float norm_eps,
-                float *pre, float *post, float *comb, void *out, int threads) {
+                float *pre, float *post, float *comb, void *out, const void *norm_weight, float block_eps,
+                int threads) {
     if (n > MAX_N) return -1;
     if (tokens == 0) return 0;
     const int width = (2 + n) * n;
@@ -183,6 +200,10 @@ int hc_collapse(const void *streams, int is_bf16, int64_t tokens, int n, int64_t
         for (int j = 0; j < n; j++) {
             const float *xj = x + t * flat + j * d, w = pre[t * n + j];
             for (int64_t c = 0; c < d; c++) row[c] += w * xj[c];
+        }
+        if (norm_weight != NULL) {
+            for (int64_t c = 0; c < d; c++) row[c] = rounded(row[c], is_bf16);
+            block_norm(row, d, norm_weight, block_eps, is_bf16);
         }
         narrow_row(row, d, is_bf16, out, t * d);
     }
