@@ -172,7 +172,7 @@ def test_amx_experts_keep_a_nan_and_a_loaded_layer_computes_what_the_dense_one_d
     torch.testing.assert_close(layer(x, weights, ids).float(), dense.float(), rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.parametrize("linear_kernel", ["torch", "onednn"])
+@pytest.mark.parametrize("linear_kernel", ["torch", "onednn", "auto"])
 @pytest.mark.parametrize("hidden_act,tokens", [("silu", 1), ("silu", 37), ("gelu", 5)])
 def test_a_loaded_dense_mlp_runs_as_one_amx_expert_where_it_can(linear_kernel, hidden_act, tokens):
     """Shared experts and dense MLPs: on AMX a bf16 SiLU MLP moves into the experts kernel's

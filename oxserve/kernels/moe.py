@@ -150,6 +150,9 @@ def bind_amx(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.moe_amx_enable.restype = ctypes.c_int
     lib.moe_amx_experts.restype = ctypes.c_int
     lib.moe_amx_experts.argtypes = _EXPERTS_ARGTYPES
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.moe_amx_linear.restype = ctypes.c_int
+    lib.moe_amx_linear.argtypes = [p, i64, i64, p, i64, i64, p, ctypes.c_int]
     return lib
 
 
@@ -207,3 +210,31 @@ def amx_experts(
         raise ValueError(f"amx_experts: packed weights {tuple(gate_up.shape)}, {tuple(down.shape)} and {offsets.numel()} "
                          f"offsets do not fit bf16 rows {tuple(rows.shape)} ({rows.dtype})")
     return _call(lib.moe_amx_experts, rows, row_weight, offsets, gate_up, down, inter, limit)
+
+
+# ---- plain products on the same tiles (`oxserve.kernels.onednn.AMXLinear`) ----------------------
+
+
+def amx_linear_fit(device: torch.device, dtype: torch.dtype, in_features: int) -> bool:
+    """Whether a bf16 weight with this many inputs can be packed for `amx_linear`."""
+    return device.type == "cpu" and dtype == torch.bfloat16 and in_features % 32 == 0 and _amx_kernel() is not None
+
+
+def pack_linear(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] -> panels of the weight padded with zero rows to a multiple of 32 outputs."""
+    n, k = weight.shape
+    padded = -(-n // (2 * AMX_PANEL)) * 2 * AMX_PANEL
+    return pack_panels(torch.cat([weight, weight.new_zeros(padded - n, k)])[None])[0]
+
+
+def amx_linear(x: torch.Tensor, panels: torch.Tensor, out_features: int) -> torch.Tensor:
+    """x [M, K] bf16 times the weight packed by `pack_linear` -> [M, out_features] bf16."""
+    rows = x.contiguous()
+    (m, k), n_packed = rows.shape, panels.shape[0] * AMX_PANEL
+    if rows.dtype != torch.bfloat16 or panels.shape[1] * 2 != k:
+        raise ValueError(f"amx_linear: rows {tuple(rows.shape)} ({rows.dtype}) do not fit panels {tuple(panels.shape)}")
+    out = rows.new_empty(m, out_features)
+    if m:
+        _amx_kernel().moe_amx_linear(native.pointer(rows), m, k, native.pointer(panels), out_features, n_packed,
+                                     native.pointer(out), torch.get_num_threads())
+    return out

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from oxserve.kernels.moe import amx_linear, amx_linear_fit, cpu_has_amx_bf16, pack_linear, unpack_panels
 from oxserve.model.linear import Linear, swap_linears
 
 PACK_FOR_ROWS = 8  # the row count oneDNN picks its blocking for; decode batches are around it
@@ -89,22 +90,70 @@ class OneDNNLinear(nn.Module):
         return self.packed.to_dense()
 
 
+class AMXLinear(OneDNNLinear):
+    """A bf16 `Linear` on AMX tiles (`oxserve.kernels.moe.amx_linear`): its weight packed once
+    into tile panels, one native call a product. oneDNN's primitive costs 12-15 us a call
+    whatever the size, more than a decode step's small products take here (5-12 us); results
+    are bit-equal to `F.linear`'s. Weights whose inputs are not whole tiles take oneDNN."""
+
+    def __init__(self, linear: Linear, shared_weight: bool = False):
+        super().__init__(linear, shared_weight)
+        self.panels: torch.Tensor | None = None
+
+    def after_load(self) -> None:
+        weight = self.weight.detach()
+        if not amx_linear_fit(weight.device, weight.dtype, self.in_features):
+            super().after_load()
+            return
+        self.panels = pack_linear(weight)
+        if not self.shared_weight:
+            self.weight.data = self.weight.data.new_empty(0)  # the panels are the weight now
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.panels is None:
+            return super().forward(x)
+        return amx_linear(x.reshape(-1, self.in_features), self.panels, self.out_features).view(*x.shape[:-1], self.out_features)
+
+    def dense_weight(self) -> torch.Tensor:
+        if self.panels is None or self.shared_weight:
+            return super().dense_weight()
+        return unpack_panels(self.panels[None])[0][: self.out_features]
+
+
+def amx_linear_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    return device.type == "cpu" and dtype == torch.bfloat16 and cpu_has_amx_bf16() and amx_linear_fit(device, dtype, 32)
+
+
 def choose_linear_kernel(
     choice: str, device: torch.device, dtype: torch.dtype
 ) -> tuple[str, Callable[[nn.Module], object] | None]:
-    """('onednn' or 'torch', the load transform that installs it) for the `linear_kernel`
-    option: auto takes onednn where it is supported."""
-    if choice not in ("auto", "onednn", "torch"):
-        raise ValueError(f"linear_kernel must be auto, onednn or torch, got {choice!r}")
+    """('amx', 'onednn' or 'torch', the load transform that installs it) for the
+    `linear_kernel` option: auto takes amx where the CPU has AMX-BF16 (bf16), else onednn
+    where it is supported."""
+    if choice not in ("auto", "amx", "onednn", "torch"):
+        raise ValueError(f"linear_kernel must be auto, amx, onednn or torch, got {choice!r}")
+    if choice == "amx" and not amx_linear_supported(device, dtype):
+        raise ValueError(f"linear_kernel amx needs bfloat16 on a CPU with AMX-BF16 (got {device}, {dtype})")
     supported = onednn_linear_supported(device, dtype)
     if choice == "onednn" and not supported:
         raise ValueError(f"linear_kernel onednn needs a CPU device and float32, or bfloat16 on a CPU that oneDNN "
                          f"runs bf16 on (got {device}, {dtype})")
-    kernel = "onednn" if choice == "onednn" or (choice == "auto" and supported) else "torch"
-    return kernel, use_onednn_linears if kernel == "onednn" else None
+    if choice == "auto":
+        choice = "amx" if amx_linear_supported(device, dtype) else "onednn" if supported else "torch"
+    install = {"amx": use_amx_linears, "onednn": use_onednn_linears}.get(choice)
+    return choice, install
 
 
 def use_onednn_linears(model: nn.Module) -> int:
     """Swap every `Linear` of `model` (before loading) for a `OneDNNLinear`; returns how many."""
+    return _swap_packed(model, OneDNNLinear)
+
+
+def use_amx_linears(model: nn.Module) -> int:
+    """Swap every `Linear` of `model` (before loading) for an `AMXLinear`; returns how many."""
+    return _swap_packed(model, AMXLinear)
+
+
+def _swap_packed(model: nn.Module, kind: type[OneDNNLinear]) -> int:
     names = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
-    return swap_linears(model, lambda name, linear: OneDNNLinear(linear, shared_weight=names[id(linear.weight)] > 1))
+    return swap_linears(model, lambda name, linear: kind(linear, shared_weight=names[id(linear.weight)] > 1))

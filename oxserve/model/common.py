@@ -7,7 +7,7 @@ from torch import nn
 
 from oxserve.kernels.moe import amx_experts, amx_experts_fit, clamped_glu, pack_panels
 from oxserve.kernels.norm import rms_norm
-from oxserve.kernels.onednn import OneDNNLinear
+from oxserve.kernels.onednn import AMXLinear, OneDNNLinear
 from oxserve.model.activations import activation
 from oxserve.model.linear import Linear, empty_param, loadable
 from oxserve.parallel.tensor import SINGLE, TensorParallel
@@ -55,7 +55,7 @@ class DenseMLP(nn.Module):
         return self.down_proj(clamped_glu(gate, up, self.swiglu_limit, self.act))
 
     def after_load(self) -> None:
-        plain = all(type(p) in (Linear, OneDNNLinear) for p in (self.gate_up_proj, self.down_proj))
+        plain = all(type(p) in (Linear, OneDNNLinear, AMXLinear) for p in (self.gate_up_proj, self.down_proj))
         gate_up = self.gate_up_proj.dense_weight() if plain else None
         if (not plain or self.hidden_act not in ("silu", "swish")
                 or not amx_experts_fit(gate_up.device, gate_up.dtype, self.hidden, self.intermediate)):
