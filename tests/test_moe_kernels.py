@@ -194,3 +194,25 @@ def test_a_loaded_dense_mlp_runs_as_one_amx_expert_where_it_can(linear_kernel, h
     expect_amx = AMX and hidden_act == "silu"
     assert (mlp.panels is not None) == expect_amx and (mlp.gate_up_proj is None) == expect_amx
     torch.testing.assert_close(mlp(x).float(), dense.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("tokens,top_k", [(0, 2), (1, 1), (5, 2), (40, 3), (300, 2)])
+def test_a_packed_layer_routes_in_one_call_what_the_sorted_path_computes(tokens, top_k):
+    """With AMX, amx_routed sorts, runs and combines in C: bit-equal to sorting in torch, the
+    same experts kernel and index_add_ (which sums each token's pairs in fp32, in expert order,
+    and rounds once). Without AMX the layer runs that sorted path itself."""
+    layer = Experts(make_config(n_routed_experts=6, moe_intermediate_size=32, hidden_size=64))
+    for p in layer.parameters():
+        p.data = (torch.randn_like(p, dtype=torch.float32) * 0.1).bfloat16()
+    layer.after_load()
+    x, weights = torch.randn(tokens, 64).bfloat16(), torch.rand(tokens, top_k)
+    ids = torch.rand(tokens, 6).argsort(1)[:, :top_k]
+    ids[ids == 4] = 5 if top_k == 1 else ids[ids == 4]  # sometimes an expert with no rows
+    flat = ids.flatten()
+    order = flat.argsort(stable=True)
+    offsets = torch.bincount(flat, minlength=6).cumsum(0).to(torch.int32)
+    token_of = order // top_k
+    assert layer.packed == AMX
+    out = layer.run_sorted(x[token_of], weights.flatten()[order][:, None], offsets)
+    want = torch.zeros_like(x).index_add_(0, token_of, out)
+    assert torch.equal(layer(x, weights, ids), want)

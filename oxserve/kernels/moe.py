@@ -153,6 +153,8 @@ def bind_amx(lib: ctypes.CDLL) -> ctypes.CDLL:
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.moe_amx_linear.restype = ctypes.c_int
     lib.moe_amx_linear.argtypes = [p, i64, i64, p, i64, i64, p, ctypes.c_int]
+    lib.moe_amx_routed.restype = ctypes.c_int
+    lib.moe_amx_routed.argtypes = [p, i64, i64, p, p, i64, i64, p, p, i64, ctypes.c_float, p, ctypes.c_int]
     return lib
 
 
@@ -210,6 +212,23 @@ def amx_experts(
         raise ValueError(f"amx_experts: packed weights {tuple(gate_up.shape)}, {tuple(down.shape)} and {offsets.numel()} "
                          f"offsets do not fit bf16 rows {tuple(rows.shape)} ({rows.dtype})")
     return _call(lib.moe_amx_experts, rows, row_weight, offsets, gate_up, down, inter, limit)
+
+
+def amx_routed(
+    x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, limit: float
+) -> torch.Tensor:
+    """`Experts.forward` in one native call on AMX-packed weights: x [T, H] bf16, weights [T, k]
+    and experts [T, k] (ids 0..E-1) from the router -> [T, H], the sum over each token's
+    experts (summed in fp32 in expert order, rounded once, as index_add_ does)."""
+    (tokens, hidden), (num_experts, inter) = x.shape, (gate_up.shape[0], down.shape[2] * 2)
+    rows, ids, weights = x.contiguous(), experts.to(torch.int64).contiguous(), weights.float().contiguous()
+    out = torch.empty_like(rows)
+    ptr = native.pointer
+    status = _amx_kernel().moe_amx_routed(ptr(rows), tokens, hidden, ptr(ids), ptr(weights), ids.shape[1], num_experts,
+                                          ptr(gate_up), ptr(down), inter, limit, ptr(out), torch.get_num_threads())
+    if status != 0:
+        raise MemoryError(f"routed experts: no scratch memory for {ids.numel()} x {inter} activations")
+    return out
 
 
 # ---- plain products on the same tiles (`oxserve.kernels.onednn.AMXLinear`) ----------------------

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from oxserve.kernels.moe import (
-    amx_experts, amx_experts_fit, grouped_experts, grouped_gemm_supported, looped_experts, native_experts,
+    amx_experts, amx_experts_fit, amx_routed, grouped_experts, grouped_gemm_supported, looped_experts, native_experts,
     native_experts_fit, pack_panels,
 )
 from oxserve.model.common import DenseMLP
@@ -76,6 +76,8 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """Sort (token, expert) pairs by expert, run the experts, add each pair back to its token.
         Expert-parallel: only the pairs routed to this rank's experts."""
+        if self.packed and not self.sliced:  # all of it in one native call
+            return amx_routed(x, weights, experts, self.gate_up_panels, self.down_panels, self.swiglu_limit)
         top_k = experts.shape[1]
         flat, pair_weights = experts.flatten() - self.first_expert, weights.flatten()
         pairs = None

@@ -17,10 +17,14 @@
  * activations (16 x 32 bf16), 3 and 4 weight panels. Each OpenMP thread configures its own
  * tiles (the configuration is per thread) with the row count of its current chunk. */
 #include <immintrin.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 #include <sys/syscall.h>
 #include <unistd.h>
+
+#include "bf16.h"
 
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
@@ -186,4 +190,64 @@ int moe_amx_linear(const uint16_t *x, int64_t M, int64_t K, const uint16_t *w, i
         if (configured) _tile_release();
     }
     return 0;
+}
+
+/* Routed experts with the routing's bookkeeping in here too: ids [T, k] (experts 0..E-1) and
+ * weights [T, k] fp32 per token; the (token, slot) pairs sorted by expert (stable), their rows
+ * gathered, moe_amx_experts, then each token's outputs added in expert order with a bf16
+ * rounding after each add, as torch's index_add_ into a bf16 zero tensor does. y [T, H].
+ * Returns 0, or -1 without scratch memory. */
+int moe_amx_routed(const uint16_t *x, int64_t T, int64_t H, const int64_t *ids, const float *weights, int64_t k,
+                   int64_t E, const uint16_t *gate_up, const uint16_t *down, int64_t I, float limit, uint16_t *y,
+                   int nthreads) {
+    const int64_t P = T * k;
+    int32_t *offsets = calloc((size_t)E, sizeof(int32_t));
+    int64_t *slot_of = malloc((size_t)(P > 0 ? P : 1) * sizeof(int64_t)); /* pair -> sorted position */
+    uint16_t *rows = malloc((size_t)(P * H > 0 ? P * H : 1) * sizeof(uint16_t));
+    uint16_t *out = malloc((size_t)(P * H > 0 ? P * H : 1) * sizeof(uint16_t));
+    float *row_weight = malloc((size_t)(P > 0 ? P : 1) * sizeof(float));
+    float *acc = malloc((size_t)((nthreads > 0 ? nthreads : 1) * H) * sizeof(float)); /* a token's sum, per thread */
+    int status = -1;
+    if (offsets == NULL || slot_of == NULL || rows == NULL || out == NULL || row_weight == NULL || acc == NULL) goto done;
+    /* counting sort: offsets[e] first holds where expert e's rows start, and after the pairs are
+     * placed (in order: stable) where they end, which is what moe_amx_experts takes */
+    for (int64_t p = 0; p < P; p++) offsets[ids[p]]++;
+    for (int64_t e = 0, start = 0; e < E; e++) {
+        const int32_t count = offsets[e];
+        offsets[e] = (int32_t)start;
+        start += count;
+    }
+    for (int64_t p = 0; p < P; p++) slot_of[p] = offsets[ids[p]]++;
+    #pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t p = 0; p < P; p++) {
+        memcpy(rows + slot_of[p] * H, x + (p / k) * H, (size_t)H * sizeof(uint16_t));
+        row_weight[slot_of[p]] = weights[p];
+    }
+    if (moe_amx_experts(rows, P, H, offsets, E, row_weight, gate_up, down, I, limit, out, nthreads) != 0) goto done;
+    #pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t t = 0; t < T; t++) {
+        float *sum = acc + (int64_t)omp_get_thread_num() * H;
+        memset(sum, 0, (size_t)H * sizeof(float));
+        int64_t done_below = -1; /* the token's pairs in sorted (expert) order */
+        for (int64_t n = 0; n < k; n++) {
+            int64_t next = -1;
+            for (int64_t j = 0; j < k; j++) {
+                const int64_t s = slot_of[t * k + j];
+                if (s > done_below && (next < 0 || s < next)) next = s;
+            }
+            const uint16_t *src = out + next * H;
+            for (int64_t c = 0; c < H; c++) sum[c] += bf16_to_f32(src[c]);
+            done_below = next;
+        }
+        for (int64_t c = 0; c < H; c++) y[t * H + c] = f32_to_bf16(sum[c]);
+    }
+    status = 0;
+done:
+    free(offsets);
+    free(slot_of);
+    free(rows);
+    free(out);
+    free(row_weight);
+    free(acc);
+    return status;
 }
