@@ -21,6 +21,7 @@ from torch import nn
 
 from oxserve.cache.layers import MLACache
 from oxserve.cache.spec import PagedTensor
+from oxserve.kernels.dsa_index import index_scores, index_scores_fit
 from oxserve.model.batch import ForwardBatch
 from oxserve.model.config import TextModelConfig
 from oxserve.model.linear import Linear, empty_param, loadable
@@ -47,6 +48,7 @@ class Indexer(nn.Module):
         self.weights_proj = Linear(cfg.hidden_size, cfg.index_n_heads, tp, "column")
         self.compress_ape = loadable(empty_param(cfg.index_kpool, cfg.index_head_dim))
         self.compress_gate = loadable(empty_param(cfg.index_head_dim, cfg.hidden_size))
+        self.native_scores = True  # decode scores by `kernels.dsa_index` where it fits; a bench times the torch form
 
     def cache_tensors(self, dtype: torch.dtype, key_dtype: torch.dtype) -> tuple[PagedTensor, PagedTensor, PagedTensor]:
         """(each token's key, its pool gate score, one compressed key per complete pool); the
@@ -98,19 +100,24 @@ class Indexer(nn.Module):
         visible_pools = (query_pos + 1) // self.kpool
         num_pools = longest // self.kpool
         pool_ids = torch.arange(num_pools, device=q.device)
-        if isinstance(request, int):
-            keys = cache.pool_keys_at(batch.pool_rows(request, pool_ids, self.kpool)).float().unsqueeze(0)
+        scale = self.head_dim**-0.5
+        if self.native_scores and not isinstance(request, int) and index_scores_fit(q, cache.pool_keys):  # in place
+            head_sums = index_scores(q, head_weights, visible_pools, request, batch.block_tables,
+                                     batch.block_size // self.kpool, cache.pool_keys, num_pools, scale)
         else:
-            # A shorter request's pools end early: read its last pool there (masked below),
-            # never past its own blocks.
-            grid = torch.minimum(pool_ids, (visible_pools - 1).clamp(min=0).unsqueeze(1))
-            keys = cache.pool_keys_at(batch.pool_rows(request.unsqueeze(1).expand_as(grid), grid, self.kpool)).float()
-        # [N, H, Dk] x [N|1, P, Dk] -> [N, H, P]; relu per head, then the weighted head sum.
-        scores = F.relu(torch.matmul(q, keys.transpose(1, 2)) * self.head_dim**-0.5)
-        index_scores = self.tp.reduce((head_weights.unsqueeze(1) @ scores).squeeze(1))
+            if isinstance(request, int):
+                keys = cache.pool_keys_at(batch.pool_rows(request, pool_ids, self.kpool)).float().unsqueeze(0)
+            else:
+                # A shorter request's pools end early: read its last pool there (masked below),
+                # never past its own blocks.
+                grid = torch.minimum(pool_ids, (visible_pools - 1).clamp(min=0).unsqueeze(1))
+                keys = cache.pool_keys_at(batch.pool_rows(request.unsqueeze(1).expand_as(grid), grid, self.kpool)).float()
+            # [N, H, Dk] x [N|1, P, Dk] -> [N, H, P]; relu per head, then the weighted head sum.
+            scores = F.relu(torch.matmul(q, keys.transpose(1, 2)) * scale)
+            head_sums = (head_weights.unsqueeze(1) @ scores).squeeze(1)
         visible = pool_ids.unsqueeze(0) < visible_pools.unsqueeze(1)
-        index_scores = index_scores.masked_fill(~visible, float("-inf"))
-        chosen = index_scores.topk(min(self.max_pools, num_pools), dim=-1).indices
+        pool_scores = self.tp.reduce(head_sums).masked_fill(~visible, float("-inf"))
+        chosen = pool_scores.topk(min(self.max_pools, num_pools), dim=-1).indices
         chosen = chosen.masked_fill(~visible.gather(1, chosen), -1)
         offsets = torch.arange(self.kpool, device=q.device)
         positions = (chosen.unsqueeze(-1) * self.kpool + offsets).masked_fill(chosen.unsqueeze(-1) < 0, -1).flatten(1)

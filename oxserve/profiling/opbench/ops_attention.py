@@ -194,9 +194,10 @@ def check_indexer(cfg, out, ref, inputs, tolerance: float = 1e-4) -> str | None:
     return None
 
 
-def indexer_candidate(cfg, i):
+def indexer_candidate(cfg, i, native_scores: bool = True):
     with torch.device("meta"):  # _select uses the config values only, not the weights
         indexer = Indexer(cfg)
+    indexer.native_scores = native_scores
     batch = _decode_batch(i, BLOCK_SIZE)
     cache = MLACache(torch.empty(0, device=i["q"].device), pool_keys=i["pool_keys"])
     longest = max(batch.seq_lens)
@@ -224,4 +225,5 @@ def _indexer_cases(cfg, shapes, dtype, device):
     ]
 
 
-register_op(Op("dsa.indexer", _indexer_cases, reference_indexer, check_indexer, {"torch": indexer_candidate}))
+register_op(Op("dsa.indexer", _indexer_cases, reference_indexer, check_indexer,
+               {"engine": indexer_candidate, "torch": lambda cfg, i: indexer_candidate(cfg, i, native_scores=False)}))

@@ -1,0 +1,52 @@
+"""DSA indexer scores of decoding queries over their pool keys, on the paged cache in place.
+
+`index_scores` runs `native/dsa_index.c` on CPU for a bf16 or fp32 pool-key table; the torch
+form (`Indexer._select`: gather the keys, two products) runs elsewhere and for int8/fp8
+tables, and is what the kernel is tested against. The choice of pools (top-k) stays torch's
+either way, so ties are broken the same way.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from oxserve.kernels import native
+
+BUILD_FLAGS = native.NATIVE_ISA + native.OPENMP + ("-O3", "-ffp-contract=fast")
+NATIVE_MAX_DIM = 1024  # MAX_DIM in dsa_index.c
+
+
+def index_scores_fit(q: torch.Tensor, pool_keys) -> bool:
+    return (isinstance(pool_keys, torch.Tensor) and q.device.type == "cpu" and q.dtype == torch.float32
+            and pool_keys.dtype in (torch.bfloat16, torch.float32) and pool_keys.is_contiguous()
+            and q.shape[-1] <= NATIVE_MAX_DIM and _kernel() is not None)
+
+
+def index_scores(q: torch.Tensor, head_weights: torch.Tensor, visible_pools: torch.Tensor, request: torch.Tensor,
+                 block_tables: torch.Tensor, pools_per_block: int, pool_keys: torch.Tensor, num_pools: int,
+                 scale: float) -> torch.Tensor:
+    """q [T, H, D] fp32, head_weights [T, H] fp32, visible_pools [T] -> [T, num_pools] fp32:
+    sum_h w_h relu(scale q_h . key_p) for the pools each query sees, 0 for the others."""
+    tokens, heads, dim = q.shape
+    q, head_weights = q.contiguous(), head_weights.float().contiguous()
+    visible_pools, request, block_tables = (t.contiguous() for t in (visible_pools, request, block_tables))
+    out = q.new_empty(tokens, num_pools)
+    ptr = native.pointer
+    _kernel().dsa_index_scores(ptr(q), ptr(head_weights), ptr(visible_pools), ptr(request), ptr(block_tables),
+                               block_tables.shape[1], pools_per_block, ptr(pool_keys),
+                               int(pool_keys.dtype == torch.bfloat16), tokens, heads, dim, num_pools, scale, ptr(out),
+                               torch.get_num_threads())
+    return out
+
+
+@functools.cache
+def _kernel() -> ctypes.CDLL | None:
+    lib = native.load("dsa_index", BUILD_FLAGS)
+    if lib is None:
+        return None
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.dsa_index_scores.argtypes = [p, p, p, p, p, i64, i64, p, i32, i64, i32, i64, i64, ctypes.c_float, p, i32]
+    return lib
