@@ -253,9 +253,7 @@ class OxserveChoices:
         model.register_forward_pre_hook(self._take_batch)
         for i, layer in enumerate(model.layers):
             if layer.sparse:
-                router = layer.mlp.gate
-                choose = router.choose
-                router.choose = lambda scores, key=("router", i), choose=choose: self._apply(key, choose(scores))
+                layer.mlp.gate.register_forward_hook(lambda m, a, out, key=("router", i): self._route(m, a[0], out, key))
             if layer.is_mla and layer.self_attn.indexer is not None:
                 layer.self_attn.indexer.register_forward_hook(lambda m, a, out, key=("indexer", i): self._apply(key, out))
 
@@ -271,6 +269,20 @@ class OxserveChoices:
 
     def _take_batch(self, module, args):
         self._batch = args[1]
+
+    def _route(self, router, x: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor], key: Key):
+        """Record the router's picks (native or torch); where some are forced, route again by
+        the torch form with the forced picks, which weighs them as the router would."""
+        ids = out[1]
+        picks = self._apply(key, ids)
+        if torch.equal(picks, ids):
+            return out
+        choose = router.choose
+        router.choose = lambda scores: picks
+        try:
+            return router.route_torch(x)
+        finally:
+            router.choose = choose
 
     def _apply(self, key: Key, picks: torch.Tensor) -> torch.Tensor:
         """Record each token's pick, after putting in the forced ones."""

@@ -216,3 +216,24 @@ def test_a_packed_layer_routes_in_one_call_what_the_sorted_path_computes(tokens,
     out = layer.run_sorted(x[token_of], weights.flatten()[order][:, None], offsets)
     want = torch.zeros_like(x).index_add_(0, token_of, out)
     assert torch.equal(layer(x, weights, ids), want)
+
+
+@pytest.mark.parametrize("experts,groups,keep_groups,top_k,tokens,dtype", [
+    (8, 1, 1, 2, 1, torch.bfloat16), (16, 4, 2, 3, 33, torch.float32), (64, 8, 3, 6, 7, torch.bfloat16),
+    (6, 1, 1, 6, 4, torch.float32),  # every expert chosen
+])
+def test_native_router_chooses_and_weighs_as_the_torch_router(experts, groups, keep_groups, top_k, tokens, dtype):
+    from oxserve.model.moe import Router
+
+    router = Router(make_config(n_routed_experts=experts, n_group=groups, topk_group=keep_groups,
+                                num_experts_per_tok=top_k, hidden_size=64))
+    router.weight.data = torch.randn(experts, 64) * 0.2
+    router.e_score_correction_bias.data = torch.randn(experts) * 0.1
+    router.after_load()
+    x = torch.randn(tokens, 64).to(dtype)
+    assert moe.native_route_fit(x, router.weight, groups)
+    weights, ids = router(x)
+    want_weights, want_ids = router.route_torch(x)
+    got, want = ids.sort(1), want_ids.sort(1)  # the same experts, in any order
+    assert torch.equal(got.values, want.values)
+    torch.testing.assert_close(weights.gather(1, got.indices), want_weights.gather(1, want.indices), rtol=1e-6, atol=1e-6)

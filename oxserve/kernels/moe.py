@@ -257,3 +257,39 @@ def amx_linear(x: torch.Tensor, panels: torch.Tensor, out_features: int) -> torc
         _amx_kernel().moe_amx_linear(native.pointer(rows), m, k, native.pointer(panels), out_features, n_packed,
                                      native.pointer(out), torch.get_num_threads())
     return out
+
+
+# ---- the router (`oxserve.model.moe.Router`) ---------------------------------------------------
+
+ROUTER_MAX_EXPERTS = 1024  # MAX_EXPERTS in moe_router.c
+
+
+@functools.cache
+def _router_kernel() -> ctypes.CDLL | None:
+    lib = native.load("moe_router", native.NATIVE_ISA + native.OPENMP + ("-O3",))
+    if lib is None:
+        return None
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.moe_route.argtypes = [p, i32, i64, i64, p, p, i64, i64, i64, i64, i32, ctypes.c_float, p, p, p, i32]
+    return lib
+
+
+def native_route_fit(x: torch.Tensor, weight: torch.Tensor, n_group: int) -> bool:
+    return (x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float32) and weight.dtype == torch.float32
+            and weight.shape[0] <= ROUTER_MAX_EXPERTS and weight.shape[0] % n_group == 0
+            and _router_kernel() is not None)
+
+
+def native_route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, n_group: int, topk_group: int, top_k: int,
+                 normalise: bool, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`Router.forward` in one call: x [T, H], weight [E, H] fp32 -> (weights [T, k] fp32, ids [T, k])."""
+    rows, weight, bias = x.contiguous(), weight.contiguous(), bias.float().contiguous()
+    tokens, hidden = rows.shape
+    ids = torch.empty(tokens, top_k, dtype=torch.int64)
+    weights = torch.empty(tokens, top_k)
+    wide = torch.empty(tokens, hidden) if rows.dtype == torch.bfloat16 else weights  # bf16 rows widened there
+    ptr = native.pointer
+    _router_kernel().moe_route(ptr(rows), int(rows.dtype == torch.bfloat16), tokens, hidden, ptr(weight), ptr(bias),
+                               weight.shape[0], n_group, topk_group, top_k, int(normalise), scaling, ptr(ids),
+                               ptr(weights), ptr(wide), torch.get_num_threads())
+    return weights, ids

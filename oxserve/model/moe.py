@@ -8,7 +8,7 @@ from torch import nn
 
 from oxserve.kernels.moe import (
     amx_experts, amx_experts_fit, amx_routed, grouped_experts, grouped_gemm_supported, looped_experts, native_experts,
-    native_experts_fit, pack_panels,
+    native_experts_fit, native_route, native_route_fit, pack_panels,
 )
 from oxserve.model.common import DenseMLP
 from oxserve.model.config import TextModelConfig
@@ -28,8 +28,18 @@ class Router(nn.Module):
         self.norm_topk_prob = cfg.norm_topk_prob
         self.scaling = cfg.routed_scaling_factor
 
+    def after_load(self) -> None:
+        """The weight in fp32, which the logits are computed in (exact; no conversion a call)."""
+        self.weight.data = self.weight.data.float()
+
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [T, D] -> (weights [T, k] fp32, expert ids [T, k])."""
+        if native_route_fit(x, self.weight, self.n_group):  # the same steps in one call
+            return native_route(x, self.weight, self.e_score_correction_bias, self.n_group, self.topk_group, self.top_k,
+                                self.norm_topk_prob, self.scaling)
+        return self.route_torch(x)
+
+    def route_torch(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         scores = F.linear(x.float(), self.weight.float()).sigmoid()
         experts = self.choose(scores)
         weights = scores.gather(1, experts)
