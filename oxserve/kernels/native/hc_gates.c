@@ -11,6 +11,7 @@
  * tokens: the compiler turns it into vector divides and adds. Same operations, same order
  * as the torch version (exact divides, no fast-math), so results agree to rounding. */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -217,13 +218,16 @@ int hc_collapse(const void *streams, int is_bf16, int64_t tokens, int n, int64_t
  * gates are rounded to bf16 first and the two terms each rounded before they are added, as
  * the torch version's bf16 ops do. Returns 0, or -2 without scratch memory. */
 int hc_expand(const float *post, const float *comb, const void *block, const void *streams, int is_bf16,
-              int64_t tokens, int n, int64_t d, void *out) {
+              int64_t tokens, int n, int64_t d, void *out, int threads) {
     if (n > MAX_N) return -1;
     if (tokens == 0) return 0;
-    float *scratch = malloc((size_t)((n + 2) * d) * sizeof(float));
+    if (threads < 1) threads = 1;
+    const int64_t per_thread = (int64_t)(n + 2) * d;
+    float *scratch = malloc((size_t)(threads * per_thread) * sizeof(float));
     if (scratch == NULL) return -2;
-    float *s = scratch, *b = scratch + n * d, *o = scratch + (n + 1) * d;
+#pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t t = 0; t < tokens; t++) {
+        float *s = scratch + (int64_t)omp_get_thread_num() * per_thread, *b = s + n * d, *o = s + (n + 1) * d;
         widen_row(streams, t * n * d, n * d, is_bf16, s);
         widen_row(block, t * d, d, is_bf16, b);
         for (int i = 0; i < n; i++) {
