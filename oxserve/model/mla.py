@@ -60,7 +60,8 @@ class MLAttention(nn.Module):
     def after_load(self) -> None:
         """Split kv_b_proj into the per-head pieces folded into query and output."""
         w_kv = self.kv_b_proj.dense_weight().view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
-        self.w_uk, self.w_uv = w_kv.split([self.nope_dim, self.v_dim], dim=1)
+        # contiguous: products with the split views copied them on every call
+        self.w_uk, self.w_uv = (w.contiguous() for w in w_kv.split([self.nope_dim, self.v_dim], dim=1))
 
     def cache_spec(self, dtype: torch.dtype, precision: LayerCachePrecision = LayerCachePrecision()) -> MLACacheSpec:
         latent = PagedTensor(self.kv_lora_rank, precision.dtype("latent", dtype), read_as=dtype)
