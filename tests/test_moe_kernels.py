@@ -237,3 +237,23 @@ def test_native_router_chooses_and_weighs_as_the_torch_router(experts, groups, k
     got, want = ids.sort(1), want_ids.sort(1)  # the same experts, in any order
     assert torch.equal(got.values, want.values)
     torch.testing.assert_close(weights.gather(1, got.indices), want_weights.gather(1, want.indices), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("tokens", [1, 9, 70])
+def test_a_moe_layer_runs_its_shared_expert_with_the_routed_ones_as_it_adds_them(tokens):
+    """On AMX the shared expert runs in the routed experts' call: bit-equal to running both
+    on their own and adding them (bf16 + bf16, as the layer does elsewhere)."""
+    from oxserve.model.moe import MoE
+
+    layer = MoE(make_config(n_routed_experts=6, moe_intermediate_size=32, hidden_size=64, n_shared_experts=2,
+                            num_experts_per_tok=2), "test")
+    for name, p in layer.named_parameters():  # a bf16 model; the router's bias stays fp32
+        p.data = (torch.randn_like(p, dtype=torch.float32) * 0.1).to(torch.float32 if "bias" in name else torch.bfloat16)
+    for module in reversed(list(layer.modules())):
+        if hasattr(module, "after_load"):
+            module.after_load()
+    x = torch.randn(tokens, 64).bfloat16()
+    weights, ids = layer.gate(x)
+    separate = layer.experts(x, weights, ids) + layer.shared_experts(x)
+    assert (layer.shared_experts.panels is not None) == AMX == layer.experts.routes_natively
+    assert torch.equal(layer(x), separate)

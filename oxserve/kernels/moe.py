@@ -154,7 +154,7 @@ def bind_amx(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.moe_amx_linear.restype = ctypes.c_int
     lib.moe_amx_linear.argtypes = [p, i64, i64, p, i64, i64, p, ctypes.c_int]
     lib.moe_amx_routed.restype = ctypes.c_int
-    lib.moe_amx_routed.argtypes = [p, i64, i64, p, p, i64, i64, p, p, i64, ctypes.c_float, p, ctypes.c_int]
+    lib.moe_amx_routed.argtypes = [p, i64, i64, p, p, i64, i64, p, p, i64, ctypes.c_float, p, p, i64, p, ctypes.c_int]
     return lib
 
 
@@ -215,17 +215,23 @@ def amx_experts(
 
 
 def amx_routed(
-    x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, limit: float
+    x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, limit: float,
+    shared: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """`Experts.forward` in one native call on AMX-packed weights: x [T, H] bf16, weights [T, k]
     and experts [T, k] (ids 0..E-1) from the router -> [T, H], the sum over each token's
-    experts (summed in fp32 in expert order, rounded once, as index_add_ does)."""
+    experts (summed in fp32 in expert order, rounded once, as index_add_ does). `shared`: the
+    shared expert's (gate_up, down) panels, whose output is added as `MoE.forward` adds it."""
     (tokens, hidden), (num_experts, inter) = x.shape, (gate_up.shape[0], down.shape[2] * 2)
     rows, ids, weights = x.contiguous(), experts.to(torch.int64).contiguous(), weights.float().contiguous()
     out = torch.empty_like(rows)
     ptr = native.pointer
-    status = _amx_kernel().moe_amx_routed(ptr(rows), tokens, hidden, ptr(ids), ptr(weights), ids.shape[1], num_experts,
-                                          ptr(gate_up), ptr(down), inter, limit, ptr(out), torch.get_num_threads())
+    shared_gate_up, shared_down = shared if shared is not None else (None, None)
+    shared_inter = 0 if shared is None else shared_down.shape[2] * 2
+    status = _amx_kernel().moe_amx_routed(
+        ptr(rows), tokens, hidden, ptr(ids), ptr(weights), ids.shape[1], num_experts, ptr(gate_up), ptr(down), inter,
+        limit, None if shared is None else ptr(shared_gate_up), None if shared is None else ptr(shared_down),
+        shared_inter, ptr(out), torch.get_num_threads())
     if status != 0:
         raise MemoryError(f"routed experts: no scratch memory for {ids.numel()} x {inter} activations")
     return out

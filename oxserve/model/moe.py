@@ -83,11 +83,20 @@ class Experts(nn.Module):
         self.hidden_size, self.intermediate_size = cfg.hidden_size, inter
         self.packed = False  # after_load: the stacks are in the AMX kernel's panels (gate_up_panels, down_panels)
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    @property
+    def routes_natively(self) -> bool:
+        """Whether forward runs in one native call (AMX panels, every expert on this rank)."""
+        return self.packed and not self.sliced
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
+                shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Sort (token, expert) pairs by expert, run the experts, add each pair back to its token.
-        Expert-parallel: only the pairs routed to this rank's experts."""
-        if self.packed and not self.sliced:  # all of it in one native call
-            return amx_routed(x, weights, experts, self.gate_up_panels, self.down_panels, self.swiglu_limit)
+        Expert-parallel: only the pairs routed to this rank's experts. `shared`: a shared
+        expert's AMX panels, run and added in the same call (only where it routes natively)."""
+        if self.routes_natively:
+            return amx_routed(x, weights, experts, self.gate_up_panels, self.down_panels, self.swiglu_limit, shared)
+        if shared is not None:
+            raise ValueError("a shared expert runs inside the routed experts' call only where they route natively")
         top_k = experts.shape[1]
         flat, pair_weights = experts.flatten() - self.first_expert, weights.flatten()
         pairs = None
@@ -143,9 +152,11 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor, tracer: Tracer | None = None) -> torch.Tensor:
         with span(tracer, f"{self.name}.router"):
             weights, experts = self.gate(x)
-        with span(tracer, f"{self.name}.experts"):
-            routed = self.experts(x, weights, experts)
-        if self.shared_experts is None:
+        shared = self.shared_experts
+        together = shared is not None and shared.panels is not None and self.experts.routes_natively
+        with span(tracer, f"{self.name}.experts"):  # with the shared expert where both run on AMX
+            routed = self.experts(x, weights, experts, shared.panels if together else None)
+        if shared is None or together:
             return routed
         with span(tracer, f"{self.name}.shared"):
-            return routed + self.shared_experts(x)
+            return routed + shared(x)

@@ -198,9 +198,27 @@ int moe_amx_linear(const uint16_t *x, int64_t M, int64_t K, const uint16_t *w, i
  * rounding after each add, as torch's index_add_ into a bf16 zero tensor does. y [T, H].
  * Returns 0, or -1 without scratch memory. */
 int moe_amx_routed(const uint16_t *x, int64_t T, int64_t H, const int64_t *ids, const float *weights, int64_t k,
-                   int64_t E, const uint16_t *gate_up, const uint16_t *down, int64_t I, float limit, uint16_t *y,
+                   int64_t E, const uint16_t *gate_up, const uint16_t *down, int64_t I, float limit,
+                   const uint16_t *shared_gate_up, const uint16_t *shared_down, int64_t shared_I, uint16_t *y,
                    int nthreads) {
     const int64_t P = T * k;
+    uint16_t *shared = NULL; /* the shared expert's rows, when there is one */
+    if (shared_gate_up != NULL) {
+        shared = malloc((size_t)(T * H > 0 ? T * H : 1) * sizeof(uint16_t));
+        float *ones = malloc((size_t)(T > 0 ? T : 1) * sizeof(float));
+        const int32_t all_rows = (int32_t)T;
+        int failed = shared == NULL || ones == NULL;
+        if (!failed) {
+            for (int64_t t = 0; t < T; t++) ones[t] = 1.0f;
+            failed = moe_amx_experts(x, T, H, &all_rows, 1, ones, shared_gate_up, shared_down, shared_I, limit, shared,
+                                     nthreads) != 0;
+        }
+        free(ones);
+        if (failed) {
+            free(shared);
+            return -1;
+        }
+    }
     int32_t *offsets = calloc((size_t)E, sizeof(int32_t));
     int64_t *slot_of = malloc((size_t)(P > 0 ? P : 1) * sizeof(int64_t)); /* pair -> sorted position */
     uint16_t *rows = malloc((size_t)(P * H > 0 ? P * H : 1) * sizeof(uint16_t));
@@ -239,7 +257,11 @@ int moe_amx_routed(const uint16_t *x, int64_t T, int64_t H, const int64_t *ids, 
             for (int64_t c = 0; c < H; c++) sum[c] += bf16_to_f32(src[c]);
             done_below = next;
         }
-        for (int64_t c = 0; c < H; c++) y[t * H + c] = f32_to_bf16(sum[c]);
+        if (shared != NULL) /* routed + shared, both rounded to bf16 first, as torch adds them */
+            for (int64_t c = 0; c < H; c++)
+                y[t * H + c] = f32_to_bf16(round_bf16(sum[c]) + bf16_to_f32(shared[t * H + c]));
+        else
+            for (int64_t c = 0; c < H; c++) y[t * H + c] = f32_to_bf16(sum[c]);
     }
     status = 0;
 done:
@@ -249,5 +271,6 @@ done:
     free(out);
     free(row_weight);
     free(acc);
+    free(shared);
     return status;
 }
