@@ -18,4 +18,26 @@ static inline uint16_t f32_to_bf16(float f) {
 
 static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 
+/* dst[0..count) = src[offset..offset+count) as fp32, from bf16 when is_bf16, else fp32 */
+static inline void widen_row(const void *src, int64_t offset, int64_t count, int is_bf16, float *restrict dst) {
+    if (is_bf16) {
+        const uint16_t *p = (const uint16_t *)src + offset;
+        for (int64_t k = 0; k < count; k++) dst[k] = bf16_to_f32(p[k]);
+    } else {
+        const float *p = (const float *)src + offset;
+        for (int64_t k = 0; k < count; k++) dst[k] = p[k];
+    }
+}
+
+/* dst[offset..offset+count) = src[0..count), rounded to bf16 when is_bf16, else fp32 */
+static inline void narrow_row(const float *restrict src, int64_t count, int is_bf16, void *dst, int64_t offset) {
+    if (is_bf16) {
+        uint16_t *p = (uint16_t *)dst + offset;
+        for (int64_t k = 0; k < count; k++) p[k] = f32_to_bf16(src[k]);
+    } else {
+        float *p = (float *)dst + offset;
+        for (int64_t k = 0; k < count; k++) p[k] = src[k];
+    }
+}
+
 #endif

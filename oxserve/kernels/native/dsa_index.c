@@ -11,20 +11,9 @@
 #include <stdint.h>
 
 #include "bf16.h"
+#include "vmath.h"
 
-#define SUMS 16 /* independent partial sums of a dot product: the adds vectorise */
 #define MAX_DIM 1024 /* index head dim; NATIVE_MAX_DIM in kernels/dsa_index.py */
-
-static float dot(const float *restrict a, const float *restrict b, int64_t n) {
-    float part[SUMS] = {0};
-    int64_t i = 0;
-    for (; i + SUMS <= n; i += SUMS)
-        for (int l = 0; l < SUMS; l++) part[l] += a[i + l] * b[i + l];
-    float sum = 0.0f;
-    for (int l = 0; l < SUMS; l++) sum += part[l];
-    for (; i < n; i++) sum += a[i] * b[i];
-    return sum;
-}
 
 int dsa_index_scores(const float *q, const float *head_weights, const int64_t *visible, const int64_t *request,
                      const int64_t *block_tables, int64_t max_blocks, int64_t pools_per_block, const void *pool_keys,
@@ -43,16 +32,10 @@ int dsa_index_scores(const float *q, const float *head_weights, const int64_t *v
                 continue;
             }
             const int64_t row = table[p / pools_per_block] * pools_per_block + p % pools_per_block;
-            if (bf16) {
-                const uint16_t *src = (const uint16_t *)pool_keys + row * dim;
-                for (int64_t d = 0; d < dim; d++) key[d] = bf16_to_f32(src[d]);
-            } else {
-                const float *src = (const float *)pool_keys + row * dim;
-                for (int64_t d = 0; d < dim; d++) key[d] = src[d];
-            }
+            widen_row(pool_keys, row * dim, dim, bf16, key);
             float sum = 0.0f;
             for (int h = 0; h < heads; h++) {
-                const float s = dot(qt + h * dim, key, dim) * scale;
+                const float s = vdot(qt + h * dim, key, dim) * scale;
                 sum += wt[h] * (s > 0.0f ? s : 0.0f);
             }
             row_out[p] = sum;

@@ -89,26 +89,6 @@ int hc_gates(const float *mixed, const float *base, const float *scale, int64_t 
  * fp32 sums and results rounded to bf16 where the torch version rounds them. */
 
 /* A row of `count` values (bf16 or fp32) into fp32, and back (rounded to bf16 when asked). */
-static void widen_row(const void *src, int64_t offset, int64_t count, int is_bf16, float *dst) {
-    if (is_bf16) {
-        const uint16_t *p = (const uint16_t *)src + offset;
-        for (int64_t k = 0; k < count; k++) dst[k] = bf16_to_f32(p[k]);
-    } else {
-        const float *p = (const float *)src + offset;
-        for (int64_t k = 0; k < count; k++) dst[k] = p[k];
-    }
-}
-
-static void narrow_row(const float *src, int64_t count, int is_bf16, void *dst, int64_t offset) {
-    if (is_bf16) {
-        uint16_t *p = (uint16_t *)dst + offset;
-        for (int64_t k = 0; k < count; k++) p[k] = f32_to_bf16(src[k]);
-    } else {
-        float *p = (float *)dst + offset;
-        for (int64_t k = 0; k < count; k++) p[k] = src[k];
-    }
-}
-
 static inline float rounded(float v, int is_bf16) { return is_bf16 ? round_bf16(v) : v; }
 
 #define SUMS 32 /* independent partial sums, so the adds do not wait on each other (x4 in dot4_f32: in registers) */

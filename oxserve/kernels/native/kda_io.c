@@ -45,27 +45,6 @@ static inline float model_round(float x, int bf16) { return bf16 ? round_bf16(x)
 
 static inline float sigmoid(float x) { return 1.0f / (1.0f + vexp(-x)); }
 
-/* dst[0..n) = base[at..at+n) as fp32 (one loop per dtype, so each vectorises) */
-static void load_run(const void *base, int64_t at, int n, int bf16, float *restrict dst) {
-    if (bf16) {
-        const uint16_t *src = (const uint16_t *)base + at;
-        for (int i = 0; i < n; i++) dst[i] = bf16_to_f32(src[i]);
-    } else {
-        const float *src = (const float *)base + at;
-        for (int i = 0; i < n; i++) dst[i] = src[i];
-    }
-}
-
-static void store_run(void *base, int64_t at, int n, int bf16, const float *restrict src) {
-    if (bf16) {
-        uint16_t *dst = (uint16_t *)base + at;
-        for (int i = 0; i < n; i++) dst[i] = f32_to_bf16(src[i]);
-    } else {
-        float *dst = (float *)base + at;
-        for (int i = 0; i < n; i++) dst[i] = src[i];
-    }
-}
-
 /* The conv of channels [c0, c0 + n) of request b into out[0..n), and its state shifted in
  * place. weight_t [K, C]: tap-major, so each tap is a contiguous run of channels. The table
  * only ever holds values of the model dtype (conv inputs), so shifting its rows as they are
@@ -78,15 +57,15 @@ static void conv_channels(const void *mixed, void *table, int64_t slot, int64_t 
     for (int i = 0; i < n; i++) out[i] = 0.0f;
     for (int64_t j = 0; j <= rows; j++) {
         if (j < rows)
-            load_run(state, j * channels + c0, n, state_bf16, tap);
+            widen_row(state, j * channels + c0, n, state_bf16, tap);
         else
-            load_run(mixed, b * channels + c0, n, bf16, tap);
+            widen_row(mixed, b * channels + c0, n, bf16, tap);
         const float *restrict w = weight_t + j * channels + c0;
         for (int i = 0; i < n; i++) out[i] += tap[i] * w[i];
     }
     for (int64_t j = 0; j + 1 < rows; j++)
         memmove(state + (j * channels + c0) * elem, state + ((j + 1) * channels + c0) * elem, (size_t)n * elem);
-    if (rows > 0) store_run(state, (rows - 1) * channels + c0, n, state_bf16, tap);  /* tap: the input */
+    if (rows > 0) narrow_row(tap, n, state_bf16, state, (rows - 1) * channels + c0);  /* tap: the input */
     for (int i = 0; i < n; i++) out[i] = model_round(out[i] * sigmoid(out[i]), bf16);
 }
 
@@ -116,7 +95,7 @@ int kda_decode_inputs(const void *mixed, void *conv_table, const int64_t *slots,
         l2_normalise(k + at, dim, 1.0f);
         const float rate = expf(a_log[h]);
         float *restrict gh = g + at;
-        load_run(f, at, dim, bf16, gh);
+        widen_row(f, at, dim, bf16, gh);
         for (int d = 0; d < dim; d++) gh[d] += dt_bias[h * dim + d];
         if (has_lower_bound)
             for (int d = 0; d < dim; d++) gh[d] = lower_bound * sigmoid(rate * gh[d]);

@@ -21,27 +21,6 @@
 #include "bf16.h"
 #include "vmath.h"
 
-#define SUMS 16 /* independent partial sums of a dot product: the adds vectorise */
-
-static void widen(const void *src, int64_t at, int64_t n, int bf16, float *restrict dst) {
-    if (bf16) {
-        const uint16_t *s = (const uint16_t *)src + at;
-        for (int64_t i = 0; i < n; i++) dst[i] = bf16_to_f32(s[i]);
-    } else {
-        memcpy(dst, (const float *)src + at, (size_t)n * sizeof(float));
-    }
-}
-
-static float dot(const float *restrict a, const float *restrict b, int64_t n) {
-    float part[SUMS] = {0};
-    int64_t i = 0;
-    for (; i + SUMS <= n; i += SUMS)
-        for (int l = 0; l < SUMS; l++) part[l] += a[i + l] * b[i + l];
-    float sum = 0.0f;
-    for (int l = 0; l < SUMS; l++) sum += part[l];
-    for (; i < n; i++) sum += a[i] * b[i];
-    return sum;
-}
 
 static inline float model_round(float x, int bf16) { return bf16 ? round_bf16(x) : x; }
 
@@ -68,10 +47,10 @@ int mla_latent_attention(const void *q, const void *latent, const int64_t *posit
         int64_t n = 0;
         for (int64_t k = 0; k < width; k++)
             if (pos[k] >= 0) rows[n++] = table[pos[k] / block_size] * block_size + pos[k] % block_size;
-        widen(q, t * heads * dim, heads * dim, bf16, qf);
+        widen_row(q, t * heads * dim, heads * dim, bf16, qf);
         for (int64_t k = 0; k < n; k++) {
-            widen(latent, rows[k] * dim, dim, bf16, row);
-            for (int h = 0; h < heads; h++) score[h * n + k] = model_round(dot(qf + h * dim, row, dim), bf16) * scale;
+            widen_row(latent, rows[k] * dim, dim, bf16, row);
+            for (int h = 0; h < heads; h++) score[h * n + k] = model_round(vdot(qf + h * dim, row, dim), bf16) * scale;
         }
         for (int h = 0; h < heads; h++) {
             float *s = score + h * n, top = n > 0 ? s[0] : 0.0f, total = 0.0f;
@@ -84,7 +63,7 @@ int mla_latent_attention(const void *q, const void *latent, const int64_t *posit
         }
         memset(acc, 0, (size_t)(heads * dim) * sizeof(float));
         for (int64_t k = 0; k < n; k++) {
-            widen(latent, rows[k] * dim, dim, bf16, row);
+            widen_row(latent, rows[k] * dim, dim, bf16, row);
             for (int h = 0; h < heads; h++) {
                 const float p = score[h * n + k];
                 float *restrict a = acc + h * dim;

@@ -13,20 +13,9 @@
 #include <stdint.h>
 
 #include "bf16.h"
+#include "vmath.h"
 
 #define MAX_EXPERTS 1024
-#define SUMS 16
-
-static float dot(const float *restrict a, const float *restrict b, int64_t n) {
-    float part[SUMS] = {0};
-    int64_t i = 0;
-    for (; i + SUMS <= n; i += SUMS)
-        for (int l = 0; l < SUMS; l++) part[l] += a[i + l] * b[i + l];
-    float sum = 0.0f;
-    for (int l = 0; l < SUMS; l++) sum += part[l];
-    for (; i < n; i++) sum += a[i] * b[i];
-    return sum;
-}
 
 /* The index of the largest value among `n` with eligible[i] (ties: the lowest index), or -1. */
 static int64_t best(const float *value, const uint8_t *eligible, int64_t n) {
@@ -54,7 +43,7 @@ int moe_route(const void *x, int bf16, int64_t tokens, int64_t hidden, const flo
             row = (const float *)x + t * hidden;
         }
         for (int64_t e = 0; e < experts; e++) {
-            score[e] = 1.0f / (1.0f + expf(-dot(row, weight + e * hidden, hidden)));
+            score[e] = 1.0f / (1.0f + expf(-vdot(row, weight + e * hidden, hidden)));
             choice[e] = score[e] + bias[e];
             eligible[e] = 1;
         }

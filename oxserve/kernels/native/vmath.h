@@ -25,4 +25,18 @@ static inline float vexp(float x) {
     return p * scale.f;
 }
 
+#define VDOT_SUMS 16 /* independent partial sums of vdot: the adds vectorise and overlap */
+
+/* a . b over n floats, VDOT_SUMS partial sums then the tail (the same order for any caller) */
+static inline float vdot(const float *restrict a, const float *restrict b, int64_t n) {
+    float part[VDOT_SUMS] = {0};
+    int64_t i = 0;
+    for (; i + VDOT_SUMS <= n; i += VDOT_SUMS)
+        for (int l = 0; l < VDOT_SUMS; l++) part[l] += a[i + l] * b[i + l];
+    float sum = 0.0f;
+    for (int l = 0; l < VDOT_SUMS; l++) sum += part[l];
+    for (; i < n; i++) sum += a[i] * b[i];
+    return sum;
+}
+
 #endif
