@@ -92,9 +92,10 @@ class OneDNNLinear(nn.Module):
 
 class AMXLinear(OneDNNLinear):
     """A bf16 `Linear` on AMX tiles (`oxserve.kernels.moe.amx_linear`): its weight packed once
-    into tile panels, one native call a product. oneDNN's primitive costs 12-15 us a call
-    whatever the size, more than a decode step's small products take here (5-12 us); results
-    are bit-equal to `F.linear`'s. Weights whose inputs are not whole tiles take oneDNN."""
+    into tile panels, one native call a product. oneDNN's primitive costs 15-22 us a call
+    whatever the size, more than a decode step's small products take here (5.5-11 us;
+    `python docs/bench/linear_call_cost.py`); results are bit-equal to `F.linear`'s. Weights
+    whose inputs are not whole tiles take oneDNN."""
 
     def __init__(self, linear: Linear, shared_weight: bool = False):
         super().__init__(linear, shared_weight)
