@@ -6,6 +6,7 @@ The CLI builds its options from these dataclasses (see `oxserve.cli`), so every 
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 
@@ -44,13 +45,38 @@ class ModelConfig:
         "tokens of the shipped corpus) show outlier channels; 0: no calibration, no smoothing",
     )
 
+    limit_mm_per_prompt: str = opt(
+        '{"image": 8, "video": 1}', 'images and videos one prompt may carry, as JSON {"image": N, "video": M} (as '
+        "vLLM spells it); all zero: the vision tower is not loaded and prompts are text only",
+    )
+    mm_encoder_cache_tokens: int = opt(
+        16384, "vision tower outputs kept by content hash (embeddings, least recently used dropped), so a repeated "
+        "image or video is encoded once",
+    )
+
     def __post_init__(self) -> None:
+        self.mm_limits()  # validated here, read where used
+        if self.mm_encoder_cache_tokens < 0:
+            raise ValueError(f"mm_encoder_cache_tokens must be >= 0, got {self.mm_encoder_cache_tokens}")
         if not 0 <= self.smoothquant_alpha <= 1:
             raise ValueError(f"smoothquant_alpha must be in [0, 1], got {self.smoothquant_alpha}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+
+
+    def mm_limits(self) -> dict[str, int]:
+        """{"image": N, "video": M} from `limit_mm_per_prompt` (ValueError when malformed)."""
+        try:
+            limits = json.loads(self.limit_mm_per_prompt)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"limit_mm_per_prompt is not JSON: {e}") from None
+        if not isinstance(limits, dict) or set(limits) - {"image", "video"} or not all(
+            isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in limits.values()
+        ):
+            raise ValueError(f'limit_mm_per_prompt must be {{"image": N, "video": M}} with counts >= 0, got {self.limit_mm_per_prompt}')
+        return {"image": limits.get("image", 0), "video": limits.get("video", 0)}
 
 
 @dataclass(frozen=True)

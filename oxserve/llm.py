@@ -61,8 +61,8 @@ class LLM:
             self.engine.check_priority(value)
         checked = [self.engine.check_prompt(prompt) for prompt in prompts]  # all, before queueing any
         children: dict[str, tuple[int, int]] = {}
-        for i, ((text, token_ids), p, urgency) in enumerate(zip(checked, params, priorities)):
-            prompt = {"prompt": text, "prompt_token_ids": token_ids}
+        for i, (inputs, p, urgency) in enumerate(zip(checked, params, priorities)):
+            prompt = inputs.as_prompt()
             for j, child in enumerate(p.fan_out()):
                 rid = f"llm-{self._counter}"
                 self._counter += 1

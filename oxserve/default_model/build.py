@@ -177,7 +177,8 @@ def vision_config(out_hidden_size: int) -> dict[str, Any]:
     }
 
 
-def model_config(text: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
+def model_config(text: dict[str, Any], dtype: torch.dtype, vision: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The checkpoint's config; `vision` overrides fields of the small vision tower."""
     return {
         "architectures": ["Glm5NextForConditionalGeneration"],
         "model_type": "glm5_next",
@@ -190,7 +191,7 @@ def model_config(text: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
         "video_start_token_id": TOKEN_IDS["<|begin_of_video|>"],
         "video_end_token_id": TOKEN_IDS["<|end_of_video|>"],
         "text_config": {**text, "model_type": "glm5_next_text"},
-        "vision_config": vision_config(text["hidden_size"]),
+        "vision_config": {**vision_config(text["hidden_size"]), **(vision or {})},
     }
 
 
@@ -552,13 +553,14 @@ def build_checkpoint(
     max_shard_bytes: int | None = None,
     tokenizer: bool = True,
     mtp: bool = False,
+    vision: dict[str, Any] | None = None,
 ) -> Path:
     """Writes config, generation config, weights and (optionally) the tokenizer into `out_dir`.
 
     `text_config` is completed by `make_text_config`, so a partial dict works. Weights are
     one `model.safetensors`, or shards plus `model.safetensors.index.json` when they exceed
     `max_shard_bytes`. With `mtp`, the checkpoint also holds an MTP layer after the decoder
-    layers (transformers ignores it).
+    layers (transformers ignores it). `vision` overrides fields of the vision tower's config.
     """
     if dtype not in _SAFETENSORS_DTYPES:
         raise ValueError(f"unsupported dtype {dtype}; use one of {list(_SAFETENSORS_DTYPES)}")
@@ -566,7 +568,7 @@ def build_checkpoint(
     out.mkdir(parents=True, exist_ok=True)
     text = make_text_config(**text_config)
     _check_token_ids(text, tokenizer)
-    config = model_config(text, dtype)
+    config = model_config(text, dtype, vision)
     _write_json(out / "config.json", config)
     _write_json(out / "generation_config.json", generation_config())
     _write_weights(out, tensor_specs(config, mtp), seed, dtype, max_shard_bytes)

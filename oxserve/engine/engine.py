@@ -32,7 +32,11 @@ from oxserve.engine.stop import StopStrings
 from oxserve.engine.threads import choose_threads
 from oxserve.faults import Faults
 from oxserve.kernels.onednn import choose_linear_kernel
-from oxserve.model.loader import load_model
+from oxserve.model.loader import load_model, load_vision_tower
+from oxserve.model.vision import MultiModalConfig
+from oxserve.multimodal.embedder import MultiModalEmbedder
+from oxserve.multimodal.inputs import MultiModalItem, place_media
+from oxserve.multimodal.processor import MediaProcessor, ProcessorConfig, expand_placeholders
 from oxserve.outputs import CompletionOutput, RequestOutput
 from oxserve.parallel.groups import ALONE
 from oxserve.parallel.workers import ParallelError, RankPlan, WorkerGroup
@@ -141,6 +145,7 @@ class LLMEngine:
         self.model_config = loaded.config
         Faults.from_env().plant_in_model(loaded.model)  # none unless the reliability suite asks
         self.tokenizer = Tokenizer.from_dir(path)
+        embedder = self._vision(config, path, placement.world_size)
         if quantize is not None:
             log.info("oxserve: %s", quantize.finish(loaded.model, self.tokenizer))
         limit = config.model.max_model_len or min(self.model_config.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
@@ -172,7 +177,7 @@ class LLMEngine:
                                loaded.model)  # fmt: skip
         self.runner = ModelRunner(loaded.model, layout, cache_specs, self.device, deterministic=config.scheduler.deterministic,
                                   grammars=self.grammars, num_checkpoints=num_checkpoints, workers=self.workers,
-                                  mtp_drafts=mtp)  # fmt: skip
+                                  mtp_drafts=mtp, embedder=embedder)  # fmt: skip
         self.proposer = make_proposer(self.speculative, self.runner) if self.speculative else None
         self._drafting_s = 0.0  # the last proposal's time, charged to the step that verifies it
         self.role_token_ids = self.tokenizer.role_token_ids() if self.tokenizer is not None else frozenset()
@@ -182,6 +187,26 @@ class LLMEngine:
         self._prompt_tokens = 0
         self._generation_tokens = 0
         self.last_step = StepShape(0, 0)
+
+    def _vision(self, config: EngineConfig, path: Path, world_size: int) -> MultiModalEmbedder | None:
+        """The vision tower and media processor when this server takes images or video (what
+        `self.media` and `self.mm` hold; None otherwise, with `self.mm_off_reason` saying why)."""
+        self.mm_limits = config.model.mm_limits()
+        self.mm = MultiModalConfig.from_file(path)
+        self.media: MediaProcessor | None = None
+        if self.mm is None:
+            self.mm_off_reason = "the model has no vision tower"
+        elif not any(self.mm_limits.values()):
+            self.mm_off_reason = "--limit-mm-per-prompt allows none"
+        elif world_size > 1:
+            self.mm_off_reason = "the vision tower runs on one rank; it is off with parallel ranks"
+        elif self.tokenizer is None:
+            self.mm_off_reason = "the model has no tokenizer to place image tokens with"
+        else:
+            tower = load_vision_tower(path, self.dtype, self.device)
+            self.media = MediaProcessor(ProcessorConfig.for_model(path, self.mm.vision))
+            return MultiModalEmbedder(tower, config.model.mm_encoder_cache_tokens, self.device)
+        return None
 
     # ---- requests ---------------------------------------------------------------------------
     def add_request(self, request_id: str | None, prompt: Prompt, params: SamplingParams | None = None,
@@ -197,17 +222,19 @@ class LLMEngine:
             self._next_id += 1
         if request_id in self.scheduler.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        text, token_ids = self.check_prompt(prompt)
+        checked = self.check_prompt(prompt)
         check_constraint(self.grammars, params.structured_outputs)
+        token_ids = checked.token_ids
         request = Request(
             request_id=request_id,
             prompt_token_ids=token_ids,
             params=params,
             max_total_tokens=self.max_model_len,
             eos_token_ids=self.eos_token_ids,
-            prompt=text,
+            prompt=checked.text,
             priority=priority,
             boundaries=self._boundaries(token_ids),
+            mm_items=checked.mm_items,
         )
         self.scheduler.add(request)
         self._texts[request_id] = OutputText(self.tokenizer, params)
@@ -355,13 +382,41 @@ class LLMEngine:
             raise ValueError(f"priority {priority} needs priority scheduling; the server runs with --scheduling-policy "
                              f"{self.config.scheduler.scheduling_policy}")  # fmt: skip
 
-    def check_prompt(self, prompt: Prompt) -> tuple[str | None, list[int]]:
-        """(text, token ids) of a prompt, or ValueError naming what is wrong with it.
+    def check_prompt(self, prompt: Prompt) -> PromptInputs:
+        """A prompt tokenized (with its images and videos placed), or ValueError naming what is
+        wrong with it. Safe to call from any thread: it reads no engine state that changes.
 
-        A dict may carry `prompt_token_ids` (and optionally the `prompt` text they came from)."""
-        text, token_ids = self._tokenize(prompt)
-        check_prompt_ids(token_ids, self.model_config.vocab_size, self.max_model_len)
-        return text, token_ids
+        A dict may carry `prompt_token_ids` (and optionally the `prompt` text they came from),
+        or `prompt` text with `multi_modal_data` ({"image": image(s), "video": video(s)}, as
+        vLLM takes them: PIL images, `oxserve.multimodal.Video`s) whose places the text marks
+        with `<|image|>` / `<|video|>`. What this returns is itself a prompt (`as_prompt()`)."""
+        if isinstance(prompt, dict) and "multi_modal_data" in prompt:
+            checked = self._multimodal(prompt)
+        elif isinstance(prompt, dict) and prompt.get("mm_items"):
+            checked = PromptInputs(prompt.get("prompt"), self._tokenize(prompt)[1], tuple(prompt["mm_items"]))
+        else:
+            checked = PromptInputs(*self._tokenize(prompt))
+        check_prompt_ids(checked.token_ids, self.model_config.vocab_size, self.max_model_len)
+        return checked
+
+    def _multimodal(self, prompt: dict) -> PromptInputs:
+        text, data = prompt.get("prompt"), prompt["multi_modal_data"]
+        if self.media is None:
+            raise ValueError(f"this server takes no images or video: {self.mm_off_reason}")
+        if not isinstance(text, str):
+            raise ValueError("a prompt with multi_modal_data needs its text in 'prompt', with <|image|> and "
+                             "<|video|> where they go")  # fmt: skip
+        if not isinstance(data, dict) or set(data) - {"image", "video"}:
+            raise ValueError("multi_modal_data takes the keys 'image' and 'video'")
+        images, videos = _as_list(data.get("image")), _as_list(data.get("video"))
+        for name, items in (("image", images), ("video", videos)):
+            if len(items) > self.mm_limits[name]:
+                raise ValueError(f"this prompt has {len(items)} {name}(s); the server takes at most "
+                                 f"{self.mm_limits[name]} (--limit-mm-per-prompt)")  # fmt: skip
+        media = [self.media.image(i) for i in images] + [self.media.video(v) for v in videos]
+        expanded = expand_placeholders(text, media)
+        token_ids = self.tokenizer.encode(expanded)
+        return PromptInputs(text, token_ids, place_media(token_ids, media, self.mm))
 
     def _grammar_compiler(self) -> GrammarCompiler | None:
         if self.tokenizer is None:
@@ -426,6 +481,20 @@ class PromptError(ValueError):
     def __init__(self, message: str, field: str = "prompt"):
         super().__init__(message)
         self.field = field
+
+
+@dataclass(frozen=True)
+class PromptInputs:
+    text: str | None
+    token_ids: list[int]
+    mm_items: tuple[MultiModalItem, ...] = ()
+
+    def as_prompt(self) -> dict:
+        return {"prompt": self.text, "prompt_token_ids": self.token_ids, "mm_items": self.mm_items}
+
+
+def _as_list(value) -> list:
+    return [] if value is None else list(value) if isinstance(value, (list, tuple)) else [value]
 
 
 def check_prompt_ids(token_ids: list[int], vocab_size: int, max_model_len: int, max_tokens: int | None = None) -> None:

@@ -1,6 +1,7 @@
 """The plain data a step passes from the scheduler to the runner and back.
 
-Nothing here holds a live object: ids, token ids, block ids and counts only, so a
+Nothing here holds a live object: ids, token ids, block ids, counts (and the pixels of a
+request's images, as tensors), so a
 `SchedulerOutput` can be pickled to worker processes (tensor parallelism, disaggregated
 prefill/decode) and a `ModelRunnerOutput` sent back.
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from oxserve.cache.manager import CacheOps
+from oxserve.multimodal.inputs import MultiModalItem
 from oxserve.sampling_params import SamplingParams
 
 
@@ -30,6 +32,7 @@ class NewRequestData:
     # Output tokens already in the cache: a preempted request resuming from a prefix
     # checkpoint past its prompt (their penalties count them).
     output_token_ids: list[int] = field(default_factory=list)
+    mm_items: tuple[MultiModalItem, ...] = ()  # images and videos at their prompt positions
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from oxserve.multimodal.inputs import MultiModalItem, cache_key_ids
 from oxserve.sampling_params import SamplingParams
 
 
@@ -59,6 +60,14 @@ class Request:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     first_token_time: float | None = None
+    # Images and videos at their placeholder positions, and the prompt as prefix caching keys
+    # it (each item's positions hold a value of its content hash, so images never share cache)
+    mm_items: tuple[MultiModalItem, ...] = ()
+    prompt_cache_keys: list[int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.mm_items and self.prompt_cache_keys is None:
+            self.prompt_cache_keys = cache_key_ids(self.prompt_token_ids, self.mm_items)
 
     @property
     def num_tokens(self) -> int:
@@ -80,6 +89,13 @@ class Request:
         if start >= n_prompt:  # a decode: never copy the whole history
             return self.output_token_ids[start - n_prompt : end - n_prompt]
         return self.prompt_token_ids[start:end] + self.output_token_ids[: max(0, end - n_prompt)]
+
+    def cache_key_slice(self, start: int, end: int) -> list[int]:
+        """`token_slice` as prefix caching sees it: images' positions hold their content keys."""
+        if self.prompt_cache_keys is None or start >= len(self.prompt_token_ids):
+            return self.token_slice(start, end)
+        n_prompt = len(self.prompt_token_ids)
+        return self.prompt_cache_keys[start:end] + self.output_token_ids[: max(0, end - n_prompt)]
 
     @property
     def is_finished(self) -> bool:

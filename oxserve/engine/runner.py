@@ -35,6 +35,8 @@ from oxserve.engine.sampler import SamplingRow, make_generator, sample
 from oxserve.engine.speculative import verify
 from oxserve.model.batch import BatchRequest, make_forward_batch
 from oxserve.model.glm5_next import Glm5NextForCausalLM
+from oxserve.multimodal.embedder import MultiModalEmbedder, RowSpan
+from oxserve.multimodal.inputs import MultiModalItem
 from oxserve.parallel.workers import WorkerGroup, share_accepted
 from oxserve.sampling_params import SamplingParams
 from oxserve.structured.grammar import GrammarCompiler
@@ -52,6 +54,7 @@ class RequestState:
     block_ids: list[int]
     generator: torch.Generator | None  # seeded per request; None -> the default RNG
     grammar: RequestGrammar | None = None  # structured outputs: the output's matcher so far
+    mm_items: tuple[MultiModalItem, ...] = ()  # images and videos in the prompt
 
 
 class ModelRunner:
@@ -66,6 +69,7 @@ class ModelRunner:
         num_checkpoints: int = 0,
         workers: WorkerGroup | None = None,
         mtp_drafts: bool = False,
+        embedder: MultiModalEmbedder | None = None,
     ):
         self.model = model
         self.workers = workers  # tensor parallelism, on rank 0: the other ranks
@@ -83,6 +87,7 @@ class ModelRunner:
         self._step_hidden: torch.Tensor | None = None  # MTP drafting: this step's hidden states, every row
         self.grammars = grammars
         self.masks = BatchMasks(grammars.vocab_size) if grammars is not None else None
+        self.embedder = embedder  # images and video: their embeddings for placeholder rows
 
     def drop(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
@@ -218,7 +223,7 @@ class ModelRunner:
             generator = old.generator if old is not None else make_generator(new.params.seed, self.device)
             grammar = old.grammar if old is not None else None
             self.requests[new.request_id] = RequestState(new.params, new.prompt_token_ids, list(new.output_token_ids), [],
-                                                         generator, grammar)
+                                                         generator, grammar, new.mm_items)
             if self.drafter is not None:
                 self.drafter.restart(new.request_id)
         for s in out.scheduled:
@@ -242,12 +247,13 @@ class ModelRunner:
             batch = make_forward_batch(requests, self.model.config, self.layout.block_size, self.layout.num_blocks, self.device,
                                        self.rings)
             input_ids = torch.tensor([t for s in scheduled for t in s.token_ids], dtype=torch.long, device=self.device)
+        mm_embeds = self._mm_embeddings(scheduled)
         batch.tracer = self.tracer
         with span(self.tracer, "forward", track="engine", **step_conditions(batch)):
             if self.drafter is None:
-                hidden = self.model(input_ids, batch, self.caches)
+                hidden = self.model(input_ids, batch, self.caches, mm_embeds=mm_embeds)
             else:  # the drafter reads every row's hidden state after sampling
-                self._step_hidden = self.model(input_ids, batch, self.caches, all_rows=True)
+                self._step_hidden = self.model(input_ids, batch, self.caches, all_rows=True, mm_embeds=mm_embeds)
                 hidden = self._step_hidden[batch.logits_indices]
             num_sampling_rows = len(hidden) - sum(len(s.prompt_logprob_positions) for s in scheduled)
             logits = self.model.compute_logits(hidden[:num_sampling_rows], self.tracer)
@@ -255,6 +261,18 @@ class ModelRunner:
             return logits, {}
         with span(self.tracer, "prompt_logprobs", track="engine"):
             return logits, self._score_prompts(scheduled, hidden[num_sampling_rows:])
+
+    def _mm_embeddings(self, scheduled: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Image and video embeddings for the placeholder rows of this step (None: no such rows)."""
+        if self.embedder is None:
+            return None
+        spans, row = [], 0
+        for s in scheduled:
+            items = self.requests[s.request_id].mm_items
+            if items and s.num_computed_tokens <= max(i.positions[-1] for i in items):  # a prompt chunk reaching them
+                spans.append(RowSpan(items, s.num_computed_tokens, row, s.num_new_tokens))
+            row += s.num_new_tokens
+        return self.embedder.step_embeddings(spans, self.tracer) if spans else None
 
     def _score_prompts(self, scheduled: list[ScheduledRequest], hidden: torch.Tensor) -> dict[str, PromptLogprobs]:
         scoring = [s for s in scheduled if s.prompt_logprob_positions]

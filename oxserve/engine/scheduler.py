@@ -108,7 +108,8 @@ class Scheduler:
         if suspect is not None and not chosen and not preempted:  # it cannot run now: the others can
             chosen, _ = self._choose(skip=suspect)
         new_requests = [
-            NewRequestData(r.request_id, r.prompt_token_ids, r.params, r.token_slice(len(r.prompt_token_ids), r.num_computed_tokens))
+            NewRequestData(r.request_id, r.prompt_token_ids, r.params, r.token_slice(len(r.prompt_token_ids), r.num_computed_tokens),
+                           r.mm_items)
             for r, _ in chosen if r.request_id not in self._blocks_sent
         ]  # fmt: skip
         scheduled = [self._scheduled(r, n) for r, n in chosen]
@@ -227,7 +228,7 @@ class Scheduler:
         Requests asking for prompt logprobs compute their whole prompt."""
         if request.num_computed_tokens or request.params.prompt_logprobs is not None:
             return None
-        tokens = request.token_slice(0, request.num_tokens)
+        tokens = request.cache_key_slice(0, request.num_tokens)
         return self.cache.lookup(tokens, request.num_tokens - 1)  # the last token is computed for its logits
 
     def _checkpoint_targets(self, request: Request, hit: PrefixHit | None) -> list[tuple[int, str]]:
@@ -258,11 +259,11 @@ class Scheduler:
 
     def _reached(self, request: Request) -> None:
         """After a step: name the request's filled blocks, save its state where it was due."""
-        self.cache.register(request.request_id, request.num_computed_tokens, request.token_slice)
+        self.cache.register(request.request_id, request.num_computed_tokens, request.cache_key_slice)
         while request.checkpoint_at and request.checkpoint_at[0][0] <= request.num_computed_tokens:
             position, reason = request.checkpoint_at.pop(0)
             if position == request.num_computed_tokens:
-                self.cache.checkpoint(request.request_id, position, request.token_slice, reason)
+                self.cache.checkpoint(request.request_id, position, request.cache_key_slice, reason)
 
     def _scheduled(self, request: Request, n: int) -> ScheduledRequest:
         start = request.num_computed_tokens
@@ -284,7 +285,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         # Its state as the last step left it: resuming from there skips the recompute.
-        self.cache.checkpoint(request.request_id, request.num_computed_tokens, request.token_slice, "preempt")
+        self.cache.checkpoint(request.request_id, request.num_computed_tokens, request.cache_key_slice, "preempt")
         request.num_preemptions += 1
         self.num_preemptions += 1
         self._requeue(request)
@@ -420,7 +421,7 @@ class Scheduler:
         if request is None or request.is_finished:
             return None
         if keep_state and request.status is RequestStatus.RUNNING:  # its state, for a conversation that goes on
-            self.cache.checkpoint(request_id, request.num_computed_tokens, request.token_slice, "finish")
+            self.cache.checkpoint(request_id, request.num_computed_tokens, request.cache_key_slice, "finish")
         request.finish(reason, stop_reason)
         if request in self.running:
             self.running.remove(request)

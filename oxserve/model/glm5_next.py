@@ -124,11 +124,15 @@ class Glm5NextForCausalLM(nn.Module):
         return [spec(i, layer.self_attn) for i, layer in enumerate(self.layers)]
 
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, caches: list[LayerCache],
-                all_rows: bool = False) -> torch.Tensor:  # fmt: skip
+                all_rows: bool = False, mm_embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:  # fmt: skip
         """input_ids [T] -> final hidden states of the rows in batch.logits_indices [S, D]
-        (with `all_rows`, of every row [T, D]: the MTP drafter reads them all)."""
+        (with `all_rows`, of every row [T, D]: the MTP drafter reads them all). `mm_embeds`:
+        (rows, embeddings) that replace those rows' token embeddings (images, video)."""
         with span(batch.tracer, "embed"):
             x = self.embed(input_ids)
+            if mm_embeds is not None:
+                rows, embeds = mm_embeds
+                x[rows] = embeds.to(x.dtype)
             streams = x.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
         selection = None
         for layer, cache in zip(self.layers, caches):

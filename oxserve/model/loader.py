@@ -9,8 +9,8 @@ later quantizing or sharding it), so this file knows names, not storage. Under t
 parallelism a parameter's `Split` first cuts the tensor to this rank's piece. After loading,
 every module with an `after_load()` hook gets it.
 
-The MTP layer (index num_hidden_layers) loads only when asked for; vision tensors are not
-read at all.
+The MTP layer (index num_hidden_layers) loads only when asked for; the vision tower is a
+separate module (`load_vision_tower`), loaded only for servers that take images.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from safetensors import safe_open
 from oxserve.model.config import TextModelConfig
 from oxserve.model.glm5_next import Glm5NextForCausalLM
 from oxserve.model.linear import CheckpointError, Shard, copy_loader
+from oxserve.model.vision import MultiModalConfig, VisionTower
 from oxserve.parallel.layer_split import WHOLE, LayerSplit
 from oxserve.parallel.tensor import SINGLE, ShardError, Split, TensorParallel
 from oxserve.quantization.scheme import read_scheme
@@ -40,7 +41,7 @@ log = logging.getLogger(__name__)
 TEXT_PREFIXES = ("model.language_model.", "language_model.model.", "language_model.", "model.")
 VISION_PREFIXES = ("model.visual.", "visual.", "model.vision_tower.")
 
-__all__ = ["CheckpointError", "LoadedModel", "load_model"]
+__all__ = ["CheckpointError", "LoadedModel", "load_model", "load_vision_tower"]
 
 
 @dataclass(frozen=True)
@@ -172,6 +173,38 @@ def load_model(
             module.after_load()
     model.eval()
     return LoadedModel(model=model, config=cfg)
+
+
+def load_vision_tower(path: str | Path, dtype: torch.dtype = torch.float32,
+                      device: str | torch.device = "cpu") -> VisionTower | None:  # fmt: skip
+    """The checkpoint's vision tower and projector (None: a text-only checkpoint). Its
+    parameter names are the checkpoint's, so every tensor must match one exactly."""
+    path = Path(path)
+    mm = MultiModalConfig.from_file(path)
+    if mm is None:
+        return None
+    with _default_dtype(dtype), torch.device(device):
+        tower = VisionTower(mm.vision)
+    params = dict(tower.named_parameters())
+    loaded = set()
+    for name, read in _checkpoint(path):
+        prefix = next((p for p in VISION_PREFIXES if name.startswith(p)), None)
+        if prefix is None:
+            continue
+        local = name[len(prefix) :]
+        if local not in params:
+            raise CheckpointError(f"checkpoint tensor {name} has no place in the vision tower")
+        tensor = read()
+        if tensor.shape != params[local].shape:
+            raise CheckpointError(f"checkpoint tensor {name} has shape {tuple(tensor.shape)}; "
+                                  f"the vision config makes it {tuple(params[local].shape)}")  # fmt: skip
+        with torch.no_grad():
+            params[local].copy_(tensor)
+        loaded.add(local)
+    if missing := sorted(set(params) - loaded):
+        raise CheckpointError(f"the checkpoint lacks vision tensors: {', '.join(missing[:5])}"
+                              + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))  # fmt: skip
+    return tower.eval()
 
 
 SKIP = Target("")  # a tensor deliberately not read (the MTP layer unless asked for)

@@ -122,13 +122,15 @@ class TrackRequests:
 
 
 def build_app(engine: AsyncEngine, model_name: str, parsing: ChatParsing | None = None, keys: dict[str, KeyQuota] | None = None,
-              protect_metrics: bool = False, batch_store: Path | None = None, batch_concurrency: int = 8) -> FastAPI:  # fmt: skip
+              protect_metrics: bool = False, batch_store: Path | None = None, batch_concurrency: int = 8,
+              allowed_local_media_path: Path | None = None) -> FastAPI:  # fmt: skip
     """`keys`: API keys and their quotas; one is required on every route but /health (and
     /metrics unless `protect_metrics`). None: no key needed.
-    `batch_store`: the SQLite file of the Files and Batch APIs (None: those routes are absent)."""
+    `batch_store`: the SQLite file of the Files and Batch APIs (None: those routes are absent).
+    `allowed_local_media_path`: the directory under which image and video parts may name local files."""
     metrics = ServerMetrics(lambda: engine.snapshot, list(keys.values()) if keys else [])
     engine.metrics = metrics
-    serving = OpenAIServing(engine, model_name, parsing)
+    serving = OpenAIServing(engine, model_name, parsing, allowed_local_media_path)
     tokenizing = TokenizeServing(serving)
     state = ServerState(engine)
     store = BatchStore(batch_store, Faults.from_env().batch_store_max_pages) if batch_store is not None else None

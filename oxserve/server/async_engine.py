@@ -216,6 +216,7 @@ class AsyncEngine:
         self.vocab_size = engine.model_config.vocab_size
         self.model_path = engine.model_path
         self.grammars = engine.grammars  # structured-output checks: thread-safe, torch-free
+        self.check_prompt = engine.check_prompt  # tokenizes and places images: reads only what is fixed
 
     def check_structured_outputs(self, params: SamplingParams) -> None:
         """ValueError if the engine cannot run the request's constraint; call off the event

@@ -34,6 +34,13 @@ API_KEY_ENV = "OXSERVE_API_KEY"
 ENGINE_WATCH_INTERVAL_S = 0.5  # how soon a dead engine stops the server
 
 
+def _media_dir(value: str) -> Path:
+    path = Path(value)
+    if not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{value} is not a directory")
+    return path.resolve()
+
+
 def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     group = parser.add_argument_group("server options")
     group.add_argument("--host", default="127.0.0.1", help="address to listen on; 0.0.0.0 for all (default: %(default)s)")
@@ -49,6 +56,9 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
                             "likely given up (openai's default timeout is 600 s; 0: no bound; default: %(default)s)")  # fmt: skip
     group.add_argument("--shutdown-timeout", type=float, default=30.0,
                        help="on SIGTERM, seconds to let in-flight requests finish before aborting them (default: %(default)s)")  # fmt: skip
+    group.add_argument("--allowed-local-media-path", type=_media_dir, default=None, metavar="DIR",
+                       help="image_url / video_url parts may name local files (file:// URLs or paths) under DIR; "
+                            "without it only data: URLs are taken (remote URLs never are)")  # fmt: skip
     group.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
                        help="read tool calls in this model family's format out of chat outputs (needed for tools)")  # fmt: skip
     group.add_argument("--enable-auto-tool-choice", action="store_true",
@@ -107,7 +117,8 @@ def run(args: argparse.Namespace) -> int:
     log.info("serving %s (%s) as %r, max_model_len %d", engine.model_path, args.dtype, model_name, engine.max_model_len)
     batch_store = args.batch_store or data_dir() / f"batches-{args.port}.sqlite"  # a restart on this port resumes its jobs
     try:
-        app = build_app(engine, model_name, parsing, keys, args.api_key_protects_metrics, batch_store, args.batch_concurrency)
+        app = build_app(engine, model_name, parsing, keys, args.api_key_protects_metrics, batch_store, args.batch_concurrency,
+                        args.allowed_local_media_path)  # fmt: skip
     except ValueError as e:  # the batch store: in use by another server, or of another version
         raise SystemExit(str(e)) from None
     config = uvicorn.Config(

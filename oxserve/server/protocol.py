@@ -8,7 +8,7 @@ offline API reject the same values with the same messages.
 from __future__ import annotations
 
 import json
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Annotated, Any, Literal
 
 from fastapi.exceptions import RequestValidationError
@@ -314,21 +314,50 @@ class ChatMessage(BaseModel):
     content: str | list[dict[str, Any]] | None = None
 
     def template_dict(self) -> dict[str, Any]:
+        """The message as the chat template reads it: text content as a string; with images or
+        videos, a list of parts ({"type": "text", "text": ...}, {"type": "image"}, {"type": "video"})."""
         message = self.model_dump(exclude_none=True)
-        message["content"] = self._text()
+        parts = self._parts()
+        media = any(p["type"] != "text" for p in parts)
+        message["content"] = parts if media else "".join(p["text"] for p in parts)
         if isinstance(message.get("tool_calls"), list):
             message["tool_calls"] = [_with_argument_dict(call) for call in message["tool_calls"]]
         return message
 
-    def _text(self) -> str:
+    def media(self, index: int) -> list[MediaPart]:
+        """This message's (index `index`) images and videos, in order."""
+        if not isinstance(self.content, list):
+            return []
+        return [MediaPart(MEDIA_PARTS[part["type"]], part[part["type"]]["url"], f"messages[{index}].content[{j}]")
+                for j, part in enumerate(self.content) if part.get("type") in MEDIA_PARTS]  # fmt: skip
+
+    def _parts(self) -> list[dict[str, str]]:
         if self.content is None or isinstance(self.content, str):
-            return self.content or ""
-        texts = []
+            return [{"type": "text", "text": self.content or ""}]
+        parts = []
         for part in self.content:
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise bad_request(f"content parts of type {part.get('type')!r} are not supported; send text", "messages")
-            texts.append(part["text"])
-        return "".join(texts)
+            kind = part.get("type")
+            if kind == "text" and isinstance(part.get("text"), str):
+                parts.append({"type": "text", "text": part["text"]})
+            elif kind in MEDIA_PARTS:
+                ref = part.get(kind)
+                if not isinstance(ref, dict) or not isinstance(ref.get("url"), str):
+                    raise bad_request(f'a {kind} part needs {{"{kind}": {{"url": "..."}}}}', "messages")
+                parts.append({"type": MEDIA_PARTS[kind]})
+            else:
+                raise bad_request(f"content parts of type {kind!r} are not supported; send text, image_url or video_url",
+                                  "messages")  # fmt: skip
+        return parts
+
+
+MEDIA_PARTS = {"image_url": "image", "video_url": "video"}  # content part type -> modality
+
+
+@dataclass(frozen=True)
+class MediaPart:
+    modality: str  # "image" | "video"
+    url: str
+    where: str  # the part, for error messages: messages[i].content[j]
 
 
 def _with_argument_dict(call: Any) -> Any:
@@ -360,6 +389,10 @@ class ChatCompletionRequest(_SamplingRequest):
     def effective_tool_choice(self) -> str | NamedToolChoice:
         """OpenAI's default: "auto" when tools are given, else "none"."""
         return self.tool_choice if self.tool_choice is not None else "auto" if self.tools else "none"
+
+    def media(self) -> list[MediaPart]:
+        """Every image and video of the conversation, in the order the template renders them."""
+        return [part for i, m in enumerate(self.messages) for part in m.media(i)]
 
     def forced_tools(self) -> list[dict[str, Any]] | None:
         """The functions a call must be made to (`required`: any; named: that one), or None."""

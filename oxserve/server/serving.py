@@ -13,13 +13,15 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, AsyncIterator
 
 import jinja2
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from oxserve.engine.engine import PromptError, check_prompt_ids
+from oxserve.engine.engine import PromptError, PromptInputs, check_prompt_ids
+from oxserve.multimodal.media import MediaError, decode_image, decode_video, media_bytes
 from oxserve.outputs import CompletionOutput, RequestOutput
 from oxserve.sampling_params import SamplingParams
 from oxserve.server.async_engine import AsyncEngine, EngineError, EngineRequest, QueueFullError, QueueTimeoutError, RequestGroup
@@ -29,6 +31,7 @@ from oxserve.server.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
+    MediaPart,
     bad_request,
     parse_body,
 )
@@ -48,6 +51,7 @@ class Job:
     prompts: list[list[int]]
     created: int
     priority: int = 0  # lower runs first, under --scheduling-policy priority
+    mm_items: tuple = ()  # a chat's images and videos, placed in its one prompt
 
     @property
     def num_choices(self) -> int:
@@ -62,7 +66,10 @@ class Job:
         requests = []
         for i in range(self.num_choices):
             rid = self.response_id if self.num_choices == 1 else f"{self.response_id}-{i}"
-            requests.append((rid, self.prompts[i // len(children)], children[i % len(children)]))
+            prompt = self.prompts[i // len(children)]
+            if self.mm_items:
+                prompt = {"prompt_token_ids": prompt, "mm_items": self.mm_items}
+            requests.append((rid, prompt, children[i % len(children)]))
         return requests
 
     def token_charge(self, max_model_len: int) -> int:
@@ -147,10 +154,12 @@ class EngineStreamResponse(StreamingResponse):
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncEngine, model_name: str, parsing: ChatParsing | None = None):
+    def __init__(self, engine: AsyncEngine, model_name: str, parsing: ChatParsing | None = None,
+                 allowed_local_media_path: Path | None = None):  # fmt: skip
         self.engine = engine
         self.model_name = model_name
         self.parsing = parsing or ChatParsing()
+        self.allowed_local_media_path = allowed_local_media_path  # None: local media files refused
 
     # ---- /v1/completions ----------------------------------------------------------------
     async def completions(self, body: bytes, raw: Request | None) -> Response:
@@ -248,8 +257,34 @@ class OpenAIServing:
         prompt_text = self.render_chat(req)
         turn = ChatTurn(req, self.parsing, prompt_text, self.engine.tokenizer)
         params = await self._checked(turn.sampling_params(req.to_sampling_params()))
+        media = req.media()
+        if media:
+            inputs = await self._multimodal(prompt_text, media)
+            prompt = await self._prompt_ids(inputs.token_ids, params.max_tokens, "messages")
+            return Job(response_id, self.model_name, params, [prompt], int(time.time()), req.priority, inputs.mm_items), turn
         prompt = await self._prompt_ids(prompt_text, params.max_tokens, "messages")
         return Job(response_id, self.model_name, params, [prompt], int(time.time()), req.priority), turn
+
+    async def _multimodal(self, prompt_text: str, media: list[MediaPart]) -> PromptInputs:
+        """The rendered chat with its images and videos fetched, decoded, processed and placed
+        (off the event loop: decoding and patching take a while); a 400 naming the bad part."""
+
+        def load(part: MediaPart):
+            try:
+                data = media_bytes(part.url, self.allowed_local_media_path)
+                return decode_image(data) if part.modality == "image" else decode_video(data)
+            except MediaError as e:
+                raise bad_request(f"{part.where}: {e}", part.where) from None
+
+        def prepare() -> PromptInputs:
+            loaded = [load(part) for part in media]
+            data = {m: [x for part, x in zip(media, loaded) if part.modality == m] for m in ("image", "video")}
+            try:
+                return self.engine.check_prompt({"prompt": prompt_text, "multi_modal_data": data})
+            except ValueError as e:
+                raise bad_request(str(e), "messages") from None
+
+        return await asyncio.to_thread(prepare)
 
     def render_chat(self, req: ChatCompletionRequest) -> str:
         tokenizer = self.engine.tokenizer
