@@ -262,3 +262,17 @@ def test_encoder_cache_drops_least_recently_used():
     assert cache.get(b"b") is None and cache.get(b"a") is not None and cache.rows == 8
     cache.put(b"huge", torch.zeros(11, 2))
     assert cache.get(b"huge") is None and len(cache) == 2
+
+
+def test_images_survive_preemption(vision_model):
+    """Requests preempted for room recompute their prompts, images included, and answer as alone."""
+    images, video = _media(9)
+    prompts = [{"prompt": PROMPT, "multi_modal_data": {"image": pair, "video": video}} for pair in (images, images[::-1])]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    alone = [LLM(model=str(vision_model), dtype="float32", block_size=16).generate([p], params)[0] for p in prompts]
+    n = len(alone[0].prompt_token_ids) + 24
+    tight = LLM(model=str(vision_model), dtype="float32", block_size=16, num_blocks=2 * (-(-n // 16)) - 1,
+                enable_prefix_caching=False)  # fmt: skip
+    together = tight.generate(prompts, params)
+    assert tight.engine.stats().num_preemptions > 0
+    assert [o.outputs[0].token_ids for o in together] == [o.outputs[0].token_ids for o in alone]

@@ -80,6 +80,8 @@ class EngineStats:
     prefix_checkpoint_evictions: int = 0
     prefix_cached_blocks: int = 0  # blocks holding a hashed prefix (in use or free)
     prefix_block_evictions: int = 0  # hashed blocks reused for other content
+    mm_items_encoded: int = 0  # images and videos the vision tower encoded
+    mm_items_cached: int = 0  # ... found in the encoder cache instead
 
 
 @dataclass(frozen=True)
@@ -272,7 +274,14 @@ class LLMEngine:
             grammar_mask_seconds=self.runner.masks.cost.seconds if self.runner.masks else 0.0,
             grammar_mask_steps=self.runner.masks.cost.steps if self.runner.masks else 0,
             **self._prefix_stats(),
+            **self._mm_stats(),
         )
+
+    def _mm_stats(self) -> dict:
+        if self.runner.embedder is None:
+            return {}
+        cache = self.runner.embedder.cache
+        return dict(mm_items_encoded=cache.misses, mm_items_cached=cache.hits)
 
     def _prefix_stats(self) -> dict:
         checkpoints = self.cache.checkpoints

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from oxserve.kernels.norm import rms_norm
 from oxserve.model.activations import activation
 
 
@@ -86,12 +87,6 @@ class MultiModalConfig:
         return cls(VisionConfig.from_hf_dict(raw["vision_config"]), **ids)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """The reference's RMSNorm: statistics in fp32, scaled in the input's dtype."""
-    xf = x.float()
-    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-
-
 class ClampedSwiGLU(nn.Module):
     def __init__(self, dim: int, inner: int, limit: float, act: str, bias: bool):
         super().__init__()
@@ -112,6 +107,8 @@ def clamped_swiglu(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 class RMSNorm(nn.Module):
+    """The reference's RMSNorm, with a plain parameter (the text model's is a loadable one)."""
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))

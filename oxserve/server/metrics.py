@@ -98,6 +98,8 @@ class _EngineCollector:
              s.prefix_cached_blocks),
             (CounterMetricFamily, "prefix_block_evictions", "Hashed cache blocks reused for other content.",
              s.prefix_block_evictions),
+            (CounterMetricFamily, "mm_items_encoded", "Images and videos encoded by the vision tower.", s.mm_items_encoded),
+            (CounterMetricFamily, "mm_items_cached", "Images and videos found in the encoder cache.", s.mm_items_cached),
         ):
             yield kind(f"oxserve:{name}", doc, value=value)
 

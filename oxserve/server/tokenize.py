@@ -81,6 +81,9 @@ class TokenizeServing:
     def _chat_prompt(self, req: TokenizeRequest) -> str:
         chat = ChatCompletionRequest(messages=req.messages, tools=req.tools, add_generation_prompt=req.add_generation_prompt,
                                      chat_template_kwargs=req.chat_template_kwargs)  # fmt: skip
+        if parts := chat.media():  # their token count depends on decoding and resizing them
+            raise bad_request("/tokenize does not take images or video; /v1/chat/completions reports their prompt tokens in usage",
+                              parts[0].where)  # fmt: skip
         return self.serving.render_chat(chat)
 
 

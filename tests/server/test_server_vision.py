@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import io
 
+import httpx
 import numpy as np
 import openai
 import PIL.Image
@@ -66,6 +67,10 @@ def test_images_and_video_reach_the_model(vision_server):
     assert video.usage.prompt_tokens > text_only.usage.prompt_tokens
     streamed = "".join(c.choices[0].delta.content or "" for c in _ask(client, _image(_data_url("image/png", png_a)), stream=True))
     assert streamed == a.choices[0].message.content
+    # a, b, the local file and the video encoded once each; a's first repeat from the encoder
+    # cache (its second may start past the image, from a prefix checkpoint, and need neither).
+    metrics = server.metrics()
+    assert metrics["oxserve:mm_items_encoded_total"] == 4 and metrics["oxserve:mm_items_cached_total"] >= 1
 
 
 @pytest.mark.parametrize(
@@ -101,6 +106,8 @@ def test_limits_and_placeholders(vision_server):
         client.chat.completions.create(model=MODEL, max_tokens=2, messages=[
             {"role": "user", "content": [{"type": "text", "text": "<|image|>"}, _image(png)]}])  # fmt: skip
     assert "placeholder" in e.value.body["message"]
+    tokenize = httpx.post(f"{server.base_url}/tokenize", json={"messages": [{"role": "user", "content": [_image(png)]}]})
+    assert tokenize.status_code == 400 and tokenize.json()["error"]["param"] == "messages[0].content[0]"
 
 
 def test_a_decoded_image_is_what_pillow_decodes():
