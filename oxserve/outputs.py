@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from typing import Any
 from dataclasses import dataclass, field
 
 
@@ -34,3 +35,6 @@ class RequestOutput:
     # once the prompt has been computed (so not on an abort before that).
     prompt_logprobs: list[dict[int, float] | None] | None = None
     prompt_token_ranks: list[int | None] | None = None
+    # Disaggregated prefill: a request added with export_caches=True finishes holding its
+    # caches (a `oxserve.disagg.snapshot.CacheSnapshot`) for a decode instance.
+    kv_snapshot: Any = None

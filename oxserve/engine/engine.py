@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import time
@@ -21,6 +22,7 @@ from oxserve.cache.planner import plan_prefix_caching, plan_split_cache
 from oxserve.cache.precision import CachePlan, LayerCachePrecision
 from oxserve.cache.spec import CacheLayout
 from oxserve.config import EngineConfig
+from oxserve.disagg.snapshot import CacheSnapshot, layout_of
 from oxserve.engine.interface import SchedulerOutput
 from oxserve.engine.memory import keep_freed_memory
 from oxserve.engine.prefill_cost import prefill_cost
@@ -212,9 +214,13 @@ class LLMEngine:
 
     # ---- requests ---------------------------------------------------------------------------
     def add_request(self, request_id: str | None, prompt: Prompt, params: SamplingParams | None = None,
-                    priority: int = 0) -> str:  # fmt: skip
+                    priority: int = 0, export_caches: bool = False, kv_import: CacheSnapshot | None = None) -> str:  # fmt: skip
         """Validate and queue a request. Raises ValueError naming the problem; nothing else changes.
-        `priority` (lower runs first) needs `scheduling_policy="priority"`."""
+        `priority` (lower runs first) needs `scheduling_policy="priority"`.
+
+        Disaggregation: with `export_caches` (max_tokens 1), the request's final output carries
+        its caches (`RequestOutput.kv_snapshot`); with `kv_import` (a prefill instance's
+        snapshot of this very prompt) it skips its prefill and decodes on from the snapshot's token."""
         params = params or SamplingParams()
         self.check_priority(priority)
         if params.n != 1:
@@ -238,9 +244,39 @@ class LLMEngine:
             boundaries=self._boundaries(token_ids),
             mm_items=checked.mm_items,
         )
+        if export_caches or kv_import is not None:
+            self._check_transfer(request, export_caches, kv_import)
         self.scheduler.add(request)
         self._texts[request_id] = OutputText(self.tokenizer, params)
+        if kv_import is not None:
+            self._texts[request_id].push(kv_import.first_token)
+            self.runner.imports[request_id] = kv_import
         return request_id
+
+    def _check_transfer(self, request: Request, export: bool, snap: CacheSnapshot | None) -> None:
+        """Refuse a disaggregated request that cannot be handed over exactly; prepare the rest."""
+        params = request.params
+        if self.workers is not None:
+            raise ValueError("prefill/decode disaggregation runs on single-rank instances")
+        if params.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs need the whole prompt computed where they are asked for; send such "
+                             "requests colocated")  # fmt: skip
+        if export:
+            if params.max_tokens != 1:
+                raise ValueError("a request exporting its caches computes its prompt and one token: max_tokens must be 1")
+            request.export_caches = True
+            return
+        if snap.prompt_token_ids != request.prompt_token_ids:
+            raise ValueError(f"the transferred caches hold a different prompt ({snap.num_tokens} tokens) than this "
+                             f"request's ({len(request.prompt_token_ids)}): the instances tokenize or template differently")  # fmt: skip
+        if params.max_tokens is not None and params.max_tokens < 2:
+            raise ValueError("the prefill instance sampled the only token asked for: nothing is left to decode")
+        if params.logprobs is not None and snap.first_logprobs is None:
+            raise ValueError("the request asks for logprobs, and the prefill instance sent none for its token")
+        request.output_token_ids.append(snap.first_token)
+        if params.logprobs is not None:
+            request.output_logprobs.append(snap.first_logprobs)
+        request.imported_tokens = snap.num_tokens
 
     def _boundaries(self, token_ids: list[int]) -> tuple[int, ...]:
         """Positions before a role token, where a turn starts, but the first (before it comes a
@@ -357,9 +393,26 @@ class LLMEngine:
 
     def _retire(self, request: Request) -> RequestOutput:
         output = self._output(request)
+        if request.export_caches and request.output_token_ids and request.finish_reason not in ("abort", "error"):
+            output.kv_snapshot = self._snapshot(request)
         self.scheduler.forget(request.request_id)
         del self._texts[request.request_id]
         return output
+
+    def _snapshot(self, request: Request) -> CacheSnapshot:
+        """The finished prefill's caches, first token and sampler state (before its blocks can be reused)."""
+        rid = request.request_id
+        logprobs = request.output_logprobs[0] if request.output_logprobs else None
+        return CacheSnapshot(list(request.prompt_token_ids), request.output_token_ids[0], logprobs,
+                             self.runner.generator_state(rid), self.runner.export_caches(rid, len(request.prompt_token_ids)))
+
+    def kv_description(self) -> dict:
+        """What a cache handover needs both sides to agree on: the model's weights and dtype, and
+        the caches' tables (see `oxserve.disagg.connector`)."""
+        config = (self.model_path / "config.json").read_bytes()
+        model = hashlib.blake2b(config + self.config.model.dtype.encode(), digest_size=16).hexdigest()
+        return {"model": model, "layout": layout_of(self.runner.caches, self.runner.layout.num_blocks,
+                                                     self.runner.layout.block_size)}
 
     def _output(self, request: Request) -> RequestOutput:
         completion = CompletionOutput(

@@ -64,6 +64,11 @@ class Request:
     # it (each item's positions hold a value of its content hash, so images never share cache)
     mm_items: tuple[MultiModalItem, ...] = ()
     prompt_cache_keys: list[int] | None = None
+    # Disaggregation: a prefill instance's request hands over its caches when it finishes;
+    # a decode instance's arrives with its prompt's caches (`imported_tokens` of them, until
+    # it is admitted) and the prefill's sampled token as its first output.
+    export_caches: bool = False
+    imported_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.mm_items and self.prompt_cache_keys is None:

@@ -29,6 +29,7 @@ from oxserve.engine.interface import (
     ScheduledRequest,
     SchedulerOutput,
 )
+from oxserve.disagg.snapshot import CacheSnapshot, export_caches, import_caches
 from oxserve.engine.mtp_drafter import MTPDrafter
 from oxserve.engine.prompt_logprobs import score_prompt_tokens
 from oxserve.engine.sampler import SamplingRow, make_generator, sample
@@ -55,6 +56,7 @@ class RequestState:
     generator: torch.Generator | None  # seeded per request; None -> the default RNG
     grammar: RequestGrammar | None = None  # structured outputs: the output's matcher so far
     mm_items: tuple[MultiModalItem, ...] = ()  # images and videos in the prompt
+    slot: int = -1  # its KDA state slot in the last step
 
 
 class ModelRunner:
@@ -88,10 +90,12 @@ class ModelRunner:
         self.grammars = grammars
         self.masks = BatchMasks(grammars.vocab_size) if grammars is not None else None
         self.embedder = embedder  # images and video: their embeddings for placeholder rows
+        self.imports: dict[str, CacheSnapshot] = {}  # disaggregation: caches waiting for their request's first step
 
     def drop(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
             self.requests.pop(request_id, None)
+            self.imports.pop(request_id, None)
             if self.drafter is not None:
                 self.drafter.forget(request_id)
 
@@ -229,6 +233,9 @@ class ModelRunner:
         for s in out.scheduled:
             state = self.requests[s.request_id]
             state.block_ids.extend(s.new_block_ids)
+            state.slot = s.state_slot
+            if (snap := self.imports.pop(s.request_id, None)) is not None:
+                self._import(state, snap)
             n_prompt = len(state.prompt_token_ids)
             real = s.token_ids[: s.num_new_tokens - s.num_draft_tokens]
             skip = max(0, n_prompt - s.num_computed_tokens)  # this step's tokens that are still prompt
@@ -261,6 +268,27 @@ class ModelRunner:
             return logits, {}
         with span(self.tracer, "prompt_logprobs", track="engine"):
             return logits, self._score_prompts(scheduled, hidden[num_sampling_rows:])
+
+    @torch.inference_mode()
+    def export_caches(self, request_id: str, num_tokens: int) -> dict[str, torch.Tensor]:
+        """Copies of the caches of a request's first `num_tokens` tokens (right after the step
+        that computed them, before its blocks can be reused)."""
+        state = self.requests[request_id]
+        blocks = state.block_ids[: -(-num_tokens // self.layout.block_size)]
+        return export_caches(self.caches, self.layout.num_blocks, blocks, state.slot, self.rings)
+
+    def generator_state(self, request_id: str) -> bytes | None:
+        generator = self.requests[request_id].generator
+        return None if generator is None else bytes(generator.get_state().numpy())
+
+    def _import(self, state: RequestState, snap: CacheSnapshot) -> None:
+        blocks = state.block_ids[: -(-snap.num_tokens // self.layout.block_size)]
+        with torch.inference_mode():
+            import_caches(self.caches, self.layout.num_blocks, blocks, state.slot, snap.tensors)
+        if self.rings is not None:
+            self.rings.counts[state.slot] = 0
+        if state.generator is not None and snap.generator_state is not None:
+            state.generator.set_state(torch.frombuffer(bytearray(snap.generator_state), dtype=torch.uint8))
 
     def _mm_embeddings(self, scheduled: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Image and video embeddings for the placeholder rows of this step (None: no such rows)."""

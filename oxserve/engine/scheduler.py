@@ -162,6 +162,13 @@ class Scheduler:
             request = self.waiting[0]
             if request is skip or (only is not None and (request is not only or chosen)):
                 break
+            if request.imported_tokens:  # its prompt's caches came from a prefill instance: it decodes now
+                if not self.cache.can_grow(request.request_id, request.num_tokens):
+                    break
+                self._admit_imported(request)
+                chosen.append((request, 1))
+                budget -= 1
+                continue
             hit = self._prefix_hit(request)
             start = hit.position if hit is not None else 0
             n = min(request.num_tokens - start, budget, step_cap, prefill_left)
@@ -188,6 +195,20 @@ class Scheduler:
             budget -= n
             prefill_left -= n
         return chosen, preempted
+
+    def _admit_imported(self, request: Request) -> None:
+        """Blocks and a slot for the imported prompt and its first output token, which the
+        runner fills from the snapshot before the step; it is a decode from here on (and a
+        recompute from scratch if preempted: the import is spent)."""
+        self.waiting.popleft()
+        self.cache.grow(request.request_id, request.num_tokens)
+        request.num_computed_tokens, request.imported_tokens = request.imported_tokens, 0
+        request.checkpoint_at = []
+        request.status = RequestStatus.RUNNING
+        if self.by_priority:
+            _insert_by_priority(self.running, request)
+        else:
+            self.running.append(request)
 
     def _suspect(self) -> Request | None:
         """The first request still being recomputed alone after a failed step (running ones
