@@ -230,6 +230,9 @@ class LLMEngine:
             self._next_id += 1
         if request_id in self.scheduler.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if isinstance(prompt, dict):  # the server's handover fields travel with the prompt
+            export_caches = export_caches or bool(prompt.get("export_caches"))
+            kv_import = kv_import if kv_import is not None else prompt.get("kv_import")
         checked = self.check_prompt(prompt)
         check_constraint(self.grammars, params.structured_outputs)
         token_ids = checked.token_ids

@@ -150,6 +150,7 @@ def build_app(engine: AsyncEngine, model_name: str, parsing: ChatParsing | None 
 
     app = FastAPI(title="oxserve", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.server = state
+    app.state.serving = serving  # the CLI gives it a cache sender or receiver (disaggregated roles)
     app.add_middleware(TrackRequests, state=state)
     if keys:  # added last, so outermost: a request without a key is not even counted
         app.add_middleware(EnforceQuotas, keys=keys)

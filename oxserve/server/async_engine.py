@@ -217,6 +217,7 @@ class AsyncEngine:
         self.model_path = engine.model_path
         self.grammars = engine.grammars  # structured-output checks: thread-safe, torch-free
         self.check_prompt = engine.check_prompt  # tokenizes and places images: reads only what is fixed
+        self.kv_description = engine.kv_description  # disaggregation: the caches' layout, fixed once built
 
     def check_structured_outputs(self, params: SamplingParams) -> None:
         """ValueError if the engine cannot run the request's constraint; call off the event

@@ -19,6 +19,9 @@ import torch
 import uvicorn
 
 from oxserve.cli import add_engine_arguments, engine_config_from_args
+from oxserve.disagg.connector import TRANSPORTS, KVReceiver, KVSender
+from oxserve.disagg.launch import run_deployment
+from oxserve.disagg.router import MODES, Instance, Router, build_router_app, parse_decode
 from oxserve.feedback.machine import data_dir
 from oxserve.parallel.workers import serve_node
 from oxserve.server.app import ServerState, build_app
@@ -29,6 +32,8 @@ from oxserve.server.parsers import REASONING_PARSERS, TOOL_PARSERS
 from oxserve.server.quotas import KeyQuota, load_keys
 
 log = logging.getLogger("oxserve.server")
+
+ROLES = ("colocated", "prefill", "decode", "router")
 
 API_KEY_ENV = "OXSERVE_API_KEY"
 ENGINE_WATCH_INTERVAL_S = 0.5  # how soon a dead engine stops the server
@@ -59,6 +64,26 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     group.add_argument("--allowed-local-media-path", type=_media_dir, default=None, metavar="DIR",
                        help="image_url / video_url parts may name local files (file:// URLs or paths) under DIR; "
                             "without it only data: URLs are taken (remote URLs never are)")  # fmt: skip
+    roles = parser.add_argument_group("disaggregated serving (docs/disaggregation.md)")
+    roles.add_argument("--role", choices=ROLES, default="colocated",
+                       help="colocated: a whole server; prefill: also exports a prompt's caches to a decode instance when "
+                            "a router asks; decode: also takes caches on --kv-port; router: no engine, the OpenAI API in "
+                            "front of --prefill and --decode instances (default: %(default)s)")  # fmt: skip
+    roles.add_argument("--kv-port", type=int, default=0,
+                       help="decode: the port prefill instances send caches to (0: any free one, logged; default: %(default)s)")
+    roles.add_argument("--kv-transport", choices=TRANSPORTS, default="tcp",
+                       help="prefill: how cache tensors travel: over the connection's socket (tcp) or a torch.distributed "
+                            "gloo pair group (gloo); headers and the layout handshake always go over TCP (default: %(default)s)")  # fmt: skip
+    roles.add_argument("--kv-debug", action="store_true", help="prefill: checksum every transfer (the receiver verifies it)")
+    roles.add_argument("--prefill", action="append", default=[], metavar="URL", help="router: a prefill instance (repeatable)")
+    roles.add_argument("--decode", action="append", default=[], metavar="URL,KVHOST:KVPORT",
+                       help="router: a decode instance and its KV address (repeatable)")
+    roles.add_argument("--disaggregate", choices=MODES, default="auto",
+                       help="router: split requests into prefill and decode always, never, or when measured costs say it "
+                            "pays (auto; default: %(default)s)")  # fmt: skip
+    roles.add_argument("--epd-config", type=Path, default=None, metavar="YAML",
+                       help="start a router with prefill and decode instances on this host, as the file says, and stop "
+                            "them with it (docs/disaggregation.md)")  # fmt: skip
     group.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
                        help="read tool calls in this model family's format out of chat outputs (needed for tools)")  # fmt: skip
     group.add_argument("--enable-auto-tool-choice", action="store_true",
@@ -107,6 +132,10 @@ def run(args: argparse.Namespace) -> int:
         parsing = ChatParsing(args.tool_call_parser, args.enable_auto_tool_choice, args.reasoning_parser)
     except ValueError as e:
         raise SystemExit(str(e)) from None
+    if args.epd_config is not None:
+        return run_deployment(args.epd_config, args.host, args.port)
+    if args.role == "router":
+        return run_router(args)
     keys = api_keys_from(args)
     engine_config = engine_config_from_args(args)
     if engine_config.parallel.node_rank > 0:  # another host's ranks: no engine, no HTTP server
@@ -121,6 +150,12 @@ def run(args: argparse.Namespace) -> int:
                         args.allowed_local_media_path)  # fmt: skip
     except ValueError as e:  # the batch store: in use by another server, or of another version
         raise SystemExit(str(e)) from None
+    serving = app.state.serving
+    if args.role == "prefill":
+        serving.kv_sender = KVSender(engine.kv_description(), args.kv_transport, args.kv_debug)
+    elif args.role == "decode":
+        serving.kv_receiver = KVReceiver(engine.kv_description(), args.host, args.kv_port)
+        log.info("decode instance: caches are taken on port %d", serving.kv_receiver.port)
     config = uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level, access_log=args.access_log,
         # After the drain only stragglers are left (a client not sending or not reading): 2 s for them.
@@ -132,6 +167,18 @@ def run(args: argparse.Namespace) -> int:
     server.run()
     # Non-zero when the engine died: a supervisor restarts the server.
     return 0 if server.started and not server.engine_died else 1
+
+
+def run_router(args: argparse.Namespace) -> int:
+    try:
+        router = Router([Instance(u.rstrip("/"), "prefill") for u in args.prefill], [parse_decode(d) for d in args.decode],
+                        args.disaggregate)  # fmt: skip
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+    log.info("router: %d prefill and %d decode instance(s), disaggregate %s", len(router.prefill), len(router.decode), args.disaggregate)
+    uvicorn.run(build_router_app(router), host=args.host, port=args.port, log_level=args.log_level,
+                access_log=args.access_log, log_config=None)  # fmt: skip
+    return 0
 
 
 def api_keys_from(args: argparse.Namespace) -> dict[str, KeyQuota] | None:

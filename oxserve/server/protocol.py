@@ -125,6 +125,9 @@ class _SamplingRequest(BaseModel):
     stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # vLLM's field for disaggregated prefill/decode, set by oxserve's router (docs/disaggregation.md):
+    # {"export_to": "host:port", "transfer_id": id} on a prefill instance, {"import": id} on a decode one
+    kv_transfer_params: dict[str, str] | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None

@@ -20,6 +20,8 @@ import jinja2
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from oxserve.disagg.connector import KVReceiver, KVSender, KVTransferError
+from oxserve.disagg.snapshot import CacheSnapshot
 from oxserve.engine.engine import PromptError, PromptInputs, check_prompt_ids
 from oxserve.multimodal.media import MediaError, decode_image, decode_video, media_bytes
 from oxserve.outputs import CompletionOutput, RequestOutput
@@ -39,6 +41,8 @@ from oxserve.server.quotas import KeyQuota, quota_of
 
 log = logging.getLogger(__name__)
 
+KV_WAIT_S = 10.0  # how long a decode instance waits for caches a prefill instance is sending
+
 
 
 @dataclass
@@ -52,6 +56,9 @@ class Job:
     created: int
     priority: int = 0  # lower runs first, under --scheduling-policy priority
     mm_items: tuple = ()  # a chat's images and videos, placed in its one prompt
+    export_to: tuple[str, str] | None = None  # disaggregation: (decode instance's KV address, transfer id)
+    kv_import: CacheSnapshot | None = None  # disaggregation: the prefill instance's caches of the prompt
+    kv_result: dict | None = None  # what the export did, reported in the response
 
     @property
     def num_choices(self) -> int:
@@ -67,8 +74,9 @@ class Job:
         for i in range(self.num_choices):
             rid = self.response_id if self.num_choices == 1 else f"{self.response_id}-{i}"
             prompt = self.prompts[i // len(children)]
-            if self.mm_items:
-                prompt = {"prompt_token_ids": prompt, "mm_items": self.mm_items}
+            if self.mm_items or self.export_to or self.kv_import is not None:
+                prompt = {"prompt_token_ids": prompt, "mm_items": self.mm_items, "export_caches": self.export_to is not None,
+                          "kv_import": self.kv_import}  # fmt: skip
             requests.append((rid, prompt, children[i % len(children)]))
         return requests
 
@@ -160,6 +168,8 @@ class OpenAIServing:
         self.model_name = model_name
         self.parsing = parsing or ChatParsing()
         self.allowed_local_media_path = allowed_local_media_path  # None: local media files refused
+        self.kv_sender: KVSender | None = None  # --role prefill: exports caches to decode instances
+        self.kv_receiver: KVReceiver | None = None  # --role decode: takes caches from prefill instances
 
     # ---- /v1/completions ----------------------------------------------------------------
     async def completions(self, body: bytes, raw: Request | None) -> Response:
@@ -169,6 +179,7 @@ class OpenAIServing:
         texts = req.prompts()
         prompts = [await self._prompt_ids(p, params.max_tokens, "prompt") for p in texts]
         job = Job(f"cmpl-{uuid.uuid4().hex}", self.model_name, params, prompts, int(time.time()), req.priority)
+        await self._handover(req, job)
         echoes = [self._echo_text(text, ids) for text, ids in zip(texts, prompts)] if req.echo else None
         shape = CompletionChoices(req, LogprobFormatter(self.engine.tokenizer, req.return_tokens_as_token_ids), echoes)
         group = await self.submit(job, req.stream, quota_of(raw))
@@ -190,6 +201,7 @@ class OpenAIServing:
         finals = await self._collect(job, group, raw)
         if finals is None:
             return Response(status_code=499)  # the client is gone; nobody reads this
+        await self._export(job, finals)
         choices = []
         for i, out in enumerate(finals):
             c = out.outputs[0]
@@ -207,6 +219,7 @@ class OpenAIServing:
     async def chat(self, body: bytes, raw: Request | None) -> Response:
         req: ChatCompletionRequest = parse_body(ChatCompletionRequest, body)
         job, turn = await self.prepare_chat(req, f"chatcmpl-{uuid.uuid4().hex}")
+        await self._handover(req, job)
         params = job.params
         fmt = LogprobFormatter(self.engine.tokenizer, req.return_tokens_as_token_ids)
         top_k = req.top_logprobs or 0
@@ -242,6 +255,7 @@ class OpenAIServing:
         finals = await self._collect(job, group, raw)
         if finals is None:
             return Response(status_code=499)
+        await self._export(job, finals)
         choices = []
         for i, out in enumerate(finals):
             c = out.outputs[0]
@@ -298,6 +312,47 @@ class OpenAIServing:
             return tokenizer.apply_chat_template(messages, req.add_generation_prompt, **kwargs)
         except (ValueError, TypeError, jinja2.TemplateError) as e:
             raise bad_request(f"the chat template failed on these messages: {e}", "messages") from None
+
+    # ---- disaggregation (docs/disaggregation.md) ------------------------------------------
+    async def _handover(self, req, job: Job) -> None:
+        """Read `kv_transfer_params`: a prefill to export, or a decode to start from caches
+        another instance sent (taken off the event loop: they may still be arriving)."""
+        kv = req.kv_transfer_params
+        if kv is None:
+            return
+        if job.num_choices != 1 or len(job.prompts) != 1:
+            raise bad_request("kv_transfer_params take one prompt and n=1", "kv_transfer_params")
+        if "export_to" in kv:
+            if self.kv_sender is None:
+                raise bad_request("this instance does not export caches (start it with --role prefill)", "kv_transfer_params")
+            if req.stream or job.params.max_tokens != 1 or not kv.get("transfer_id"):
+                raise bad_request("an export runs the prompt and one token: max_tokens 1, no stream, a transfer_id",
+                                  "kv_transfer_params")  # fmt: skip
+            job.export_to = (kv["export_to"], kv["transfer_id"])
+        elif "import" in kv:
+            if self.kv_receiver is None:
+                raise bad_request("this instance takes no caches (start it with --role decode)", "kv_transfer_params")
+            try:
+                job.kv_import = await asyncio.to_thread(self.kv_receiver.take, kv["import"], KV_WAIT_S)
+            except KVTransferError as e:
+                raise APIError(503, str(e), "server_error", "kv_transfer_params", "kv_transfer_failed") from None
+        else:
+            raise bad_request('kv_transfer_params take "export_to" and "transfer_id", or "import"', "kv_transfer_params")
+
+    async def _export(self, job: Job, finals: list[RequestOutput]) -> None:
+        """Send a finished prefill's caches to the decode instance named in its request."""
+        if job.export_to is None:
+            return
+        address, transfer_id = job.export_to
+        snap = finals[0].kv_snapshot
+        if snap is None:  # aborted or failed: nothing to send
+            raise APIError(503, "the prefill did not finish; no caches to send", "server_error", "kv_transfer_params",
+                           "kv_transfer_failed")  # fmt: skip
+        try:
+            await asyncio.to_thread(self.kv_sender.send, address, transfer_id, snap)
+        except KVTransferError as e:
+            raise APIError(503, str(e), "server_error", "kv_transfer_params", "kv_transfer_failed") from None
+        job.kv_result = {"transfer_id": transfer_id, "bytes": snap.nbytes(), "prompt_tokens": snap.num_tokens}
 
     # ---- shared -------------------------------------------------------------------------
     def check_model(self, model: str | None) -> None:
@@ -466,6 +521,8 @@ def _json(job: Job, kind: str, choices: list[dict], finals: list[RequestOutput])
     tokens = sum(len(f.outputs[0].token_ids) for f in finals)
     body = {"id": job.response_id, "object": kind, "created": job.created, "model": job.model,
             "choices": choices, "usage": job.usage(tokens)}  # fmt: skip
+    if job.kv_result is not None:
+        body["kv_transfer_params"] = job.kv_result
     return JSONResponse(body)
 
 
