@@ -37,8 +37,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 log = logging.getLogger("oxserve.router")
 
-HEALTH_INTERVAL_S = 1.0
-HEALTH_TIMEOUT_S = 2.0
+HEALTH_INTERVAL_S = 0.5
+HEALTH_TIMEOUT_S = 1.5
 HEALTH_FAILURES = 2
 PRIOR_SPLIT_TOKENS = 512
 MODES = ("auto", "always", "never")
