@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from oxserve import LLM, SamplingParams
-from oxserve.disagg.connector import KVReceiver, KVSender, KVTransferError, layout_difference
+from oxserve.disagg.connector import KVReceiver, KVSender, KVTransferError, Parcel, layout_difference
 from oxserve.disagg.router import Costs, Instance, Router, prompt_size
 from oxserve.disagg.snapshot import CacheSnapshot
 from oxserve.llm import run_to_completion
@@ -25,7 +25,7 @@ def engines(tiny_model_dir):
     alone, prefill, decode = LLM(**kw), LLM(**kw), LLM(**kw)
     receiver = KVReceiver(decode.engine.kv_description(), "127.0.0.1")
     sender = KVSender(prefill.engine.kv_description(), "tcp", debug=True)
-    yield alone, prefill, decode, lambda rid, snap: sender.send(f"127.0.0.1:{receiver.port}", rid, snap), receiver
+    yield alone, prefill, decode, lambda rid, snap: sender.send(f"127.0.0.1:{receiver.port}", rid, snap.parcel()), receiver
     sender.close()
     receiver.close()
 
@@ -35,7 +35,7 @@ def _split(engines, rid: str, prompt, params: SamplingParams):
     prefill.engine.add_request(f"p-{rid}", prompt, replace(params, max_tokens=1), export_caches=True)
     snap = run_to_completion(prefill.engine, {f"p-{rid}"})[f"p-{rid}"].kv_snapshot
     send(rid, snap)
-    decode.engine.add_request(f"d-{rid}", prompt, params, kv_import=receiver.take(rid))
+    decode.engine.add_request(f"d-{rid}", prompt, params, kv_import=CacheSnapshot.of(receiver.take(rid)))
     return run_to_completion(decode.engine, {f"d-{rid}"})[f"d-{rid}"].outputs[0]
 
 
@@ -45,7 +45,7 @@ def _split(engines, rid: str, prompt, params: SamplingParams):
 ], ids=["greedy", "seeded"])  # fmt: skip
 def test_split_equals_alone(engines, params):
     rng = random.Random()
-    for length in (1, 15, 16, 17, 150):  # block edges and a prompt of one token
+    for length in (1, 15, 16, 17, 40):  # block edges and a prompt of one token
         prompt = {"prompt_token_ids": [rng.randrange(3, 8000) for _ in range(length)]}
         want = engines[0].generate([prompt], params)[0].outputs[0]
         got = _split(engines, f"{params.seed}-{length}-{rng.random()}", prompt, params)
@@ -106,9 +106,8 @@ def test_layouts_that_differ_are_refused_at_the_handshake(tiny_model_dir):
     assert "block_size" in layout_difference(base, blocks)
     receiver = KVReceiver(base, "127.0.0.1")
     try:
-        snap = CacheSnapshot([1], 2, None, None, {"x": torch.zeros(2)})
         with pytest.raises(KVTransferError, match="refused.*latent"):
-            KVSender(int8).send(f"127.0.0.1:{receiver.port}", "t", snap)
+            KVSender(int8).send(f"127.0.0.1:{receiver.port}", "t", Parcel({}, {"x": torch.zeros(2)}))
     finally:
         receiver.close()
 
@@ -123,11 +122,11 @@ def test_connector_delivers_every_dtype_whole(transport):
                    "fp8": torch.randn(9, 3).to(torch.float8_e4m3fn), "big": torch.randn(1 << 20)}  # fmt: skip
         snap = CacheSnapshot(list(range(20)), 3, {3: -0.25, 4: -2.0}, b"\x01\x02", tensors)
         for i in range(2):  # the second goes over the same link
-            sender.send(f"127.0.0.1:{receiver.port}", f"t{i}", snap)
-            got = receiver.take(f"t{i}")
-            assert got.checksum() == snap.checksum() and got.first_logprobs == snap.first_logprobs
+            sender.send(f"127.0.0.1:{receiver.port}", f"t{i}", snap.parcel())
+            got = CacheSnapshot.of(receiver.take(f"t{i}"))
+            assert got.parcel().checksum() == snap.parcel().checksum() and got.first_logprobs == snap.first_logprobs
             assert got.generator_state == snap.generator_state and got.prompt_token_ids == snap.prompt_token_ids
-        with pytest.raises(KVTransferError, match="no caches arrived"):
+        with pytest.raises(KVTransferError, match="nothing arrived"):
             receiver.take("never", timeout_s=0.2)
     finally:
         sender.close()
@@ -136,11 +135,13 @@ def test_connector_delivers_every_dtype_whole(transport):
 
 def test_router_splits_when_measured_costs_say_it_pays():
     costs = Costs()
-    assert costs.split_pays(600, decode_busy=False) and not costs.split_pays(100, decode_busy=True)  # the prior
+    assert costs.split_pays(600, running=1, queued=0) and not costs.split_pays(100, running=1, queued=0)  # the prior
+    assert not costs.split_pays(600, running=0, queued=0)  # nobody to stall
     costs.prefill_s_per_token.add(0.002)
     costs.handover_s.add(0.1)
-    assert costs.split_pays(100, decode_busy=True)  # 0.2 s of stall against a 0.1 s handover
-    assert not costs.split_pays(30, decode_busy=True) and not costs.split_pays(10_000, decode_busy=False)
+    assert costs.split_pays(100, running=1, queued=0)  # 0.2 s of stall against a 0.1 s handover
+    assert not costs.split_pays(30, running=1, queued=0) and not costs.split_pays(10_000, running=0, queued=0)
+    assert costs.split_pays(100, running=4, queued=2) and not costs.split_pays(100, running=2, queued=2)  # the prefill queue counts
     costs.learn_prompt(400, 0, 100)
     costs.learn_prompt(40, 2, 410)
     assert costs.estimate_tokens(400, 1) == pytest.approx(100 + 200)
@@ -150,4 +151,6 @@ def test_router_splits_when_measured_costs_say_it_pays():
     decode = router.decode[0]
     assert not router.should_split({"prompt": "x" * 10_000, "n": 2}, decode)  # a handover carries one sample
     assert not router.should_split({"prompt": "x" * 10_000, "max_tokens": 1}, decode)  # nothing left to decode
+    assert not router.should_split({"prompt": "x" * 10_000, "max_tokens": 5}, decode)  # an idle decode instance
+    decode.in_flight = 3
     assert router.should_split({"prompt": "x" * 10_000, "max_tokens": 5}, decode)

@@ -17,6 +17,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import base64
+import io
 import math
 import os
 import random
@@ -27,6 +29,8 @@ from pathlib import Path
 from statistics import mean, median
 
 import httpx
+import numpy as np
+import PIL.Image
 from prometheus_client.parser import text_string_to_metric_families
 
 from oxserve.engine.speculative import acceptance
@@ -54,6 +58,7 @@ class BenchRequest:
     prompt: str | list[int]
     output_len: int
     schema: dict | None = None  # asked for with response_format json_schema
+    images: list[str] = field(default_factory=list)  # chat: data: URLs sent before the prompt's text
 
 
 @dataclass
@@ -83,6 +88,9 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
                         help="lengths are uniform in [len * (1 - r), len * (1 + r)] (default: %(default)s)")  # fmt: skip
     parser.add_argument("--random-vocab-size", type=int, default=8000,
                         help="random prompt token ids are drawn from [100, this) (default: %(default)s)")  # fmt: skip
+    parser.add_argument("--random-images", type=int, default=0,
+                        help="chat: random PNG images sent with each prompt, as data: URLs before its text (default: %(default)s)")  # fmt: skip
+    parser.add_argument("--random-image-size", default="448x448", metavar="HxW", help="(default: %(default)s)")
     parser.add_argument("--num-prompts", type=int, default=100, help="(default: %(default)s)")
     parser.add_argument("--request-rate", type=float, default=math.inf,
                         help="requests per second, Poisson arrivals; inf sends all at once (default: %(default)s)")  # fmt: skip
@@ -131,7 +139,23 @@ def build_requests(args: argparse.Namespace) -> list[BenchRequest]:
     constrained = round(args.structured_output_ratio * len(requests))
     for i in range(constrained):
         requests[i * len(requests) // constrained].schema = schema
+    if args.random_images:
+        if args.endpoint != "chat":
+            raise SystemExit("--random-images needs --endpoint chat")
+        height, _, width = args.random_image_size.partition("x")
+        rng = np.random.default_rng(args.seed)
+        for req in requests:
+            req.images = [_png_url(rng, int(height), int(width)) for _ in range(args.random_images)]
     return requests
+
+
+def _png_url(rng, height: int, width: int) -> str:
+    """A random picture (smooth, so it compresses as real ones do) as a data: URL."""
+    small = rng.integers(0, 256, (max(1, height // 16), max(1, width // 16), 3), dtype=np.uint8)
+    image = PIL.Image.fromarray(small).resize((width, height), PIL.Image.Resampling.BILINEAR)
+    out = io.BytesIO()
+    image.save(out, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
 
 
 def _prompts(args: argparse.Namespace) -> list[BenchRequest]:
@@ -251,7 +275,10 @@ async def send(client: httpx.AsyncClient, url: str, endpoint: str, model: str, r
         "model": model, "max_tokens": req.output_len, "temperature": 0.0, "ignore_eos": True,
         "stream": True, "stream_options": {"include_usage": True},
     }  # fmt: skip
-    if endpoint == "chat":
+    if endpoint == "chat" and req.images:
+        parts = [{"type": "image_url", "image_url": {"url": url}} for url in req.images]
+        payload["messages"] = [{"role": "user", "content": [*parts, {"type": "text", "text": req.prompt}]}]
+    elif endpoint == "chat":
         payload["messages"] = [{"role": "user", "content": req.prompt}]
     else:
         payload["prompt"] = req.prompt

@@ -1,11 +1,13 @@
-"""Moving cache snapshots from prefill instances to decode instances.
+"""Moving tensors between instances: cache snapshots from prefill instances to decode
+instances, and image embeddings from encode instances to the instances that run the prompts.
 
-A decode instance runs a `KVReceiver` on its KV port; prefill instances reach it through a
-`KVSender`. Every connection starts with a handshake: the sender states its cache layout and
-model fingerprint, and the receiver refuses a connection whose layout differs from its own,
-naming the first difference (other stacks find such a mismatch only as garbage output). Then
-each transfer is a header (JSON: id, tokens, first token, tensor names, dtypes and shapes,
-optionally a checksum) and the tensors' bytes, which travel one of two ways:
+A receiving instance runs a `KVReceiver` on a port; senders reach it through a `KVSender`.
+Every connection starts with a handshake: the sender states what it sends (model fingerprint
+and the layout of its tables) and the receiver refuses a connection whose layout differs from
+its own, naming the first difference (other stacks find such a mismatch only as garbage
+output). Then each transfer is a parcel: a header (JSON: id, the caller's metadata, tensor
+names, dtypes and shapes, optionally a checksum) and the tensors' bytes, which travel one of
+two ways:
 
     tcp    over the same socket, in chunks of CHUNK_BYTES
     gloo   through a two-rank torch.distributed gloo group made for the connection (the
@@ -17,6 +19,7 @@ in debug mode, its checksum); a snapshot nobody claims is dropped after `ttl_s`.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import socket
@@ -24,13 +27,13 @@ import struct
 import threading
 import time
 from collections import OrderedDict
+from dataclasses import dataclass
 from datetime import timedelta
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from oxserve.disagg.snapshot import CacheSnapshot
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +70,13 @@ def _recv_json(sock: socket.socket):
     return json.loads(bytes(_recv_exact(sock, n)))
 
 
+def embedding_description(model_path, dtype: str, out_hidden_size: int) -> dict:
+    """What an encode instance sends and an --mm-port receiver takes: embeddings of this model."""
+    config = (model_path / "config.json").read_bytes()
+    model = hashlib.blake2b(config + dtype.encode(), digest_size=16).hexdigest()
+    return {"model": model, "layout": [["mm_embeddings", dtype, [out_hidden_size], 0]]}
+
+
 def layout_difference(mine: dict, theirs: dict) -> str | None:
     """The first difference between two instances' descriptions (None: compatible)."""
     if mine["model"] != theirs["model"]:
@@ -80,23 +90,26 @@ def layout_difference(mine: dict, theirs: dict) -> str | None:
     return None
 
 
-def _header(transfer_id: str, snap: CacheSnapshot, debug: bool) -> dict:
-    return {
-        "transfer_id": transfer_id,
-        "prompt_token_ids": snap.prompt_token_ids,
-        "first_token": snap.first_token,
-        "first_logprobs": None if snap.first_logprobs is None else [[k, v] for k, v in snap.first_logprobs.items()],
-        "generator_state": None if snap.generator_state is None else snap.generator_state.hex(),
-        "tensors": [[name, str(t.dtype), list(t.shape)] for name, t in snap.tensors.items()],
-        "checksum": snap.checksum() if debug else None,
-    }
+@dataclass
+class Parcel:
+    meta: dict  # JSON-able
+    tensors: dict[str, torch.Tensor]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    def checksum(self) -> str:
+        h = hashlib.blake2b(digest_size=16)
+        for name in sorted(self.tensors):
+            h.update(name.encode())
+            h.update(self.tensors[name].contiguous().view(torch.uint8).numpy().tobytes())
+        return h.hexdigest()
 
 
-def _snapshot(header: dict, tensors: dict[str, torch.Tensor]) -> CacheSnapshot:
-    lp = header["first_logprobs"]
-    state = header["generator_state"]
-    return CacheSnapshot(header["prompt_token_ids"], header["first_token"], None if lp is None else {int(k): v for k, v in lp},
-                         None if state is None else bytes.fromhex(state), tensors)  # fmt: skip
+def _header(transfer_id: str, parcel: Parcel, debug: bool) -> dict:
+    return {"transfer_id": transfer_id, "meta": parcel.meta,
+            "tensors": [[name, str(t.dtype), list(t.shape)] for name, t in parcel.tensors.items()],
+            "checksum": parcel.checksum() if debug else None}  # fmt: skip
 
 
 def _bytes_of(t: torch.Tensor) -> np.ndarray:
@@ -121,14 +134,14 @@ class KVSender:
         self._links: dict[str, _Link] = {}
         self._lock = threading.Lock()
 
-    def send(self, address: str, transfer_id: str, snap: CacheSnapshot, timeout_s: float = 60.0) -> None:
-        """Deliver `snap` to the receiver at host:port; KVTransferError if it does not land."""
+    def send(self, address: str, transfer_id: str, parcel: Parcel, timeout_s: float = 60.0) -> None:
+        """Deliver `parcel` to the receiver at host:port; KVTransferError if it does not land."""
         with self._lock:  # one transfer at a time per sender: links are not shared between threads
             link = self._links.get(address)
             try:
                 if link is None:
                     link = self._links[address] = _Link.open(address, self.description, self.transport)
-                link.send(transfer_id, snap, self.debug, timeout_s)
+                link.send(transfer_id, parcel, self.debug, timeout_s)
             except (OSError, KVTransferError) as e:
                 self._links.pop(address, None)
                 if link is not None:
@@ -159,10 +172,10 @@ class _Link:
         group = _pair_group(host, reply["store_port"], rank=0) if transport == "gloo" else None
         return cls(sock, group)
 
-    def send(self, transfer_id: str, snap: CacheSnapshot, debug: bool, timeout_s: float) -> None:
+    def send(self, transfer_id: str, parcel: Parcel, debug: bool, timeout_s: float) -> None:
         self.sock.settimeout(timeout_s)
-        _send_json(self.sock, _header(transfer_id, snap, debug))
-        for t in snap.tensors.values():
+        _send_json(self.sock, _header(transfer_id, parcel, debug))
+        for t in parcel.tensors.values():
             t = t.contiguous().cpu()
             if self.group is not None:
                 self.group.send([t], 1, 0).wait()
@@ -190,7 +203,7 @@ class KVReceiver:
     def __init__(self, description: dict, host: str = "0.0.0.0", port: int = 0, ttl_s: float = 120.0,
                  max_bytes: int = 8 << 30):  # fmt: skip
         self.description, self.ttl_s, self.max_bytes = description, ttl_s, max_bytes
-        self._inbox: OrderedDict[str, tuple[float, CacheSnapshot]] = OrderedDict()
+        self._inbox: OrderedDict[str, tuple[float, Parcel]] = OrderedDict()
         self._held = 0
         self._cond = threading.Condition()
         self._server = socket.create_server((host, port), reuse_port=False)
@@ -198,18 +211,18 @@ class KVReceiver:
         self._closed = False
         threading.Thread(target=self._accept, name="oxserve-kv-accept", daemon=True).start()
 
-    def take(self, transfer_id: str, timeout_s: float = 10.0) -> CacheSnapshot:
-        """The snapshot sent under `transfer_id` (waiting up to `timeout_s` for it)."""
+    def take(self, transfer_id: str, timeout_s: float = 10.0) -> Parcel:
+        """The parcel sent under `transfer_id` (waiting up to `timeout_s` for it)."""
         deadline = time.monotonic() + timeout_s
         with self._cond:
             while transfer_id not in self._inbox:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise KVTransferError(f"no caches arrived for transfer {transfer_id} within {timeout_s:g} s")
+                    raise KVTransferError(f"nothing arrived for transfer {transfer_id} within {timeout_s:g} s")
                 self._cond.wait(left)
-            _, snap = self._inbox.pop(transfer_id)
-            self._held -= snap.nbytes()
-            return snap
+            _, parcel = self._inbox.pop(transfer_id)
+            self._held -= parcel.nbytes()
+            return parcel
 
     def close(self) -> None:
         self._closed = True
@@ -247,25 +260,25 @@ class KVReceiver:
                     else:
                         _bytes_of(t)[:] = np.frombuffer(_recv_exact(sock, t.numel() * t.element_size()), np.uint8)
                     tensors[name] = t
-                snap = _snapshot(header, tensors)
-                if header["checksum"] is not None and snap.checksum() != header["checksum"]:
-                    _send_json(sock, {"ok": False, "error": "checksum mismatch: the caches were damaged in transit"})
+                parcel = Parcel(header["meta"], tensors)
+                if header["checksum"] is not None and parcel.checksum() != header["checksum"]:
+                    _send_json(sock, {"ok": False, "error": "checksum mismatch: the tensors were damaged in transit"})
                     continue
-                self._keep(header["transfer_id"], snap)
+                self._keep(header["transfer_id"], parcel)
                 _send_json(sock, {"ok": True})
         except (OSError, KVTransferError, ValueError, json.JSONDecodeError, struct.error):
             pass  # the sender went away; what it sent whole is kept
         finally:
             sock.close()
 
-    def _keep(self, transfer_id: str, snap: CacheSnapshot) -> None:
+    def _keep(self, transfer_id: str, parcel: Parcel) -> None:
         with self._cond:
             now = time.monotonic()
-            while self._inbox and (now - next(iter(self._inbox.values()))[0] > self.ttl_s or self._held + snap.nbytes() > self.max_bytes):
+            while self._inbox and (now - next(iter(self._inbox.values()))[0] > self.ttl_s or self._held + parcel.nbytes() > self.max_bytes):
                 _, (_, old) = self._inbox.popitem(last=False)  # unclaimed: its request went elsewhere or failed
                 self._held -= old.nbytes()
-            self._inbox[transfer_id] = (now, snap)
-            self._held += snap.nbytes()
+            self._inbox[transfer_id] = (now, parcel)
+            self._held += parcel.nbytes()
             self._cond.notify_all()
 
 

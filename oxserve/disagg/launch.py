@@ -4,8 +4,9 @@ this host, started together and stopped together.
     model: /path/to/checkpoint        # optional: the default model
     args: ["--dtype", "bfloat16"]     # given to every instance
     router: {port: 8000, disaggregate: auto}
-    prefill: [{port: 8101}]
-    decode: [{port: 8201, kv_port: 8301, args: ["--max-num-seqs", "64"]}]
+    encode: [{port: 8051}]                                    # optional
+    prefill: [{port: 8101, mm_port: 8151}]                    # mm_port: with encode instances
+    decode: [{port: 8201, kv_port: 8301, mm_port: 8251, args: ["--max-num-seqs", "64"]}]
 
 Instances run as child processes (`oxserve serve --role ...`) that the kernel stops if this
 process dies (PR_SET_PDEATHSIG), so none is left behind; their logs go to `log_dir` (default:
@@ -23,10 +24,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import uvicorn
 import yaml
 
+from oxserve.bench.soak_server import wait_until_serving
 from oxserve.disagg.router import MODES, Instance, Router, build_router_app
 from oxserve.feedback.machine import data_dir
 
@@ -38,10 +39,16 @@ STOP_TIMEOUT_S = 20.0
 
 @dataclass(frozen=True)
 class Member:
-    role: str  # "prefill" | "decode"
+    role: str  # "encode" | "prefill" | "decode"
     port: int
     kv_port: int | None
+    mm_port: int | None
     args: tuple[str, ...]
+
+    def instance(self) -> Instance:
+        local = "127.0.0.1:{}".format
+        return Instance(f"http://{local(self.port)}", self.role, self.kv_port and local(self.kv_port),
+                        self.mm_port and local(self.mm_port))  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -59,17 +66,18 @@ class Deployment:
             raw = yaml.safe_load(path.read_text()) or {}
         except (OSError, yaml.YAMLError) as e:
             raise SystemExit(f"--epd-config {path}: {e}") from None
-        known = {"model", "args", "router", "prefill", "decode", "log_dir"}
+        known = {"model", "args", "router", "encode", "prefill", "decode", "log_dir"}
         if not isinstance(raw, dict) or set(raw) - known:
             raise SystemExit(f"--epd-config {path}: a mapping of {sorted(known)}")
         router = raw.get("router") or {}
         members = []
-        for role in ("prefill", "decode"):
+        for role in ("encode", "prefill", "decode"):
             for spec in raw.get(role) or []:
                 if not isinstance(spec, dict) or "port" not in spec or (role == "decode" and "kv_port" not in spec):
                     raise SystemExit(f"--epd-config {path}: each {role} instance needs a port"
                                      + (" and a kv_port" if role == "decode" else ""))  # fmt: skip
-                members.append(Member(role, int(spec["port"]), spec.get("kv_port"), tuple(map(str, spec.get("args", [])))))
+                members.append(Member(role, int(spec["port"]), spec.get("kv_port"), spec.get("mm_port"),
+                                      tuple(map(str, spec.get("args", [])))))  # fmt: skip
         if not any(m.role == "decode" for m in members):
             raise SystemExit(f"--epd-config {path}: at least one decode instance")
         mode = router.get("disaggregate", "auto")
@@ -91,7 +99,8 @@ def start(d: Deployment) -> list[tuple[Member, subprocess.Popen, Path]]:
     for m in d.members:
         cmd = [sys.executable, "-m", "oxserve.cli", "serve", "--role", m.role, "--host", "127.0.0.1", "--port", str(m.port),
                *(["--model", d.model] if d.model else []), *d.args, *m.args,
-               *(["--kv-port", str(m.kv_port)] if m.kv_port is not None else [])]  # fmt: skip
+               *(["--kv-port", str(m.kv_port)] if m.kv_port is not None else []),
+               *(["--mm-port", str(m.mm_port)] if m.mm_port is not None else [])]  # fmt: skip
         log_path = d.log_dir / f"{m.role}-{m.port}.log"
         with open(log_path, "w") as out:
             proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
@@ -103,18 +112,11 @@ def start(d: Deployment) -> list[tuple[Member, subprocess.Popen, Path]]:
 def wait_healthy(started, timeout: float = START_TIMEOUT_S) -> None:
     deadline = time.monotonic() + timeout
     for m, proc, log_path in started:
-        while True:
-            if proc.poll() is not None:
-                raise SystemExit(f"the {m.role} instance on port {m.port} exited with {proc.returncode}; "
-                                 f"its log ({log_path}) ends:\n{log_path.read_text()[-2000:]}")  # fmt: skip
-            try:
-                if httpx.get(f"http://127.0.0.1:{m.port}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise SystemExit(f"the {m.role} instance on port {m.port} did not come up in {timeout:g} s")
-            time.sleep(0.5)
+        try:
+            wait_until_serving(proc, f"http://127.0.0.1:{m.port}", max(1.0, deadline - time.monotonic()))
+        except RuntimeError as e:
+            raise SystemExit(f"the {m.role} instance on port {m.port}: {e}; its log ({log_path}) ends:\n"
+                             f"{log_path.read_text()[-2000:]}") from None  # fmt: skip
 
 
 def stop(started) -> None:
@@ -135,10 +137,10 @@ def run_deployment(path: Path, host: str, port: int) -> int:
     started = start(d)
     try:
         wait_healthy(started)
-        prefill = [Instance(f"http://127.0.0.1:{m.port}", "prefill") for m in d.members if m.role == "prefill"]
-        decode = [Instance(f"http://127.0.0.1:{m.port}", "decode", f"127.0.0.1:{m.kv_port}") for m in d.members if m.role == "decode"]
-        log.info("epd: router on %s:%d over %d prefill and %d decode instance(s)", host, d.router_port, len(prefill), len(decode))
-        uvicorn.run(build_router_app(Router(prefill, decode, d.disaggregate)), host=host, port=d.router_port, log_config=None)
+        pools = {role: [m.instance() for m in d.members if m.role == role] for role in ("encode", "prefill", "decode")}
+        log.info("epd: router on %s:%d over %s", host, d.router_port, ", ".join(f"{len(v)} {k}" for k, v in pools.items()))
+        router = Router(pools["prefill"], pools["decode"], d.disaggregate, encode=pools["encode"])
+        uvicorn.run(build_router_app(router), host=host, port=d.router_port, log_config=None)
     finally:
         stop(started)
     return 0

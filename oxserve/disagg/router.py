@@ -5,13 +5,15 @@ whole engine), or **split**: a prefill instance computes the prompt and its firs
 sends the caches to the decode instance (`kv_transfer_params`), which decodes the rest and
 answers the client. `--disaggregate auto` decides per request from measured costs:
 
-    split pays  <=>  the decode instance has requests running (a colocated prefill would stall
-                     them) and  est. prompt tokens x prefill seconds per token  >  handover seconds
+    colocated, the prompt's prefill (P tokens x s seconds a token) stalls each of the R requests
+    the decode instance holds: R x P x s request-seconds of delay, spread over the others;
+    split, this request alone waits: for the Q prefills ahead of it on the prefill instance
+    (Q x P x s) and for the handover h;  split pays  <=>  Q x P x s + h < R x P x s
 
-where the prefill rate is measured on the prefill instances' answers, the handover (sending the
-caches and the decode instance's first step) on split requests, and the prompt's tokens are
-estimated from its characters (characters per token and tokens per image learned from the
-instances' `usage`). Until measured, a prompt splits at PRIOR_SPLIT_TOKENS tokens.
+where s is measured on the prefill instances' answers, h (sending the caches and the decode
+instance's first step) on split requests, and P is estimated from the prompt's characters
+(characters per token and tokens per image learned from the instances' `usage`). Until s and
+h are measured, a prompt splits when R > 0 and P >= PRIOR_SPLIT_TOKENS.
 
 Instances are health-checked every HEALTH_INTERVAL_S; one that fails HEALTH_FAILURES checks in a
 row (dead, or hung) is taken out, and requests waiting on it are retried elsewhere when nothing
@@ -53,6 +55,7 @@ class Instance:
     url: str
     kind: str  # "prefill" | "decode"
     kv_address: str | None = None  # decode instances: where prefill instances send caches
+    mm_address: str | None = None  # instances with --mm-port: where encode instances send embeddings
     healthy: bool = True
     failures: int = 0
     in_flight: int = 0
@@ -70,12 +73,29 @@ class Instance:
             self.down = asyncio.Event()
 
 
-def parse_decode(spec: str) -> Instance:
-    """`URL,KVHOST:KVPORT` (the decode instance's HTTP address and its --kv-port)."""
-    url, sep, kv = spec.partition(",")
-    if not sep or ":" not in kv:
-        raise ValueError(f"--decode takes URL,KVHOST:KVPORT, got {spec!r}")
-    return Instance(url.rstrip("/"), "decode", kv)
+def parse_instance(spec: str, kind: str) -> Instance:
+    """`URL[,mm=HOST:PORT]` (prefill, encode) or `URL,KVHOST:KVPORT[,mm=HOST:PORT]` (decode):
+    the instance's HTTP address, its --kv-port and its --mm-port."""
+    url, *rest = spec.split(",")
+    mm = [r[3:] for r in rest if r.startswith("mm=")]
+    kv = [r for r in rest if not r.startswith("mm=")]
+    if kind == "decode" and (len(kv) != 1 or ":" not in kv[0]):
+        raise ValueError(f"--decode takes URL,KVHOST:KVPORT[,mm=HOST:PORT], got {spec!r}")
+    if kind != "decode" and kv:
+        raise ValueError(f"--{kind} takes URL[,mm=HOST:PORT], got {spec!r}")
+    return Instance(url.rstrip("/"), kind, kv[0] if kv else None, mm[0] if mm else None)
+
+
+def media_parts(body: dict) -> list[dict]:
+    """A chat body's images and videos, in order, as an encode instance takes them."""
+    parts = []
+    for m in body.get("messages") or []:
+        content = m.get("content") if isinstance(m, dict) else None
+        for part in content if isinstance(content, list) else []:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind in ("image_url", "video_url") and isinstance(part.get(kind), dict):
+                parts.append({"modality": kind[:-4], "url": part[kind].get("url")})
+    return parts
 
 
 class Ewma:
@@ -106,11 +126,14 @@ class Costs:
         elif not images and chars and tokens:
             self.chars_per_token.add(chars / tokens)
 
-    def split_pays(self, tokens: float, decode_busy: bool) -> bool:
+    def split_pays(self, tokens: float, running: int, queued: int) -> bool:
+        """`running`: requests on the decode instance; `queued`: on the prefill instance."""
         rate, handover = self.prefill_s_per_token.value, self.handover_s.value
+        if running == 0:
+            return False  # nobody to stall: colocated costs no one anything
         if rate is None or handover is None:
             return tokens >= PRIOR_SPLIT_TOKENS
-        return decode_busy and tokens * rate > handover
+        return queued * tokens * rate + handover < running * tokens * rate
 
 
 def prompt_size(body: dict) -> tuple[int, int]:
@@ -137,7 +160,8 @@ def prompt_size(body: dict) -> tuple[int, int]:
 
 
 class Router:
-    def __init__(self, prefill: list[Instance], decode: list[Instance], mode: str = "auto", timeout_s: float = 600.0):
+    def __init__(self, prefill: list[Instance], decode: list[Instance], mode: str = "auto", timeout_s: float = 600.0,
+                 encode: list[Instance] | None = None):  # fmt: skip
         if not decode:
             raise ValueError("the router needs at least one decode instance")
         if mode not in MODES:
@@ -145,15 +169,17 @@ class Router:
         if mode == "always" and not prefill:
             raise ValueError("--disaggregate always needs a prefill instance")
         self.prefill, self.decode, self.mode = prefill, decode, mode
+        self.encode = encode or []
         self.costs = Costs()
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=HEALTH_TIMEOUT_S))
         self.affinity: OrderedDict[str, Instance] = OrderedDict()  # prompt prefix -> the decode instance that ran it
-        self.counts = {"colocated": 0, "split": 0, "retried": 0, "failed": 0}
+        self.counts = {"colocated": 0, "split": 0, "retried": 0, "failed": 0, "encoded_elsewhere": 0}
+        self.encode_s_per_item = Ewma()
 
     # ---- health --------------------------------------------------------------------------
     async def watch(self) -> None:
         while True:
-            await asyncio.gather(*(self._check(i) for i in self.prefill + self.decode))
+            await asyncio.gather(*(self._check(i) for i in self.prefill + self.decode + self.encode))
             await asyncio.sleep(HEALTH_INTERVAL_S)
 
     async def _check(self, instance: Instance) -> None:
@@ -193,11 +219,36 @@ class Router:
             return False  # several prompts in one request
         if self.mode == "always":
             return True
+        prefill = self._pick(self.prefill)
         chars, media = prompt_size(body)
-        return self.costs.split_pays(self.costs.estimate_tokens(chars, media), decode.in_flight > 0)
+        return self.costs.split_pays(self.costs.estimate_tokens(chars, media), decode.in_flight, prefill.in_flight)
+
+    async def _with_embeddings(self, body: dict, target: Instance) -> dict:
+        """`body`, its images and videos encoded on an encode instance and sent to `target`
+        (named in kv_transfer_params), when the policy offloads them: always, or (auto) when
+        `target` serves other requests that its own encoding would stall. Unchanged when not
+        offloaded or when the encode instance fails (`target` then encodes them itself)."""
+        media = media_parts(body)
+        offload = self.mode == "always" or (self.mode == "auto" and target.in_flight > 0)
+        encoder = self._pick(self.encode)
+        if not media or not offload or encoder is None or target.mm_address is None:
+            return body
+        transfer = uuid.uuid4().hex
+        started = time.monotonic()
+        try:
+            answer = await self._call(encoder, "/v1/encode", {"media": media, "send_to": target.mm_address, "transfer_id": transfer})
+        except InstanceDown:
+            return body
+        if answer.status_code != 200:
+            return body  # a bad part: the instance running the prompt answers the client's 400 itself
+        self.encode_s_per_item.add((time.monotonic() - started) / len(media))
+        self.counts["encoded_elsewhere"] += 1
+        return {**body, "kv_transfer_params": {**(body.get("kv_transfer_params") or {}), "embeddings": transfer}}
 
     # ---- serving -------------------------------------------------------------------------
     async def handle(self, path: str, body: dict) -> Response:
+        # Handover fields are the router's to set: from a client they could send caches anywhere.
+        body = {k: v for k, v in body.items() if k != "kv_transfer_params"}
         key = json.dumps(body.get("messages") or body.get("prompt"), sort_keys=True)[:512]
         decode = self._pick(self.decode, key)
         if decode is None:
@@ -217,12 +268,12 @@ class Router:
     async def _colocated(self, path: str, body: dict, decode: Instance, tried: int = 0) -> Response:
         started = time.monotonic()
         try:
-            return await self._forward(decode, path, body, learn=(body, started))
-        except InstanceDown:
+            return await self._forward(decode, path, await self._with_embeddings(body, decode), learn=(body, started))
+        except InstanceDown as e:
             other = self._pick(self.decode, avoid=decode)
             if other is None or tried >= len(self.decode):
                 self.counts["failed"] += 1
-                return _error(503, f"decode instance {decode.url} failed and no other is healthy")
+                return _error(503, f"decode instance {decode.url} failed ({e}) and no other is healthy")
             self.counts["retried"] += 1
             return await self._colocated(path, body, other, tried + 1)
 
@@ -235,6 +286,7 @@ class Router:
         transfer = uuid.uuid4().hex
         first = {k: v for k, v in body.items() if k not in ("stream", "stream_options", "max_completion_tokens")}
         first.update(max_tokens=1, stream=False, kv_transfer_params={"export_to": decode.kv_address, "transfer_id": transfer})
+        first = await self._with_embeddings(first, prefill)
         started = time.monotonic()
         try:
             answer = await self._call(prefill, path, first)
@@ -255,7 +307,7 @@ class Router:
         second = {**body, "kv_transfer_params": {"import": transfer}}
         try:
             return await self._forward(decode, path, second, handover_from=time.monotonic())
-        except InstanceDown:
+        except InstanceDown:  # lost, or the caches did not arrive: the caller runs it colocated
             return None
 
     async def _call(self, instance: Instance, path: str, body: dict) -> httpx.Response:
@@ -276,6 +328,10 @@ class Router:
         request = self.client.build_request("POST", f"{instance.url}{path}", json=body)
         try:
             upstream = await _unless_down(instance, self.client.send(request, stream=True))
+            if upstream.status_code == 503:  # draining, or the caches never came: another instance may take it
+                detail = (await upstream.aread())[:300].decode(errors="replace")
+                await upstream.aclose()
+                raise InstanceDown(f"{instance.url} answered 503: {detail}")
             chunks = upstream.aiter_raw()
             first = await _unless_down(instance, anext(chunks, b""))
         except (httpx.HTTPError, InstanceDown) as e:
@@ -395,8 +451,9 @@ def build_router_app(router: Router) -> FastAPI:
     async def stats() -> dict:
         c = router.costs
         return {**router.counts, "prefill_s_per_token": c.prefill_s_per_token.value, "handover_s": c.handover_s.value,
+                "encode_s_per_item": router.encode_s_per_item.value,
                 "chars_per_token": c.chars_per_token.value, "tokens_per_image": c.tokens_per_image.value,
                 "instances": [{"url": i.url, "kind": i.kind, "healthy": i.healthy, "in_flight": i.in_flight}
-                              for i in router.prefill + router.decode]}  # fmt: skip
+                              for i in router.prefill + router.decode + router.encode]}  # fmt: skip
 
     return app

@@ -13,12 +13,12 @@ connect (a mismatch would otherwise decode garbage).
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass, field
 
 import torch
 
 from oxserve.cache.layers import KDACache, MLACache, ScaledRows, Table
+from oxserve.disagg.connector import Parcel
 from oxserve.kernels import kda_decode
 
 MLA_TABLES = ("latent", "index_keys", "index_gates", "pool_keys")
@@ -37,14 +37,22 @@ class CacheSnapshot:
         return len(self.prompt_token_ids)
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+        return self.parcel().nbytes()
 
-    def checksum(self) -> str:
-        h = hashlib.blake2b(digest_size=16)
-        for name in sorted(self.tensors):
-            h.update(name.encode())
-            h.update(self.tensors[name].contiguous().view(torch.uint8).numpy().tobytes())
-        return h.hexdigest()
+    def parcel(self) -> Parcel:
+        """As the connector carries it."""
+        lp = self.first_logprobs
+        meta = {"prompt_token_ids": self.prompt_token_ids, "first_token": self.first_token,
+                "first_logprobs": None if lp is None else [[k, v] for k, v in lp.items()],
+                "generator_state": None if self.generator_state is None else self.generator_state.hex()}  # fmt: skip
+        return Parcel(meta, self.tensors)
+
+    @classmethod
+    def of(cls, parcel: Parcel) -> CacheSnapshot:
+        m = parcel.meta
+        lp, state = m["first_logprobs"], m["generator_state"]
+        return cls(m["prompt_token_ids"], m["first_token"], None if lp is None else {int(k): v for k, v in lp},
+                   None if state is None else bytes.fromhex(state), parcel.tensors)  # fmt: skip
 
 
 def _tables(cache: MLACache) -> list[tuple[str, Table]]:

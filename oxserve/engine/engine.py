@@ -22,6 +22,7 @@ from oxserve.cache.planner import plan_prefix_caching, plan_split_cache
 from oxserve.cache.precision import CachePlan, LayerCachePrecision
 from oxserve.cache.spec import CacheLayout
 from oxserve.config import EngineConfig
+from oxserve.disagg.connector import embedding_description
 from oxserve.disagg.snapshot import CacheSnapshot, layout_of
 from oxserve.engine.interface import SchedulerOutput
 from oxserve.engine.memory import keep_freed_memory
@@ -408,6 +409,20 @@ class LLMEngine:
         logprobs = request.output_logprobs[0] if request.output_logprobs else None
         return CacheSnapshot(list(request.prompt_token_ids), request.output_token_ids[0], logprobs,
                              self.runner.generator_state(rid), self.runner.export_caches(rid, len(request.prompt_token_ids)))
+
+    def seed_embeddings(self, tensors: dict[str, torch.Tensor]) -> None:
+        """An encode instance's embeddings (named by content hash, hex), for prompts to find
+        in the encoder cache instead of encoding (any thread)."""
+        embedder = self.runner.embedder
+        if embedder is None:
+            raise ValueError(f"this server takes no images or video: {self.mm_off_reason}")
+        embedder.cache.seed({bytes.fromhex(k): v.to(embedder.device, embedder.dtype) for k, v in tensors.items()})
+
+    def mm_description(self) -> dict:
+        """What an encode instance must send this one (its embeddings' model, dtype and width)."""
+        if self.runner.embedder is None:
+            raise ValueError(f"this server takes no images or video: {self.mm_off_reason}")
+        return embedding_description(self.model_path, str(self.dtype), self.mm.vision.out_hidden_size)
 
     def kv_description(self) -> dict:
         """What a cache handover needs both sides to agree on: the model's weights and dtype, and

@@ -15,6 +15,7 @@ from its content hash (negative, so never a real token).
 from __future__ import annotations
 
 import hashlib
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -87,22 +88,32 @@ class EncoderCache:
         self.capacity = capacity
         self.rows = 0
         self._entries: OrderedDict[bytes, torch.Tensor] = OrderedDict()
+        self._lock = threading.Lock()  # the engine reads it; an encode instance's embeddings arrive from another thread
         self.hits = self.misses = 0
+        self.seeded = 0  # embeddings an encode instance sent
 
     def get(self, key: bytes) -> torch.Tensor | None:
-        found = self._entries.get(key)
-        if found is not None:
-            self._entries.move_to_end(key)
-        return found
+        with self._lock:
+            found = self._entries.get(key)
+            if found is not None:
+                self._entries.move_to_end(key)
+            return found
 
     def put(self, key: bytes, embeddings: torch.Tensor) -> None:
-        if key in self._entries or len(embeddings) > self.capacity:
-            return
-        self._entries[key] = embeddings
-        self.rows += len(embeddings)
-        while self.rows > self.capacity:
-            _, dropped = self._entries.popitem(last=False)
-            self.rows -= len(dropped)
+        with self._lock:
+            if key in self._entries or len(embeddings) > self.capacity:
+                return
+            self._entries[key] = embeddings
+            self.rows += len(embeddings)
+            while self.rows > self.capacity:
+                _, dropped = self._entries.popitem(last=False)
+                self.rows -= len(dropped)
+
+    def seed(self, embeddings: dict[bytes, torch.Tensor]) -> None:
+        """Embeddings encoded elsewhere, by content hash."""
+        for key, value in embeddings.items():
+            self.put(key, value)
+        self.seeded += len(embeddings)
 
     def __len__(self) -> int:
         return len(self._entries)

@@ -218,6 +218,8 @@ class AsyncEngine:
         self.grammars = engine.grammars  # structured-output checks: thread-safe, torch-free
         self.check_prompt = engine.check_prompt  # tokenizes and places images: reads only what is fixed
         self.kv_description = engine.kv_description  # disaggregation: the caches' layout, fixed once built
+        self.mm_description = engine.mm_description
+        self.seed_embeddings = engine.seed_embeddings  # the encoder cache takes its own lock
 
     def check_structured_outputs(self, params: SamplingParams) -> None:
         """ValueError if the engine cannot run the request's constraint; call off the event

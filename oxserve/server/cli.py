@@ -21,7 +21,9 @@ import uvicorn
 from oxserve.cli import add_engine_arguments, engine_config_from_args
 from oxserve.disagg.connector import TRANSPORTS, KVReceiver, KVSender
 from oxserve.disagg.launch import run_deployment
-from oxserve.disagg.router import MODES, Instance, Router, build_router_app, parse_decode
+from oxserve.default_model import default_model
+from oxserve.disagg.encoder import Encoder, build_encoder_app
+from oxserve.disagg.router import MODES, Router, build_router_app, parse_instance
 from oxserve.feedback.machine import data_dir
 from oxserve.parallel.workers import serve_node
 from oxserve.server.app import ServerState, build_app
@@ -33,7 +35,7 @@ from oxserve.server.quotas import KeyQuota, load_keys
 
 log = logging.getLogger("oxserve.server")
 
-ROLES = ("colocated", "prefill", "decode", "router")
+ROLES = ("colocated", "prefill", "decode", "encode", "router")
 
 API_KEY_ENV = "OXSERVE_API_KEY"
 ENGINE_WATCH_INTERVAL_S = 0.5  # how soon a dead engine stops the server
@@ -67,17 +69,22 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     roles = parser.add_argument_group("disaggregated serving (docs/disaggregation.md)")
     roles.add_argument("--role", choices=ROLES, default="colocated",
                        help="colocated: a whole server; prefill: also exports a prompt's caches to a decode instance when "
-                            "a router asks; decode: also takes caches on --kv-port; router: no engine, the OpenAI API in "
-                            "front of --prefill and --decode instances (default: %(default)s)")  # fmt: skip
+                            "a router asks; decode: also takes caches on --kv-port; encode: only the vision tower, sending "
+                            "embeddings to instances' --mm-port; router: no engine, the OpenAI API in front of --prefill, "
+                            "--decode and --encode instances (default: %(default)s)")  # fmt: skip
     roles.add_argument("--kv-port", type=int, default=0,
                        help="decode: the port prefill instances send caches to (0: any free one, logged; default: %(default)s)")
+    roles.add_argument("--mm-port", type=int, default=None,
+                       help="take image and video embeddings from encode instances on this port (0: any free one, logged)")
     roles.add_argument("--kv-transport", choices=TRANSPORTS, default="tcp",
                        help="prefill: how cache tensors travel: over the connection's socket (tcp) or a torch.distributed "
                             "gloo pair group (gloo); headers and the layout handshake always go over TCP (default: %(default)s)")  # fmt: skip
     roles.add_argument("--kv-debug", action="store_true", help="prefill: checksum every transfer (the receiver verifies it)")
-    roles.add_argument("--prefill", action="append", default=[], metavar="URL", help="router: a prefill instance (repeatable)")
-    roles.add_argument("--decode", action="append", default=[], metavar="URL,KVHOST:KVPORT",
-                       help="router: a decode instance and its KV address (repeatable)")
+    roles.add_argument("--prefill", action="append", default=[], metavar="URL[,mm=HOST:PORT]",
+                       help="router: a prefill instance, and its --mm-port address if it has one (repeatable)")
+    roles.add_argument("--decode", action="append", default=[], metavar="URL,KVHOST:KVPORT[,mm=HOST:PORT]",
+                       help="router: a decode instance, its KV address and its --mm-port address (repeatable)")
+    roles.add_argument("--encode", action="append", default=[], metavar="URL", help="router: an encode instance (repeatable)")
     roles.add_argument("--disaggregate", choices=MODES, default="auto",
                        help="router: split requests into prefill and decode always, never, or when measured costs say it "
                             "pays (auto; default: %(default)s)")  # fmt: skip
@@ -136,6 +143,8 @@ def run(args: argparse.Namespace) -> int:
         return run_deployment(args.epd_config, args.host, args.port)
     if args.role == "router":
         return run_router(args)
+    if args.role == "encode":
+        return run_encoder(args)
     keys = api_keys_from(args)
     engine_config = engine_config_from_args(args)
     if engine_config.parallel.node_rank > 0:  # another host's ranks: no engine, no HTTP server
@@ -156,6 +165,12 @@ def run(args: argparse.Namespace) -> int:
     elif args.role == "decode":
         serving.kv_receiver = KVReceiver(engine.kv_description(), args.host, args.kv_port)
         log.info("decode instance: caches are taken on port %d", serving.kv_receiver.port)
+    if args.mm_port is not None:
+        try:
+            serving.mm_receiver = KVReceiver(engine.mm_description(), args.host, args.mm_port)
+        except ValueError as e:
+            raise SystemExit(f"--mm-port: {e}") from None
+        log.info("image and video embeddings are taken on port %d", serving.mm_receiver.port)
     config = uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level, access_log=args.access_log,
         # After the drain only stragglers are left (a client not sending or not reading): 2 s for them.
@@ -171,12 +186,24 @@ def run(args: argparse.Namespace) -> int:
 
 def run_router(args: argparse.Namespace) -> int:
     try:
-        router = Router([Instance(u.rstrip("/"), "prefill") for u in args.prefill], [parse_decode(d) for d in args.decode],
-                        args.disaggregate)  # fmt: skip
+        router = Router([parse_instance(u, "prefill") for u in args.prefill], [parse_instance(d, "decode") for d in args.decode],
+                        args.disaggregate, encode=[parse_instance(u, "encode") for u in args.encode])  # fmt: skip
     except ValueError as e:
         raise SystemExit(str(e)) from None
     log.info("router: %d prefill and %d decode instance(s), disaggregate %s", len(router.prefill), len(router.decode), args.disaggregate)
     uvicorn.run(build_router_app(router), host=args.host, port=args.port, log_level=args.log_level,
+                access_log=args.access_log, log_config=None)  # fmt: skip
+    return 0
+
+
+def run_encoder(args: argparse.Namespace) -> int:
+    path = Path(args.model) if args.model else default_model()
+    try:
+        encoder = Encoder(path, args.dtype, args.allowed_local_media_path, args.kv_transport, args.kv_debug)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+    log.info("encode instance: the vision tower of %s (%s)", path, args.dtype)
+    uvicorn.run(build_encoder_app(encoder), host=args.host, port=args.port, log_level=args.log_level,
                 access_log=args.access_log, log_config=None)  # fmt: skip
     return 0
 

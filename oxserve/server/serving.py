@@ -170,6 +170,7 @@ class OpenAIServing:
         self.allowed_local_media_path = allowed_local_media_path  # None: local media files refused
         self.kv_sender: KVSender | None = None  # --role prefill: exports caches to decode instances
         self.kv_receiver: KVReceiver | None = None  # --role decode: takes caches from prefill instances
+        self.mm_receiver: KVReceiver | None = None  # --mm-port: takes embeddings from encode instances
 
     # ---- /v1/completions ----------------------------------------------------------------
     async def completions(self, body: bytes, raw: Request | None) -> Response:
@@ -315,13 +316,17 @@ class OpenAIServing:
 
     # ---- disaggregation (docs/disaggregation.md) ------------------------------------------
     async def _handover(self, req, job: Job) -> None:
-        """Read `kv_transfer_params`: a prefill to export, or a decode to start from caches
-        another instance sent (taken off the event loop: they may still be arriving)."""
+        """Read `kv_transfer_params`: embeddings an encode instance sent (any role with
+        --mm-port); a prefill to export, or a decode to start from caches another instance
+        sent (taken off the event loop: they may still be arriving)."""
         kv = req.kv_transfer_params
         if kv is None:
             return
+        if "embeddings" in kv:
+            await self._take_embeddings(kv["embeddings"])
         if job.num_choices != 1 or len(job.prompts) != 1:
-            raise bad_request("kv_transfer_params take one prompt and n=1", "kv_transfer_params")
+            if "export_to" in kv or "import" in kv:
+                raise bad_request("a cache handover takes one prompt and n=1", "kv_transfer_params")
         if "export_to" in kv:
             if self.kv_sender is None:
                 raise bad_request("this instance does not export caches (start it with --role prefill)", "kv_transfer_params")
@@ -333,11 +338,21 @@ class OpenAIServing:
             if self.kv_receiver is None:
                 raise bad_request("this instance takes no caches (start it with --role decode)", "kv_transfer_params")
             try:
-                job.kv_import = await asyncio.to_thread(self.kv_receiver.take, kv["import"], KV_WAIT_S)
+                job.kv_import = CacheSnapshot.of(await asyncio.to_thread(self.kv_receiver.take, kv["import"], KV_WAIT_S))
             except KVTransferError as e:
                 raise APIError(503, str(e), "server_error", "kv_transfer_params", "kv_transfer_failed") from None
-        else:
-            raise bad_request('kv_transfer_params take "export_to" and "transfer_id", or "import"', "kv_transfer_params")
+        elif "embeddings" not in kv:
+            raise bad_request('kv_transfer_params take "embeddings", "export_to" and "transfer_id", or "import"',
+                              "kv_transfer_params")  # fmt: skip
+
+    async def _take_embeddings(self, transfer_id: str) -> None:
+        if self.mm_receiver is None:
+            raise bad_request("this instance takes no embeddings (start it with --mm-port)", "kv_transfer_params")
+        try:
+            parcel = await asyncio.to_thread(self.mm_receiver.take, transfer_id, KV_WAIT_S)
+        except KVTransferError as e:
+            raise APIError(503, str(e), "server_error", "kv_transfer_params", "kv_transfer_failed") from None
+        self.engine.seed_embeddings(parcel.tensors)
 
     async def _export(self, job: Job, finals: list[RequestOutput]) -> None:
         """Send a finished prefill's caches to the decode instance named in its request."""
@@ -349,7 +364,7 @@ class OpenAIServing:
             raise APIError(503, "the prefill did not finish; no caches to send", "server_error", "kv_transfer_params",
                            "kv_transfer_failed")  # fmt: skip
         try:
-            await asyncio.to_thread(self.kv_sender.send, address, transfer_id, snap)
+            await asyncio.to_thread(self.kv_sender.send, address, transfer_id, snap.parcel())
         except KVTransferError as e:
             raise APIError(503, str(e), "server_error", "kv_transfer_params", "kv_transfer_failed") from None
         job.kv_result = {"transfer_id": transfer_id, "bytes": snap.nbytes(), "prompt_tokens": snap.num_tokens}

@@ -1,7 +1,7 @@
-"""Disaggregated serving with real processes: `oxserve serve --epd-config` starts a router, a
-prefill and two decode instances; answers through it equal a colocated server's (deterministic
-mode, greedy: bit-equal), for text and images; lost and hung instances cost no request that can
-be retried, and the launcher's children die with it."""
+"""Disaggregated serving with real processes: `oxserve serve --epd-config` starts a router, an
+encode, a prefill and two decode instances; answers through it equal a colocated server's
+(deterministic mode: bit-equal), for text and images (encoded on the encode instance); lost
+and hung instances cost no request that can be retried, and the launcher's children die with it."""
 
 from __future__ import annotations
 
@@ -52,10 +52,11 @@ class Deployment:
 
 def _deploy(model, tmp, mode: str):
     port = free_port()
-    members = {"prefill": [free_port()], "decode": [free_port(), free_port()]}
+    members = {"encode": [free_port()], "prefill": [free_port()], "decode": [free_port(), free_port()]}
     config = {"model": str(model), "args": ARGS, "router": {"port": port, "disaggregate": mode}, "log_dir": str(tmp),
-              "prefill": [{"port": p} for p in members["prefill"]],
-              "decode": [{"port": p, "kv_port": free_port()} for p in members["decode"]]}  # fmt: skip
+              "encode": [{"port": p} for p in members["encode"]],
+              "prefill": [{"port": p, "mm_port": free_port()} for p in members["prefill"]],
+              "decode": [{"port": p, "kv_port": free_port(), "mm_port": free_port()} for p in members["decode"]]}  # fmt: skip
     path = tmp / "epd.yaml"
     path.write_text(yaml.safe_dump(config))
     log = open(tmp / "launcher.log", "w")
@@ -104,15 +105,23 @@ def test_split_answers_equal_colocated_answers(split, colocated):
         assert streamed == y.choices[0].message.content
     stats = split.stats()
     assert stats["split"] == 6 and stats["colocated"] == 0 and stats["handover_s"] is not None
+    assert stats["encoded_elsewhere"] == 2  # the image chat's two requests: its images encoded by the encode instance
     # What cannot be handed over runs colocated: n > 1.
     two = a.completions.create(model=name, prompt="x = 1", max_tokens=3, n=2, temperature=0)
     assert len(two.choices) == 2 and split.stats()["colocated"] == 1
 
 
-def test_lost_and_hung_instances(model, tmp_path_factory):
-    d = _deploy(model, tmp_path_factory.mktemp("epd-faults"), "always")
+def test_lost_and_hung_instances(split):  # last: it takes the deployment down
+    d = split
     try:
-        client, name = d.client(), str(model)
+        client, name = d.client(), str(d.client().models.list().data[0].id)
+        # A killed encode instance: images are encoded where their prompt runs.
+        offloaded = d.stats()["encoded_elsewhere"]
+        os.kill(d.pid(d.members["encode"][0]), signal.SIGKILL)
+        image = f"data:image/png;base64,{base64.b64encode(png_bytes(np.random.default_rng(1), 30, 40)).decode()}"
+        out = client.chat.completions.create(model=name, max_tokens=3, temperature=0, messages=[
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": image}}]}])  # fmt: skip
+        assert out.choices[0].finish_reason == "length" and d.stats()["encoded_elsewhere"] == offloaded
         # A killed prefill instance: requests run colocated instead.
         os.kill(d.pid(d.members["prefill"][0]), signal.SIGKILL)
         started = time.monotonic()
