@@ -142,6 +142,7 @@ def test_router_splits_when_measured_costs_say_it_pays():
     assert costs.split_pays(100, running=1, queued=0)  # 0.2 s of stall against a 0.1 s handover
     assert not costs.split_pays(30, running=1, queued=0) and not costs.split_pays(10_000, running=0, queued=0)
     assert costs.split_pays(100, running=4, queued=2) and not costs.split_pays(100, running=2, queued=2)  # the prefill queue counts
+    assert costs.split_pays(100, running=2, queued=2, max_stall_s=0.15)  # a 0.2 s stall is longer than any decode may see
     costs.learn_prompt(400, 0, 100)
     costs.learn_prompt(40, 2, 410)
     assert costs.estimate_tokens(400, 1) == pytest.approx(100 + 200)

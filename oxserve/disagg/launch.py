@@ -3,7 +3,7 @@ this host, started together and stopped together.
 
     model: /path/to/checkpoint        # optional: the default model
     args: ["--dtype", "bfloat16"]     # given to every instance
-    router: {port: 8000, disaggregate: auto}
+    router: {port: 8000, disaggregate: auto, max_stall_ms: 100}
     encode: [{port: 8051}]                                    # optional
     prefill: [{port: 8101, mm_port: 8151}]                    # mm_port: with encode instances
     decode: [{port: 8201, kv_port: 8301, mm_port: 8251, args: ["--max-num-seqs", "64"]}]
@@ -57,6 +57,7 @@ class Deployment:
     args: tuple[str, ...]
     router_port: int
     disaggregate: str
+    max_stall_s: float
     members: tuple[Member, ...]
     log_dir: Path
 
@@ -84,7 +85,8 @@ class Deployment:
         if mode not in MODES:
             raise SystemExit(f"--epd-config {path}: router.disaggregate must be one of {MODES}")
         return cls(raw.get("model"), tuple(map(str, raw.get("args", []))), int(router.get("port", port)), mode,
-                   tuple(members), Path(raw.get("log_dir") or data_dir() / "epd-logs"))  # fmt: skip
+                   float(router.get("max_stall_ms", 100.0)) / 1000, tuple(members),
+                   Path(raw.get("log_dir") or data_dir() / "epd-logs"))  # fmt: skip
 
 
 def _die_with_parent() -> None:
@@ -139,7 +141,7 @@ def run_deployment(path: Path, host: str, port: int) -> int:
         wait_healthy(started)
         pools = {role: [m.instance() for m in d.members if m.role == role] for role in ("encode", "prefill", "decode")}
         log.info("epd: router on %s:%d over %s", host, d.router_port, ", ".join(f"{len(v)} {k}" for k, v in pools.items()))
-        router = Router(pools["prefill"], pools["decode"], d.disaggregate, encode=pools["encode"])
+        router = Router(pools["prefill"], pools["decode"], d.disaggregate, encode=pools["encode"], max_stall_s=d.max_stall_s)
         uvicorn.run(build_router_app(router), host=host, port=d.router_port, log_config=None)
     finally:
         stop(started)

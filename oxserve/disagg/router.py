@@ -8,7 +8,8 @@ answers the client. `--disaggregate auto` decides per request from measured cost
     colocated, the prompt's prefill (P tokens x s seconds a token) stalls each of the R requests
     the decode instance holds: R x P x s request-seconds of delay, spread over the others;
     split, this request alone waits: for the Q prefills ahead of it on the prefill instance
-    (Q x P x s) and for the handover h;  split pays  <=>  Q x P x s + h < R x P x s
+    (Q x P x s) and for the handover h;  split pays  <=>  Q x P x s + h < R x P x s, or the
+    stall P x s alone is longer than --max-stall-ms (an inter-token gap no decode should see)
 
 where s is measured on the prefill instances' answers, h (sending the caches and the decode
 instance's first step) on split requests, and P is estimated from the prompt's characters
@@ -27,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import time
 import uuid
 from collections import OrderedDict
@@ -43,6 +45,7 @@ HEALTH_INTERVAL_S = 0.5
 HEALTH_TIMEOUT_S = 1.5
 HEALTH_FAILURES = 2
 PRIOR_SPLIT_TOKENS = 512
+DEFAULT_MAX_STALL_S = 0.1
 MODES = ("auto", "always", "never")
 
 
@@ -126,14 +129,15 @@ class Costs:
         elif not images and chars and tokens:
             self.chars_per_token.add(chars / tokens)
 
-    def split_pays(self, tokens: float, running: int, queued: int) -> bool:
+    def split_pays(self, tokens: float, running: int, queued: int, max_stall_s: float = math.inf) -> bool:
         """`running`: requests on the decode instance; `queued`: on the prefill instance."""
         rate, handover = self.prefill_s_per_token.value, self.handover_s.value
         if running == 0:
             return False  # nobody to stall: colocated costs no one anything
         if rate is None or handover is None:
             return tokens >= PRIOR_SPLIT_TOKENS
-        return queued * tokens * rate + handover < running * tokens * rate
+        stall = tokens * rate
+        return stall > max_stall_s or queued * stall + handover < running * stall
 
 
 def prompt_size(body: dict) -> tuple[int, int]:
@@ -161,7 +165,7 @@ def prompt_size(body: dict) -> tuple[int, int]:
 
 class Router:
     def __init__(self, prefill: list[Instance], decode: list[Instance], mode: str = "auto", timeout_s: float = 600.0,
-                 encode: list[Instance] | None = None):  # fmt: skip
+                 encode: list[Instance] | None = None, max_stall_s: float = DEFAULT_MAX_STALL_S):  # fmt: skip
         if not decode:
             raise ValueError("the router needs at least one decode instance")
         if mode not in MODES:
@@ -170,6 +174,7 @@ class Router:
             raise ValueError("--disaggregate always needs a prefill instance")
         self.prefill, self.decode, self.mode = prefill, decode, mode
         self.encode = encode or []
+        self.max_stall_s = max_stall_s
         self.costs = Costs()
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=HEALTH_TIMEOUT_S))
         self.affinity: OrderedDict[str, Instance] = OrderedDict()  # prompt prefix -> the decode instance that ran it
@@ -221,7 +226,8 @@ class Router:
             return True
         prefill = self._pick(self.prefill)
         chars, media = prompt_size(body)
-        return self.costs.split_pays(self.costs.estimate_tokens(chars, media), decode.in_flight, prefill.in_flight)
+        tokens = self.costs.estimate_tokens(chars, media)
+        return self.costs.split_pays(tokens, decode.in_flight, prefill.in_flight, self.max_stall_s)
 
     async def _with_embeddings(self, body: dict, target: Instance) -> dict:
         """`body`, its images and videos encoded on an encode instance and sent to `target`

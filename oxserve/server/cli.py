@@ -88,6 +88,9 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     roles.add_argument("--disaggregate", choices=MODES, default="auto",
                        help="router: split requests into prefill and decode always, never, or when measured costs say it "
                             "pays (auto; default: %(default)s)")  # fmt: skip
+    roles.add_argument("--max-stall-ms", type=float, default=100.0,
+                       help="router, auto: split a prompt whose colocated prefill would stall the decode instance's "
+                            "requests longer than this, whatever else the cost rule says (default: %(default)s)")  # fmt: skip
     roles.add_argument("--epd-config", type=Path, default=None, metavar="YAML",
                        help="start a router with prefill and decode instances on this host, as the file says, and stop "
                             "them with it (docs/disaggregation.md)")  # fmt: skip
@@ -187,7 +190,8 @@ def run(args: argparse.Namespace) -> int:
 def run_router(args: argparse.Namespace) -> int:
     try:
         router = Router([parse_instance(u, "prefill") for u in args.prefill], [parse_instance(d, "decode") for d in args.decode],
-                        args.disaggregate, encode=[parse_instance(u, "encode") for u in args.encode])  # fmt: skip
+                        args.disaggregate, encode=[parse_instance(u, "encode") for u in args.encode],
+                        max_stall_s=args.max_stall_ms / 1000)  # fmt: skip
     except ValueError as e:
         raise SystemExit(str(e)) from None
     log.info("router: %d prefill and %d decode instance(s), disaggregate %s", len(router.prefill), len(router.decode), args.disaggregate)
