@@ -146,9 +146,16 @@ def test_lost_and_hung_instances(split):  # last: it takes the deployment down
         assert not worker.is_alive() and len(results["out"].choices[0].text) > 0
         assert time.monotonic() - started < 10
         assert d.stats()["retried"] >= 1
-        # Every decode instance gone: a clear 503, at once.
+        # The other decode instance killed mid-stream: the stream ends with an error event, promptly.
         other = next(p for p in d.members["decode"] if d.pid(p) != hung)
-        os.kill(d.pid(other), signal.SIGKILL)
+        body = {"model": name, "prompt": "while True:", "max_tokens": 400, "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", f"{d.url}/v1/completions", json=body, timeout=30) as response:
+            lines = response.iter_lines()
+            assert next(line for line in lines if line.startswith("data:"))
+            os.kill(d.pid(other), signal.SIGKILL)
+            started = time.monotonic()
+            rest = [line for line in lines if line.startswith("data:")]
+        assert time.monotonic() - started < 10 and "instance_failed" in rest[-1]
         time.sleep(4)
         with pytest.raises(openai.APIStatusError) as e:
             client.completions.create(model=name, prompt="y", max_tokens=2)
