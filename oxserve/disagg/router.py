@@ -343,7 +343,8 @@ class Router:
         except (httpx.HTTPError, InstanceDown) as e:
             instance.in_flight -= 1
             raise InstanceDown(str(e)) from None
-        if handover_from is not None and upstream.status_code == 200:
+        if handover_from is not None and upstream.status_code == 200 and body.get("stream"):
+            # A stream's first chunk is the handover's end; a whole answer comes only after the decode.
             self.costs.handover_s.add(time.monotonic() - handover_from)
         if not body.get("stream"):
             rest = b"".join([first] + [c async for c in chunks])
