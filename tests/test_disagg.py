@@ -4,6 +4,7 @@ sent through a real connector, let a decode engine answer exactly as one engine 
 from __future__ import annotations
 
 import random
+import re
 from dataclasses import replace
 
 import numpy as np
@@ -16,6 +17,7 @@ from oxserve.disagg.connector import KVReceiver, KVSender, KVTransferError, Parc
 from oxserve.disagg.router import Costs, Instance, Router, prompt_size
 from oxserve.disagg.snapshot import CacheSnapshot
 from oxserve.llm import run_to_completion
+from oxserve.structured import StructuredOutputs
 
 
 @pytest.fixture(scope="module")
@@ -155,3 +157,20 @@ def test_router_splits_when_measured_costs_say_it_pays():
     assert not router.should_split({"prompt": "x" * 10_000, "max_tokens": 5}, decode)  # an idle decode instance
     decode.in_flight = 3
     assert router.should_split({"prompt": "x" * 10_000, "max_tokens": 5}, decode)
+
+
+def test_split_under_a_grammar_continues_the_prefill_s_first_token(engines):
+    """The decode instance's grammar starts past the token the prefill instance sampled."""
+    regex = r"[a-c]{3}-[0-9]{4}"
+    params = SamplingParams(max_tokens=12, temperature=0.7, seed=3, structured_outputs=StructuredOutputs(regex=regex))
+    prompt = {"prompt_token_ids": [11, 12, 13, 14, 15]}
+    want = engines[0].generate([prompt], params)[0].outputs[0]
+    got = _split(engines, f"regex-{random.random()}", prompt, params)
+    assert re.fullmatch(regex, got.text) and got.token_ids == want.token_ids
+
+
+def test_media_that_cannot_be_sampled_is_refused():
+    from oxserve.multimodal.processor import MediaProcessor, ProcessorConfig, Video
+
+    with pytest.raises(ValueError, match="too short"):
+        MediaProcessor(ProcessorConfig()).video(Video(np.zeros((10, 64, 64, 3), np.uint8), fps=30.0))

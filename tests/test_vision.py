@@ -81,6 +81,10 @@ def test_video_frames_sampled_as_the_reference():
         owner = SimpleNamespace(fps=cfg.fps, max_frames=cfg.max_frames, max_duration=cfg.max_duration)
         metadata = VideoMetadata(total_num_frames=total, fps=fps, duration=total / fps)
         expected = ref["sample_frames"](owner, metadata).tolist()
+        if not expected:  # too short for one frame at this rate: the reference fails later, oxserve says so here
+            with pytest.raises(ValueError, match="too short"):
+                MediaProcessor(cfg).sample_frames(total, fps)
+            continue
         assert MediaProcessor(cfg).sample_frames(total, fps) == expected, (total, fps, cfg)
 
 

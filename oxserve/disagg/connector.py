@@ -102,7 +102,7 @@ class Parcel:
         h = hashlib.blake2b(digest_size=16)
         for name in sorted(self.tensors):
             h.update(name.encode())
-            h.update(self.tensors[name].contiguous().view(torch.uint8).numpy().tobytes())
+            h.update(self.tensors[name].detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
         return h.hexdigest()
 
 
@@ -132,11 +132,14 @@ class KVSender:
             raise ValueError(f"kv transport must be one of {TRANSPORTS}, got {transport!r}")
         self.description, self.transport, self.debug = description, transport, debug
         self._links: dict[str, _Link] = {}
-        self._lock = threading.Lock()
+        self._locks: dict[str, threading.Lock] = {}
+        self._lock = threading.Lock()  # guards the two dicts
 
     def send(self, address: str, transfer_id: str, parcel: Parcel, timeout_s: float = 60.0) -> None:
         """Deliver `parcel` to the receiver at host:port; KVTransferError if it does not land."""
-        with self._lock:  # one transfer at a time per sender: links are not shared between threads
+        with self._lock:
+            lock = self._locks.setdefault(address, threading.Lock())
+        with lock:  # one transfer at a time per link (a slow receiver holds up only its own)
             link = self._links.get(address)
             try:
                 if link is None:
@@ -150,7 +153,7 @@ class KVSender:
 
     def close(self) -> None:
         with self._lock:
-            for link in self._links.values():
+            for link in list(self._links.values()):
                 link.close()
             self._links.clear()
 

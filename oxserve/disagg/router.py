@@ -64,11 +64,13 @@ class Instance:
     in_flight: int = 0
     down: asyncio.Event = field(default_factory=asyncio.Event)
 
-    def mark(self, ok: bool) -> None:
-        self.failures = 0 if ok else self.failures + 1
+    def mark(self, state: str) -> None:
+        """A health check's outcome: "ok", "draining" (it answers 503: it finishes what it has,
+        takes nothing new) or "failed" (no answer: dead or hung)."""
+        self.failures = self.failures + 1 if state == "failed" else 0
         was = self.healthy
-        self.healthy = ok or self.failures < HEALTH_FAILURES
-        if was and not self.healthy:
+        self.healthy = state == "ok" or (state == "failed" and self.failures < HEALTH_FAILURES)
+        if state == "failed" and self.failures == HEALTH_FAILURES:
             log.error("router: %s instance %s is down; its requests go elsewhere", self.kind, self.url)
             self.down.set()
         elif self.healthy and not was:
@@ -176,7 +178,11 @@ class Router:
         self.encode = encode or []
         self.max_stall_s = max_stall_s
         self.costs = Costs()
-        self.client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=HEALTH_TIMEOUT_S))
+        # No pool limit: every stream holds a connection; health checks have their own client,
+        # so a busy pool never makes an instance look dead.
+        unbounded = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=HEALTH_TIMEOUT_S), limits=unbounded)
+        self.health_client = httpx.AsyncClient(timeout=HEALTH_TIMEOUT_S)
         self.affinity: OrderedDict[str, Instance] = OrderedDict()  # prompt prefix -> the decode instance that ran it
         self.counts = {"colocated": 0, "split": 0, "retried": 0, "failed": 0, "encoded_elsewhere": 0}
         self.encode_s_per_item = Ewma()
@@ -189,10 +195,10 @@ class Router:
 
     async def _check(self, instance: Instance) -> None:
         try:
-            ok = (await self.client.get(f"{instance.url}/health", timeout=HEALTH_TIMEOUT_S)).status_code == 200
+            status = (await self.health_client.get(f"{instance.url}/health")).status_code
+            instance.mark("ok" if status == 200 else "draining" if status == 503 else "failed")
         except httpx.HTTPError:
-            ok = False
-        instance.mark(ok)
+            instance.mark("failed")
 
     # ---- choosing ------------------------------------------------------------------------
     def _pick(self, pool: list[Instance], key: str | None = None, avoid: Instance | None = None) -> Instance | None:
@@ -299,9 +305,9 @@ class Router:
         except InstanceDown:
             return None
         if answer.status_code != 200:
-            if 400 <= answer.status_code < 500:  # the request's own fault: the client hears it
+            if 400 <= answer.status_code < 500 and answer.status_code not in (408, 429):  # the request's own fault
                 return Response(answer.content, answer.status_code, media_type="application/json")
-            return None
+            return None  # the prefill instance is full or failing: the decode instance may run it colocated
         done = answer.json()
         prefill_s = time.monotonic() - started
         tokens = done.get("usage", {}).get("prompt_tokens", 0)
@@ -332,24 +338,30 @@ class Router:
         its first byte (after that, a stream ends with an error event)."""
         instance.in_flight += 1
         request = self.client.build_request("POST", f"{instance.url}{path}", json=body)
+        upstream = None
         try:
             upstream = await _unless_down(instance, self.client.send(request, stream=True))
             if upstream.status_code == 503:  # draining, or the caches never came: another instance may take it
                 detail = (await upstream.aread())[:300].decode(errors="replace")
-                await upstream.aclose()
                 raise InstanceDown(f"{instance.url} answered 503: {detail}")
             chunks = upstream.aiter_raw()
             first = await _unless_down(instance, anext(chunks, b""))
         except (httpx.HTTPError, InstanceDown) as e:
             instance.in_flight -= 1
+            if upstream is not None:
+                await upstream.aclose()
             raise InstanceDown(str(e)) from None
         if handover_from is not None and upstream.status_code == 200 and body.get("stream"):
             # A stream's first chunk is the handover's end; a whole answer comes only after the decode.
             self.costs.handover_s.add(time.monotonic() - handover_from)
         if not body.get("stream"):
-            rest = b"".join([first] + [c async for c in chunks])
-            await upstream.aclose()
-            instance.in_flight -= 1
+            try:
+                rest = b"".join([first] + [c async for c in chunks])
+            except httpx.HTTPError as e:
+                raise InstanceDown(str(e)) from None
+            finally:
+                await upstream.aclose()
+                instance.in_flight -= 1
             if learn is not None and upstream.status_code == 200:
                 self._learn_colocated(rest, *learn)
             return Response(rest, upstream.status_code, media_type=upstream.headers.get("content-type"))
@@ -424,6 +436,7 @@ def build_router_app(router: Router) -> FastAPI:
         yield
         watcher.cancel()
         await router.client.aclose()
+        await router.health_client.aclose()
 
     app = FastAPI(title="oxserve router", lifespan=lifespan, docs_url=None, redoc_url=None)
 

@@ -416,6 +416,9 @@ class LLMEngine:
         embedder = self.runner.embedder
         if embedder is None:
             raise ValueError(f"this server takes no images or video: {self.mm_off_reason}")
+        width = self.mm.vision.out_hidden_size
+        if any(v.dim() != 2 or v.shape[1] != width for v in tensors.values()):
+            raise ValueError(f"embeddings must be [n, {width}] for this model")
         embedder.cache.seed({bytes.fromhex(k): v.to(embedder.device, embedder.dtype) for k, v in tensors.items()})
 
     def mm_description(self) -> dict:

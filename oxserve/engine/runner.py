@@ -316,6 +316,8 @@ class ModelRunner:
         if constraint is not None and state.grammar is None:
             assert self.grammars is not None  # the engine refuses constraints without a tokenizer
             state.grammar = RequestGrammar.of(constraint, self.grammars.matcher(constraint))
+            for token in state.output_token_ids:  # sampled elsewhere: a prefill instance's first token
+                state.grammar.accept(token)
         return state.grammar
 
     def _sampling_row(self, request_id: str) -> SamplingRow:

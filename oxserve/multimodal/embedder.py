@@ -61,5 +61,5 @@ class MultiModalEmbedder:
             merge = self.tower.config.spatial_merge_size ** 2
             for item, embeds in zip(missing, out.split([i.patches.shape[0] // merge for i in missing])):
                 found[item.content_hash] = embeds
-                self.cache.put(item.content_hash, embeds)
+                self.cache.put(item.content_hash, embeds.clone())  # a view would pin the whole pass's output
         return found

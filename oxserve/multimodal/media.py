@@ -22,6 +22,7 @@ from oxserve.multimodal.processor import Video
 MAX_MEDIA_BYTES = 64 << 20  # an encoded image or video
 MAX_IMAGE_PIXELS = 64_000_000  # a decoded image (PIL's decompression-bomb guard, made an error)
 MAX_VIDEO_FRAMES = 4096  # frames decoded from one video
+MAX_VIDEO_PIXELS = 1 << 30  # pixels of all its decoded frames together (3 GiB as RGB)
 
 
 class MediaError(ValueError):
@@ -86,10 +87,11 @@ def decode_video(data: bytes) -> Video:
                 raise MediaError("the file has no video stream")
             stream = container.streams.video[0]
             rate = float(stream.average_rate or stream.guessed_rate or 0)
-            frames = []
+            frames, pixels = [], 0
             for frame in container.decode(stream):
-                if len(frames) == MAX_VIDEO_FRAMES:
-                    raise MediaError(f"the video has over {MAX_VIDEO_FRAMES} frames")
+                pixels += frame.width * frame.height
+                if len(frames) == MAX_VIDEO_FRAMES or pixels > MAX_VIDEO_PIXELS:
+                    raise MediaError(f"the video is over {MAX_VIDEO_FRAMES} frames or {MAX_VIDEO_PIXELS:,} pixels in all")
                 if frame.width * frame.height > MAX_IMAGE_PIXELS:
                     raise MediaError(f"the video's frames are {frame.width}x{frame.height}, over {MAX_IMAGE_PIXELS:,} pixels")
                 frames.append(frame.to_ndarray(format="rgb24"))
@@ -101,4 +103,6 @@ def decode_video(data: bytes) -> Video:
         raise MediaError("the video has no frames")
     if not rate > 0:
         raise MediaError("the video has no frame rate")
+    if len({f.shape for f in frames}) > 1:
+        raise MediaError("the video's frames change size")
     return Video(np.stack(frames), rate)

@@ -225,6 +225,8 @@ class MediaProcessor:
         elif len(picks) > wanted:
             picks = np.linspace(0, total - 1, wanted, dtype=int).tolist()
         unique = list(dict.fromkeys(picks))
+        if not unique:  # the reference would fail further on: say why here
+            raise ValueError(f"the video is {total / fps:.2f} s long, too short to sample at {cfg.fps:g} frames a second")
         if len(unique) % 2:
             unique.append(unique[-1])
         return unique

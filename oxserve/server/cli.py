@@ -144,10 +144,11 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(str(e)) from None
     if args.epd_config is not None:
         return run_deployment(args.epd_config, args.host, args.port)
-    if args.role == "router":
-        return run_router(args)
-    if args.role == "encode":
-        return run_encoder(args)
+    if args.role in ("router", "encode"):
+        if args.api_key or args.api_keys or os.environ.get(API_KEY_ENV):
+            raise SystemExit(f"API keys are not checked by --role {args.role} yet; keep it and its instances on a "
+                             "private network behind a gateway that checks them")  # fmt: skip
+        return run_router(args) if args.role == "router" else run_encoder(args)
     keys = api_keys_from(args)
     engine_config = engine_config_from_args(args)
     if engine_config.parallel.node_rank > 0:  # another host's ranks: no engine, no HTTP server

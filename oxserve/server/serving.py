@@ -350,9 +350,9 @@ class OpenAIServing:
             raise bad_request("this instance takes no embeddings (start it with --mm-port)", "kv_transfer_params")
         try:
             parcel = await asyncio.to_thread(self.mm_receiver.take, transfer_id, KV_WAIT_S)
-        except KVTransferError as e:
+            self.engine.seed_embeddings(parcel.tensors)
+        except (KVTransferError, ValueError) as e:
             raise APIError(503, str(e), "server_error", "kv_transfer_params", "kv_transfer_failed") from None
-        self.engine.seed_embeddings(parcel.tensors)
 
     async def _export(self, job: Job, finals: list[RequestOutput]) -> None:
         """Send a finished prefill's caches to the decode instance named in its request."""
