@@ -69,8 +69,9 @@ def _sequences(count: int, length: int, vocab: int) -> list[list[int]]:
 
 @pytest.mark.slow
 def test_default_model_in_bf16_is_as_faithful_as_hf():
-    """On held-out code the trained default model never saw."""
-    sequences = held_out_windows(default_model(), 4, 160, random.randrange(2**31))
+    """On held-out code the trained default model never saw. Eight windows: with four, one
+    draw of six on 2026-12-04 flipped six top-1 picks against HF's two, outside the margin."""
+    sequences = held_out_windows(default_model(), 8, 160, random.randrange(2**31))
     compare_bf16(default_model(), sequences, chunk=64, decode_last=32)
 
 
