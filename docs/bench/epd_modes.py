@@ -21,10 +21,11 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import httpx
+
+from oxserve.bench.soak_server import wait_until_serving
 
 WORKLOADS = {
     # Two 448x448 images (2 x 256 placeholder tokens) and ~100 words per chat, 64 tokens out.
@@ -46,16 +47,11 @@ def free_port() -> int:
 
 def start(cmd: list[str], url: str, log: Path) -> subprocess.Popen:
     proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT)
-    for _ in range(600):
-        if proc.poll() is not None:
-            raise SystemExit(f"{cmd[4:7]} exited; see {log}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise SystemExit(f"{url} did not come up")
+    try:
+        wait_until_serving(proc, url, timeout=300)
+    except RuntimeError as e:
+        raise SystemExit(f"{url}: {e}; see {log}") from None
+    return proc
 
 
 def main() -> None:

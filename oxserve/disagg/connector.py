@@ -70,11 +70,15 @@ def _recv_json(sock: socket.socket):
     return json.loads(bytes(_recv_exact(sock, n)))
 
 
+def model_fingerprint(model_path, dtype: str) -> str:
+    """The model both ends of a link must run: its config and dtype."""
+    config = (model_path / "config.json").read_bytes()
+    return hashlib.blake2b(config + dtype.encode(), digest_size=16).hexdigest()
+
+
 def embedding_description(model_path, dtype: str, out_hidden_size: int) -> dict:
     """What an encode instance sends and an --mm-port receiver takes: embeddings of this model."""
-    config = (model_path / "config.json").read_bytes()
-    model = hashlib.blake2b(config + dtype.encode(), digest_size=16).hexdigest()
-    return {"model": model, "layout": [["mm_embeddings", dtype, [out_hidden_size], 0]]}
+    return {"model": model_fingerprint(model_path, dtype), "layout": [["mm_embeddings", dtype, [out_hidden_size], 0]]}
 
 
 def layout_difference(mine: dict, theirs: dict) -> str | None:

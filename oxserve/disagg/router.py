@@ -145,18 +145,12 @@ class Costs:
 def prompt_size(body: dict) -> tuple[int, int]:
     """(characters of text, images and videos) in a chat or completion body."""
     if "messages" in body:
-        chars = media = 0
+        chars = 0
         for m in body.get("messages") or []:
             content = m.get("content") if isinstance(m, dict) else None
-            if isinstance(content, str):
-                chars += len(content)
-            elif isinstance(content, list):
-                for part in content:
-                    if isinstance(part, dict) and part.get("type") == "text":
-                        chars += len(str(part.get("text", "")))
-                    elif isinstance(part, dict) and part.get("type") in ("image_url", "video_url"):
-                        media += 1
-        return chars, media
+            parts = [{"type": "text", "text": content}] if isinstance(content, str) else content if isinstance(content, list) else []
+            chars += sum(len(str(p.get("text", ""))) for p in parts if isinstance(p, dict) and p.get("type") == "text")
+        return chars, len(media_parts(body))
     prompt = body.get("prompt")
     if isinstance(prompt, str):
         return len(prompt), 0

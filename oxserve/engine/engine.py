@@ -8,7 +8,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import time
@@ -22,7 +21,7 @@ from oxserve.cache.planner import plan_prefix_caching, plan_split_cache
 from oxserve.cache.precision import CachePlan, LayerCachePrecision
 from oxserve.cache.spec import CacheLayout
 from oxserve.config import EngineConfig
-from oxserve.disagg.connector import embedding_description
+from oxserve.disagg.connector import embedding_description, model_fingerprint
 from oxserve.disagg.snapshot import CacheSnapshot, layout_of
 from oxserve.engine.interface import SchedulerOutput
 from oxserve.engine.memory import keep_freed_memory
@@ -430,9 +429,7 @@ class LLMEngine:
     def kv_description(self) -> dict:
         """What a cache handover needs both sides to agree on: the model's weights and dtype, and
         the caches' tables (see `oxserve.disagg.connector`)."""
-        config = (self.model_path / "config.json").read_bytes()
-        model = hashlib.blake2b(config + self.config.model.dtype.encode(), digest_size=16).hexdigest()
-        return {"model": model, "layout": layout_of(self.runner.caches, self.runner.layout.num_blocks,
+        return {"model": model_fingerprint(self.model_path, self.config.model.dtype), "layout": layout_of(self.runner.caches, self.runner.layout.num_blocks,
                                                      self.runner.layout.block_size)}
 
     def _output(self, request: Request) -> RequestOutput:

@@ -90,7 +90,6 @@ class EncoderCache:
         self._entries: OrderedDict[bytes, torch.Tensor] = OrderedDict()
         self._lock = threading.Lock()  # the engine reads it; an encode instance's embeddings arrive from another thread
         self.hits = self.misses = 0
-        self.seeded = 0  # embeddings an encode instance sent
 
     def get(self, key: bytes) -> torch.Tensor | None:
         with self._lock:
@@ -113,7 +112,6 @@ class EncoderCache:
         """Embeddings encoded elsewhere, by content hash."""
         for key, value in embeddings.items():
             self.put(key, value)
-        self.seeded += len(embeddings)
 
     def __len__(self) -> int:
         return len(self._entries)
