@@ -26,9 +26,10 @@ class ModelConfig:
         "quota; logged at start; 1 is steadier on a machine shared with other work)"
     )
     linear_kernel: str = opt(
-        "auto", "matrix products of the projections and LM head: weights packed for AMX tiles (amx; CPU bf16 with "
-        "AMX-BF16), oneDNN pre-packed weights (onednn; CPU fp32, and bf16 where oneDNN runs it natively), "
-        "F.linear (torch), or auto (amx, else onednn, where supported)", choices=("auto", "amx", "onednn", "torch"),
+        "auto", "matrix products of the projections and LM head: weights packed in panels run by oxserve's kernel "
+        "(panels; CPU bf16 with AMX-BF16 or AVX512-BF16), oneDNN pre-packed weights (onednn; CPU fp32, and bf16 "
+        "where oneDNN runs it natively), F.linear (torch), or auto (panels, else onednn, where supported)",
+        choices=("auto", "panels", "onednn", "torch"),
     )
     quantization: str = opt(
         "none", "w8a8: quantize weights to int8 on load (per output channel; activations int8 per token at run time), "

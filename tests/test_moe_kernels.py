@@ -92,7 +92,7 @@ def routed_case(hidden: int, inter: int, pairs: int, experts: int = 5):
 
 def assert_like_the_loop(got, rows, weight, offsets, gate_up, down):
     """Against the per-expert loop, which rounds where the kernels do: summation order (and
-    the AMX kernel's vector exp) differ, so a rare one-ulp flip of an intermediate, no more."""
+    the panel kernel's vector exp) differ, so a rare one-ulp flip of an intermediate, no more."""
     ref = looped_experts(rows, weight, offsets, gate_up, down, 2.0)
     assert got.dtype == torch.bfloat16 and got.shape == ref.shape
     if rows.shape[0]:
@@ -121,9 +121,9 @@ def test_experts_take_the_native_kernel_for_few_rows_per_expert(monkeypatch):
     assert calls == [6]  # bf16 with few rows per expert; not 80 pairs, not fp32
 
 
-# ---- the AMX kernel, on weights packed at load ----------------------------------------------
+# ---- the panel kernel (AMX or AVX512-BF16), on weights packed at load --------------------------
 
-AMX = moe.amx_experts_fit(torch.device("cpu"), torch.bfloat16, 64, 32)
+PANELS = moe.panel_experts_fit(torch.device("cpu"), torch.bfloat16, 64, 32)
 
 
 def test_panels_hold_the_same_values():
@@ -133,35 +133,42 @@ def test_panels_hold_the_same_values():
     assert torch.equal(moe.unpack_panels(packed), weight)
 
 
-def test_amx_is_taken_exactly_where_the_cpu_has_it():
-    assert AMX == moe.cpu_has_amx_bf16()  # this machine: a compiler, and Linux grants the tiles
+def test_panels_are_taken_exactly_where_the_cpu_has_amx_or_avx512_bf16():
+    flags = open("/proc/cpuinfo").read().split()
+    assert moe.panel_isa() == ("amx" if "amx_bf16" in flags else "avx512_bf16" if "avx512_bf16" in flags else None)
+    assert PANELS == (moe.panel_isa() is not None)  # this machine: a compiler, and Linux grants AMX tiles
     cpu = torch.device("cpu")
-    assert not moe.amx_experts_fit(cpu, torch.float32, 64, 32) and not moe.amx_experts_fit(cpu, torch.bfloat16, 64, 48)
+    assert not moe.panel_experts_fit(cpu, torch.float32, 64, 32) and not moe.panel_experts_fit(cpu, torch.bfloat16, 64, 48)
     layer = Experts(make_config(n_routed_experts=4, moe_intermediate_size=32, hidden_size=64))
     for p in layer.parameters():
         p.data = (torch.randn_like(p, dtype=torch.float32) * 0.1).bfloat16()
     layer.after_load()
-    assert layer.packed == AMX and (layer.gate_up_proj.numel() == 0) == AMX
+    assert layer.packed == PANELS and (layer.gate_up_proj.numel() == 0) == PANELS
 
 
 @pytest.mark.parametrize("hidden,inter,pairs", [(64, 32, 1), (96, 64, 13), (512, 256, 64), (64, 32, 300), (32, 32, 0)])
-def test_amx_experts_equal_the_loop(hidden, inter, pairs):
-    """More and fewer than a tile's 16 rows per expert."""
+def test_panel_experts_equal_the_loop(hidden, inter, pairs):
+    """More and fewer than a tile's 16 rows (and the vectors' 8) per expert, every build this
+    CPU runs; the builds agree with each other exactly (the same fp32 sums in input order)."""
     rows, weight, offsets, gate_up, down = routed_case(hidden, inter, pairs)
-    if not AMX:  # a CPU without AMX-BF16 refuses, clearly
-        with pytest.raises(RuntimeError, match="AMX"):
-            moe.amx_experts(rows, weight, offsets, moe.pack_panels(gate_up), moe.pack_panels(down), 2.0)
+    if not PANELS:  # a CPU without AMX-BF16 or AVX512-BF16 refuses, clearly
+        with pytest.raises(RuntimeError, match="AVX512-BF16"):
+            moe.panel_experts(rows, weight, offsets, moe.pack_panels(gate_up), moe.pack_panels(down), 2.0)
         return
-    got = moe.amx_experts(rows, weight, offsets, moe.pack_panels(gate_up), moe.pack_panels(down), 2.0)
-    assert_like_the_loop(got, rows, weight, offsets, gate_up, down)
+    outputs = [moe.panel_experts(rows, weight, offsets, moe.pack_panels(gate_up), moe.pack_panels(down), 2.0, lib=lib)
+               for lib in moe.panel_builds().values()]
+    assert len(outputs) == (2 if moe.panel_isa() == "amx" else 1)
+    for got in outputs:
+        assert_like_the_loop(got, rows, weight, offsets, gate_up, down)
+        assert torch.equal(got, outputs[0])
 
 
-def test_amx_experts_keep_a_nan_and_a_loaded_layer_computes_what_the_dense_one_did():
-    if AMX:
+def test_panel_experts_keep_a_nan_and_a_loaded_layer_computes_what_the_dense_one_did():
+    if PANELS:
         rows = torch.randn(2, 32).bfloat16()
         rows[1, 3] = float("nan")
         gate_up, down = moe.pack_panels(torch.randn(1, 64, 32).bfloat16()), moe.pack_panels(torch.randn(1, 32, 32).bfloat16())
-        out = moe.amx_experts(rows, torch.ones(2, 1), torch.tensor([2], dtype=torch.int32), gate_up, down, 10.0)
+        out = moe.panel_experts(rows, torch.ones(2, 1), torch.tensor([2], dtype=torch.int32), gate_up, down, 10.0)
         assert out[0].isfinite().all() and out[1].isnan().all()
     layer = Experts(make_config(n_routed_experts=4, moe_intermediate_size=32, hidden_size=64))
     for p in layer.parameters():
@@ -174,8 +181,8 @@ def test_amx_experts_keep_a_nan_and_a_loaded_layer_computes_what_the_dense_one_d
 
 @pytest.mark.parametrize("linear_kernel", ["torch", "onednn", "auto"])
 @pytest.mark.parametrize("hidden_act,tokens", [("silu", 1), ("silu", 37), ("gelu", 5)])
-def test_a_loaded_dense_mlp_runs_as_one_amx_expert_where_it_can(linear_kernel, hidden_act, tokens):
-    """Shared experts and dense MLPs: on AMX a bf16 SiLU MLP moves into the experts kernel's
+def test_a_loaded_dense_mlp_runs_as_one_panel_expert_where_it_can(linear_kernel, hidden_act, tokens):
+    """Shared experts and dense MLPs: on panels a bf16 SiLU MLP moves into the experts kernel's
     panels and computes what its two products and the GLU did; elsewhere it stays as it is."""
     from oxserve.kernels.onednn import choose_linear_kernel
     from oxserve.model.common import DenseMLP
@@ -191,16 +198,16 @@ def test_a_loaded_dense_mlp_runs_as_one_amx_expert_where_it_can(linear_kernel, h
     for module in reversed(list(mlp.modules())):  # as the loader does: children first
         if hasattr(module, "after_load"):
             module.after_load()
-    expect_amx = AMX and hidden_act == "silu"
-    assert (mlp.panels is not None) == expect_amx and (mlp.gate_up_proj is None) == expect_amx
+    expect_panels = PANELS and hidden_act == "silu"
+    assert (mlp.panels is not None) == expect_panels and (mlp.gate_up_proj is None) == expect_panels
     torch.testing.assert_close(mlp(x).float(), dense.float(), rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.parametrize("tokens,top_k", [(0, 2), (1, 1), (5, 2), (40, 3), (300, 2)])
 def test_a_packed_layer_routes_in_one_call_what_the_sorted_path_computes(tokens, top_k):
-    """With AMX, amx_routed sorts, runs and combines in C: bit-equal to sorting in torch, the
+    """On panels, panel_routed sorts, runs and combines in C: bit-equal to sorting in torch, the
     same experts kernel and index_add_ (which sums each token's pairs in fp32, in expert order,
-    and rounds once). Without AMX the layer runs that sorted path itself."""
+    and rounds once). Without panels the layer runs that sorted path itself."""
     layer = Experts(make_config(n_routed_experts=6, moe_intermediate_size=32, hidden_size=64))
     for p in layer.parameters():
         p.data = (torch.randn_like(p, dtype=torch.float32) * 0.1).bfloat16()
@@ -212,7 +219,7 @@ def test_a_packed_layer_routes_in_one_call_what_the_sorted_path_computes(tokens,
     order = flat.argsort(stable=True)
     offsets = torch.bincount(flat, minlength=6).cumsum(0).to(torch.int32)
     token_of = order // top_k
-    assert layer.packed == AMX
+    assert layer.packed == PANELS
     out = layer.run_sorted(x[token_of], weights.flatten()[order][:, None], offsets)
     want = torch.zeros_like(x).index_add_(0, token_of, out)
     assert torch.equal(layer(x, weights, ids), want)
@@ -241,7 +248,7 @@ def test_native_router_chooses_and_weighs_as_the_torch_router(experts, groups, k
 
 @pytest.mark.parametrize("tokens", [1, 9, 70])
 def test_a_moe_layer_runs_its_shared_expert_with_the_routed_ones_as_it_adds_them(tokens):
-    """On AMX the shared expert runs in the routed experts' call: bit-equal to running both
+    """On panels the shared expert runs in the routed experts' call: bit-equal to running both
     on their own and adding them (bf16 + bf16, as the layer does elsewhere)."""
     from oxserve.model.moe import MoE
 
@@ -255,5 +262,5 @@ def test_a_moe_layer_runs_its_shared_expert_with_the_routed_ones_as_it_adds_them
     x = torch.randn(tokens, 64).bfloat16()
     weights, ids = layer.gate(x)
     separate = layer.experts(x, weights, ids) + layer.shared_experts(x)
-    assert (layer.shared_experts.panels is not None) == AMX == layer.experts.routes_natively
+    assert (layer.shared_experts.panels is not None) == PANELS == layer.experts.routes_natively
     assert torch.equal(layer(x), separate)

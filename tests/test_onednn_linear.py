@@ -6,32 +6,32 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from oxserve.kernels.moe import cpu_has_amx_bf16
-from oxserve.kernels.onednn import AMXLinear, OneDNNLinear, bucket_rows, choose_linear_kernel, use_onednn_linears
+from oxserve.kernels.moe import panel_builds, panel_isa, panel_linear
+from oxserve.kernels.onednn import PanelLinear, OneDNNLinear, bucket_rows, choose_linear_kernel, use_onednn_linears
 from oxserve.model.linear import Linear
 from oxserve.model.loader import load_model
 from hf_reference import build_reference, tiny_config
 
 
 BF16_ONEDNN = torch.ops.mkldnn._is_mkldnn_bf16_supported()
-AMX = cpu_has_amx_bf16()
+PANELS = panel_isa() is not None
 
 
-def test_auto_takes_amx_for_bf16_where_the_cpu_has_it_else_onednn_where_onednn_runs_it():
+def test_auto_takes_panels_for_bf16_where_the_cpu_has_them_else_onednn_where_onednn_runs_it():
     cpu = torch.device("cpu")
     assert choose_linear_kernel("auto", cpu, torch.float32)[0] == "onednn"
-    bf16 = "amx" if AMX else "onednn" if BF16_ONEDNN else "torch"
+    bf16 = "panels" if PANELS else "onednn" if BF16_ONEDNN else "torch"
     assert choose_linear_kernel("auto", cpu, torch.bfloat16)[0] == bf16
-    if not AMX:
-        with pytest.raises(ValueError, match="AMX"):
-            choose_linear_kernel("amx", cpu, torch.bfloat16)
+    if not PANELS:
+        with pytest.raises(ValueError, match="AVX512-BF16"):
+            choose_linear_kernel("panels", cpu, torch.bfloat16)
     assert choose_linear_kernel("auto", cpu, torch.float16) == ("torch", None)
     assert choose_linear_kernel("torch", cpu, torch.float32) == ("torch", None)
     with pytest.raises(ValueError, match="float32"):
         choose_linear_kernel("onednn", cpu, torch.float16)
-    with pytest.raises(ValueError, match="AMX"):
-        choose_linear_kernel("amx", cpu, torch.float32)
-    with pytest.raises(ValueError, match="auto, amx, onednn or torch"):
+    with pytest.raises(ValueError, match="AVX512-BF16"):
+        choose_linear_kernel("panels", cpu, torch.float32)
+    with pytest.raises(ValueError, match="auto, panels, onednn or torch"):
         choose_linear_kernel("mkl", cpu, torch.float32)
 
 
@@ -57,16 +57,17 @@ def test_products_match_f_linear(rows, dtype):
 
 @pytest.mark.parametrize("inputs", [32, 64, 96, 40])
 @pytest.mark.parametrize("rows", [0, 1, 15, 16, 17, 65, 300])
-def test_amx_products_equal_f_linear(rows, inputs):
-    """bf16 on AMX tiles: any row count, outputs not a multiple of a panel pair; inputs that
-    are not whole tiles (40) take oneDNN instead. Without AMX the kernel is refused above."""
+def test_panel_products_equal_f_linear(rows, inputs):
+    """bf16 on panels (AMX tiles or AVX512-BF16 vectors): any row count, outputs not a multiple
+    of a panel pair; inputs that are not whole tiles (40) take oneDNN instead. Without either
+    the kernel is refused above. On AMX the vector build is checked too."""
     parts = (random.randint(1, 40), random.randint(1, 70))
     linear = Linear(inputs, parts)
     weight = torch.randn(sum(parts), inputs).bfloat16()
     linear.weight.data = weight.clone()
-    packed = AMXLinear(linear)
+    packed = PanelLinear(linear)
     packed.after_load()
-    on_tiles = AMX and inputs % 32 == 0
+    on_tiles = PANELS and inputs % 32 == 0
     assert (packed.panels is not None) == on_tiles and packed.weight.numel() == 0
     torch.testing.assert_close(packed.dense_weight(), weight, rtol=0, atol=0)
     for x in (torch.randn(rows, inputs).bfloat16(), torch.randn(2, rows, 2 * inputs).bfloat16()[..., ::2]):
@@ -74,6 +75,9 @@ def test_amx_products_equal_f_linear(rows, inputs):
         assert out.dtype == torch.bfloat16 and out.shape == (*x.shape[:-1], sum(parts))
         if on_tiles:  # the same fp32 sums, rounded once
             assert torch.equal(out, F.linear(x, weight))
+            for lib in panel_builds().values():
+                assert torch.equal(panel_linear(x.reshape(-1, inputs), packed.panels, sum(parts), lib=lib),
+                                   out.reshape(-1, sum(parts)))
         else:
             torch.testing.assert_close(out, F.linear(x, weight), rtol=1e-2, atol=1e-2)
 
@@ -105,6 +109,7 @@ def test_products_are_the_same_at_any_row_count_of_a_bucket():
     """A padded row is computed as it would be alone in its bucket: rows 1..20 of a 20-row
     bucket agree bit for bit whatever the row count that carried them."""
     linear = Linear(64, (48,))
+    linear.weight.data = torch.randn(48, 64)  # Linear starts uninitialised: garbage may hold NaNs
     packed = OneDNNLinear(linear)
     packed.after_load()
     x = torch.randn(20, 64)

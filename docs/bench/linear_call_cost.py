@@ -1,5 +1,6 @@
 """Per-call cost of one bf16 product at decode sizes: F.linear, oneDNN's packed weight (the
-`onednn` linear kernel) and AMX tile panels (the `amx` kernel, where the CPU has AMX-BF16).
+`onednn` linear kernel) and packed panels (the `panels` kernel: AMX tiles, or AVX512-BF16
+vectors on CPUs without AMX).
 
     python docs/bench/linear_call_cost.py            # 2 threads; median of 5 repeats of 2000 calls
 
@@ -16,7 +17,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from oxserve.kernels.moe import amx_linear, amx_linear_fit, pack_linear
+from oxserve.kernels.moe import panel_linear, panel_linear_fit, pack_linear
 
 SHAPES = [(768, 256), (256, 64), (64, 256), (4, 256)]  # (outputs, inputs): default model's KDA projections
 
@@ -36,17 +37,17 @@ def per_call_us(fn, calls: int = 2000, repeats: int = 5) -> float:
 def main(threads: int) -> None:
     torch.set_num_threads(threads)
     print(f"{threads} threads; us per call")
-    print(f"{'out x in':>10} {'rows':>5} {'F.linear':>9} {'onednn':>9} {'amx':>9}")
+    print(f"{'out x in':>10} {'rows':>5} {'F.linear':>9} {'onednn':>9} {'panels':>9}")
     for n, k in SHAPES:
         weight = torch.randn(n, k).bfloat16()
         packed = torch.ops.mkldnn._reorder_linear_weight(weight, 8)
-        panels = pack_linear(weight) if amx_linear_fit(weight.device, weight.dtype, k) else None
+        panels = pack_linear(weight) if panel_linear_fit(weight.device, weight.dtype, k) else None
         for rows in (1, 32):
             x = torch.randn(rows, k).bfloat16()
             plain = per_call_us(lambda: F.linear(x, weight))
             onednn = per_call_us(lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""))
-            amx = per_call_us(lambda: amx_linear(x, panels, n)) if panels is not None else float("nan")
-            print(f"{n:>4} x {k:<4} {rows:>5} {plain:>9.1f} {onednn:>9.1f} {amx:>9.1f}")
+            on_panels = per_call_us(lambda: panel_linear(x, panels, n)) if panels is not None else float("nan")
+            print(f"{n:>4} x {k:<4} {rows:>5} {plain:>9.1f} {onednn:>9.1f} {on_panels:>9.1f}")
 
 
 if __name__ == "__main__":

@@ -6,8 +6,9 @@
 `grouped_experts` runs all experts in two grouped GEMMs; `looped_experts` is the plain
 reference (one GEMM pair per expert) it is tested against, and the fallback where the
 grouped GEMM is unavailable (CUDA with fp32). `native_experts` is the CPU bf16 kernel for
-the few rows per expert of decode steps (`native/moe_bf16.c`); `amx_experts` the CPU bf16
-kernel for any rows on CPUs with AMX, on weights packed at load (`native/moe_amx.c`).
+the few rows per expert of decode steps (`native/moe_bf16.c`); `panel_experts` the CPU bf16
+kernel for any rows, on weights packed at load (`native/bf16_panels.c`), on AMX tiles or
+AVX512-BF16 vectors, whichever the CPU has.
 """
 
 from __future__ import annotations
@@ -135,57 +136,69 @@ def _call(kernel, rows, row_weight, offsets, gate_up, down, inter: int, limit: f
     return out
 
 
-# ---- the AMX kernel (CPU with AMX-BF16, bf16): weights packed once at load ---------------------
+# ---- the panel kernels (CPU bf16 on AMX or AVX512-BF16): weights packed once at load ----------
 
-AMX_BUILD_FLAGS = native.NATIVE_ISA + native.OPENMP + ("-O3", "-mamx-tile", "-mamx-bf16")
-AMX_PANEL = 16  # output channels per packed panel; inputs go in pairs
+PANEL_FLAGS = {  # one source, built for the instructions the CPU has (native/bf16_panels.c)
+    "amx": native.NATIVE_ISA + native.OPENMP + ("-O3", "-mamx-tile", "-mamx-bf16"),
+    "avx512_bf16": native.NATIVE_ISA + native.OPENMP + ("-O3", "-mno-amx-tile"),  # vectors, also where AMX is
+}
+PANEL_WIDTH = 16  # output channels per packed panel; inputs go in pairs
 
 
-def cpu_has_amx_bf16() -> bool:
+def panel_isa() -> str | None:
+    """What the panel kernels run on here: 'amx' (tiles), 'avx512_bf16' (vectors) or None."""
     flags = native.cpu_identity().decode().split()
-    return "amx_tile" in flags and "amx_bf16" in flags
+    if "amx_tile" in flags and "amx_bf16" in flags:
+        return "amx"
+    return "avx512_bf16" if "avx512_bf16" in flags else None
 
 
-def bind_amx(lib: ctypes.CDLL) -> ctypes.CDLL:
-    lib.moe_amx_enable.restype = ctypes.c_int
-    lib.moe_amx_experts.restype = ctypes.c_int
-    lib.moe_amx_experts.argtypes = _EXPERTS_ARGTYPES
+def panel_builds() -> dict[str, ctypes.CDLL]:
+    """Every build of the panel kernels this CPU runs (AMX CPUs run the vector one too)."""
+    isas = {"amx": ("amx", "avx512_bf16"), "avx512_bf16": ("avx512_bf16",), None: ()}[panel_isa()]
+    builds = {isa: native.load("bf16_panels", PANEL_FLAGS[isa]) for isa in isas}
+    return {isa: bind_panels(lib) for isa, lib in builds.items() if lib is not None}
+
+
+def bind_panels(lib: ctypes.CDLL) -> ctypes.CDLL:
+    lib.panels_enable.restype = ctypes.c_int
+    lib.panels_experts.restype = ctypes.c_int
+    lib.panels_experts.argtypes = _EXPERTS_ARGTYPES
     p, i64 = ctypes.c_void_p, ctypes.c_int64
-    lib.moe_amx_linear.restype = ctypes.c_int
-    lib.moe_amx_linear.argtypes = [p, i64, i64, p, i64, i64, p, ctypes.c_int]
-    lib.moe_amx_routed.restype = ctypes.c_int
-    lib.moe_amx_routed.argtypes = [p, i64, i64, p, p, i64, i64, p, p, i64, ctypes.c_float, p, p, i64, p, ctypes.c_int]
+    lib.panels_linear.restype = ctypes.c_int
+    lib.panels_linear.argtypes = [p, i64, i64, p, i64, i64, p, ctypes.c_int]
+    lib.panels_routed.restype = ctypes.c_int
+    lib.panels_routed.argtypes = [p, i64, i64, p, p, i64, i64, p, p, i64, ctypes.c_float, p, p, i64, p, ctypes.c_int]
     return lib
 
 
 @functools.cache
-def _amx_kernel() -> ctypes.CDLL | None:
-    """The AMX build, with the tile state granted by Linux; None where the CPU, the compiler
-    or the kernel lacks it."""
-    if not cpu_has_amx_bf16():
-        return None
-    lib = native.load("moe_amx", AMX_BUILD_FLAGS)
+def _panel_kernel() -> ctypes.CDLL | None:
+    """The panel kernels built for this CPU (on AMX with the tile state granted by Linux);
+    None where the CPU, the compiler or the kernel lacks them."""
+    isa = panel_isa()
+    lib = native.load("bf16_panels", PANEL_FLAGS[isa]) if isa is not None else None
     if lib is None:
         return None
-    lib = bind_amx(lib)
-    if lib.moe_amx_enable() != 0:
+    lib = bind_panels(lib)
+    if lib.panels_enable() != 0:
         log.warning("Linux refused the AMX tile state (arch_prctl): routed experts use the other kernels")
         return None
     return lib
 
 
-def amx_experts_fit(device: torch.device, dtype: torch.dtype, hidden: int, intermediate: int) -> bool:
-    """Whether experts of these sizes can be packed for `amx_experts`: CPU bf16 on a CPU with
-    AMX-BF16, widths in whole tiles (multiples of 32), a compiler."""
+def panel_experts_fit(device: torch.device, dtype: torch.dtype, hidden: int, intermediate: int) -> bool:
+    """Whether experts of these sizes can be packed for `panel_experts`: CPU bf16 on a CPU with
+    AMX-BF16 or AVX512-BF16, widths in whole tiles (multiples of 32), a compiler."""
     return (device.type == "cpu" and dtype == torch.bfloat16 and hidden % 32 == 0 and intermediate % 32 == 0
-            and _amx_kernel() is not None)  # fmt: skip
+            and _panel_kernel() is not None)  # fmt: skip
 
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
     """[E, N, K] -> [E, N/16, K/2, 16, 2]: per expert, panels of 16 output channels whose
-    inputs are interleaved in pairs, the layout an AMX weight tile loads (native/moe_amx.c)."""
+    inputs are interleaved in pairs, the layout an AMX weight tile loads (native/bf16_panels.c)."""
     e, n, k = weight.shape
-    return weight.reshape(e, n // AMX_PANEL, AMX_PANEL, k // 2, 2).permute(0, 1, 3, 2, 4).contiguous()
+    return weight.reshape(e, n // PANEL_WIDTH, PANEL_WIDTH, k // 2, 2).permute(0, 1, 3, 2, 4).contiguous()
 
 
 def unpack_panels(packed: torch.Tensor) -> torch.Tensor:
@@ -194,31 +207,32 @@ def unpack_panels(packed: torch.Tensor) -> torch.Tensor:
     return packed.permute(0, 1, 3, 2, 4).reshape(e, blocks * panel, pairs * two)
 
 
-def amx_experts(
+def panel_experts(
     rows: torch.Tensor, row_weight: torch.Tensor, offsets: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-    limit: float,
+    limit: float, lib: ctypes.CDLL | None = None,
 ) -> torch.Tensor:
     """As `native_experts`, on weights packed by `pack_panels` (gate_up from [E, 2I, H], down
-    from [E, H, I])."""
-    lib = _amx_kernel()
+    from [E, H, I]). `lib`: another build of the kernel (tests run the AVX512-BF16 build on
+    CPUs with AMX too)."""
+    lib = lib or _panel_kernel()
     if lib is None:
-        raise RuntimeError("amx_experts needs a CPU with AMX-BF16 and a C compiler")
+        raise RuntimeError("panel_experts needs a CPU with AMX-BF16 or AVX512-BF16 and a C compiler")
     p, hidden = rows.shape
     experts, inter = gate_up.shape[0], down.shape[2] * 2
     if (rows.dtype != torch.bfloat16 or gate_up.dtype != torch.bfloat16 or down.dtype != torch.bfloat16
-            or gate_up.shape != (experts, 2 * inter // AMX_PANEL, hidden // 2, AMX_PANEL, 2)
-            or down.shape != (experts, hidden // AMX_PANEL, inter // 2, AMX_PANEL, 2) or offsets.numel() != experts
+            or gate_up.shape != (experts, 2 * inter // PANEL_WIDTH, hidden // 2, PANEL_WIDTH, 2)
+            or down.shape != (experts, hidden // PANEL_WIDTH, inter // 2, PANEL_WIDTH, 2) or offsets.numel() != experts
             or hidden % 32 or inter % 32):  # fmt: skip
-        raise ValueError(f"amx_experts: packed weights {tuple(gate_up.shape)}, {tuple(down.shape)} and {offsets.numel()} "
+        raise ValueError(f"panel_experts: packed weights {tuple(gate_up.shape)}, {tuple(down.shape)} and {offsets.numel()} "
                          f"offsets do not fit bf16 rows {tuple(rows.shape)} ({rows.dtype})")
-    return _call(lib.moe_amx_experts, rows, row_weight, offsets, gate_up, down, inter, limit)
+    return _call(lib.panels_experts, rows, row_weight, offsets, gate_up, down, inter, limit)
 
 
-def amx_routed(
+def panel_routed(
     x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, limit: float,
     shared: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """`Experts.forward` in one native call on AMX-packed weights: x [T, H] bf16, weights [T, k]
+    """`Experts.forward` in one native call on packed weights: x [T, H] bf16, weights [T, k]
     and experts [T, k] (ids 0..E-1) from the router -> [T, H], the sum over each token's
     experts (summed in fp32 in expert order, rounded once, as index_add_ does). `shared`: the
     shared expert's (gate_up, down) panels, whose output is added as `MoE.forward` adds it."""
@@ -228,7 +242,7 @@ def amx_routed(
     ptr = native.pointer
     shared_gate_up, shared_down = shared if shared is not None else (None, None)
     shared_inter = 0 if shared is None else shared_down.shape[2] * 2
-    status = _amx_kernel().moe_amx_routed(
+    status = _panel_kernel().panels_routed(
         ptr(rows), tokens, hidden, ptr(ids), ptr(weights), ids.shape[1], num_experts, ptr(gate_up), ptr(down), inter,
         limit, None if shared is None else ptr(shared_gate_up), None if shared is None else ptr(shared_down),
         shared_inter, ptr(out), torch.get_num_threads())
@@ -237,31 +251,32 @@ def amx_routed(
     return out
 
 
-# ---- plain products on the same tiles (`oxserve.kernels.onednn.AMXLinear`) ----------------------
+# ---- plain products on the same panels (`oxserve.kernels.onednn.PanelLinear`) ------------------
 
 
-def amx_linear_fit(device: torch.device, dtype: torch.dtype, in_features: int) -> bool:
-    """Whether a bf16 weight with this many inputs can be packed for `amx_linear`."""
-    return device.type == "cpu" and dtype == torch.bfloat16 and in_features % 32 == 0 and _amx_kernel() is not None
+def panel_linear_fit(device: torch.device, dtype: torch.dtype, in_features: int) -> bool:
+    """Whether a bf16 weight with this many inputs can be packed for `panel_linear`."""
+    return device.type == "cpu" and dtype == torch.bfloat16 and in_features % 32 == 0 and _panel_kernel() is not None
 
 
 def pack_linear(weight: torch.Tensor) -> torch.Tensor:
     """[N, K] -> panels of the weight padded with zero rows to a multiple of 32 outputs."""
     n, k = weight.shape
-    padded = -(-n // (2 * AMX_PANEL)) * 2 * AMX_PANEL
+    padded = -(-n // (2 * PANEL_WIDTH)) * 2 * PANEL_WIDTH
     return pack_panels(torch.cat([weight, weight.new_zeros(padded - n, k)])[None])[0]
 
 
-def amx_linear(x: torch.Tensor, panels: torch.Tensor, out_features: int) -> torch.Tensor:
-    """x [M, K] bf16 times the weight packed by `pack_linear` -> [M, out_features] bf16."""
+def panel_linear(x: torch.Tensor, panels: torch.Tensor, out_features: int, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """x [M, K] bf16 times the weight packed by `pack_linear` -> [M, out_features] bf16.
+    `lib`: as for `panel_experts`."""
     rows = x.contiguous()
-    (m, k), n_packed = rows.shape, panels.shape[0] * AMX_PANEL
+    (m, k), n_packed = rows.shape, panels.shape[0] * PANEL_WIDTH
     if rows.dtype != torch.bfloat16 or panels.shape[1] * 2 != k:
-        raise ValueError(f"amx_linear: rows {tuple(rows.shape)} ({rows.dtype}) do not fit panels {tuple(panels.shape)}")
+        raise ValueError(f"panel_linear: rows {tuple(rows.shape)} ({rows.dtype}) do not fit panels {tuple(panels.shape)}")
     out = rows.new_empty(m, out_features)
     if m:
-        _amx_kernel().moe_amx_linear(native.pointer(rows), m, k, native.pointer(panels), out_features, n_packed,
-                                     native.pointer(out), torch.get_num_threads())
+        (lib or _panel_kernel()).panels_linear(native.pointer(rows), m, k, native.pointer(panels), out_features,
+                                               n_packed, native.pointer(out), torch.get_num_threads())
     return out
 
 

@@ -29,9 +29,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from oxserve.kernels.moe import amx_linear, amx_linear_fit, cpu_has_amx_bf16, pack_linear, unpack_panels
+from oxserve.kernels.moe import pack_linear, panel_isa, panel_linear, panel_linear_fit, unpack_panels
 from oxserve.model.linear import Linear, swap_linears
 
+LINEAR_KERNELS = ("auto", "panels", "onednn", "torch")  # the --linear-kernel choices
 PACK_FOR_ROWS = 8  # the row count oneDNN picks its blocking for; decode batches are around it
 EXACT_BUCKETS_UP_TO = 16  # powers of two up to here; above, four buckets per doubling
 
@@ -90,12 +91,14 @@ class OneDNNLinear(nn.Module):
         return self.packed.to_dense()
 
 
-class AMXLinear(OneDNNLinear):
-    """A bf16 `Linear` on AMX tiles (`oxserve.kernels.moe.amx_linear`): its weight packed once
-    into tile panels, one native call a product. oneDNN's primitive costs 15-22 us a call
-    whatever the size, more than a decode step's small products take here (5.5-11 us;
-    `python docs/bench/linear_call_cost.py`); results are bit-equal to `F.linear`'s. Weights
-    whose inputs are not whole tiles take oneDNN."""
+class PanelLinear(OneDNNLinear):
+    """A bf16 `Linear` on packed panels (`oxserve.kernels.moe.panel_linear`, AMX tiles or
+    AVX512-BF16 vectors): its weight packed once, one native call a product. oneDNN's
+    primitive costs 15-22 us a call whatever the size on the Sapphire Rapids machine and
+    35-80 us on the AMD EPYC (AVX512-BF16), more than a decode step's small products take on
+    panels (5.5-14 us; `python docs/bench/linear_call_cost.py`); results are bit-equal to
+    `F.linear`'s (the same fp32 sums in input order). Weights whose inputs are not whole
+    panels (multiples of 32) take oneDNN."""
 
     def __init__(self, linear: Linear, shared_weight: bool = False):
         super().__init__(linear, shared_weight)
@@ -103,7 +106,7 @@ class AMXLinear(OneDNNLinear):
 
     def after_load(self) -> None:
         weight = self.weight.detach()
-        if not amx_linear_fit(weight.device, weight.dtype, self.in_features):
+        if not panel_linear_fit(weight.device, weight.dtype, self.in_features):
             super().after_load()
             return
         self.panels = pack_linear(weight)
@@ -113,7 +116,7 @@ class AMXLinear(OneDNNLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.panels is None:
             return super().forward(x)
-        return amx_linear(x.reshape(-1, self.in_features), self.panels, self.out_features).view(*x.shape[:-1], self.out_features)
+        return panel_linear(x.reshape(-1, self.in_features), self.panels, self.out_features).view(*x.shape[:-1], self.out_features)
 
     def dense_weight(self) -> torch.Tensor:
         if self.panels is None or self.shared_weight:
@@ -121,27 +124,27 @@ class AMXLinear(OneDNNLinear):
         return unpack_panels(self.panels[None])[0][: self.out_features]
 
 
-def amx_linear_supported(device: torch.device, dtype: torch.dtype) -> bool:
-    return device.type == "cpu" and dtype == torch.bfloat16 and cpu_has_amx_bf16() and amx_linear_fit(device, dtype, 32)
+def panel_linear_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    return device.type == "cpu" and dtype == torch.bfloat16 and panel_isa() is not None and panel_linear_fit(device, dtype, 32)
 
 
 def choose_linear_kernel(
     choice: str, device: torch.device, dtype: torch.dtype
 ) -> tuple[str, Callable[[nn.Module], object] | None]:
-    """('amx', 'onednn' or 'torch', the load transform that installs it) for the
-    `linear_kernel` option: auto takes amx where the CPU has AMX-BF16 (bf16), else onednn
-    where it is supported."""
-    if choice not in ("auto", "amx", "onednn", "torch"):
-        raise ValueError(f"linear_kernel must be auto, amx, onednn or torch, got {choice!r}")
-    if choice == "amx" and not amx_linear_supported(device, dtype):
-        raise ValueError(f"linear_kernel amx needs bfloat16 on a CPU with AMX-BF16 (got {device}, {dtype})")
+    """('panels', 'onednn' or 'torch', the load transform that installs it) for the
+    `linear_kernel` option: auto takes panels where the CPU has AMX-BF16 or AVX512-BF16
+    (bf16), else onednn where it is supported."""
+    if choice not in LINEAR_KERNELS:
+        raise ValueError(f"linear_kernel must be auto, panels, onednn or torch, got {choice!r}")
+    if choice == "panels" and not panel_linear_supported(device, dtype):
+        raise ValueError(f"linear_kernel panels needs bfloat16 on a CPU with AMX-BF16 or AVX512-BF16 (got {device}, {dtype})")
     supported = onednn_linear_supported(device, dtype)
     if choice == "onednn" and not supported:
         raise ValueError(f"linear_kernel onednn needs a CPU device and float32, or bfloat16 on a CPU that oneDNN "
                          f"runs bf16 on (got {device}, {dtype})")
     if choice == "auto":
-        choice = "amx" if amx_linear_supported(device, dtype) else "onednn" if supported else "torch"
-    install = {"amx": use_amx_linears, "onednn": use_onednn_linears}.get(choice)
+        choice = "panels" if panel_linear_supported(device, dtype) else "onednn" if supported else "torch"
+    install = {"panels": use_panel_linears, "onednn": use_onednn_linears}.get(choice)
     return choice, install
 
 
@@ -150,9 +153,9 @@ def use_onednn_linears(model: nn.Module) -> int:
     return _swap_packed(model, OneDNNLinear)
 
 
-def use_amx_linears(model: nn.Module) -> int:
-    """Swap every `Linear` of `model` (before loading) for an `AMXLinear`; returns how many."""
-    return _swap_packed(model, AMXLinear)
+def use_panel_linears(model: nn.Module) -> int:
+    """Swap every `Linear` of `model` (before loading) for a `PanelLinear`; returns how many."""
+    return _swap_packed(model, PanelLinear)
 
 
 def _swap_packed(model: nn.Module, kind: type[OneDNNLinear]) -> int:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from oxserve.kernels.moe import amx_experts, amx_experts_fit, clamped_glu, pack_panels
+from oxserve.kernels.moe import panel_experts, panel_experts_fit, clamped_glu, pack_panels
 from oxserve.kernels.norm import rms_norm
-from oxserve.kernels.onednn import AMXLinear, OneDNNLinear
+from oxserve.kernels.onednn import PanelLinear, OneDNNLinear
 from oxserve.model.activations import activation
 from oxserve.model.linear import Linear, empty_param, loadable
 from oxserve.parallel.tensor import SINGLE, TensorParallel
@@ -31,9 +31,9 @@ class DenseMLP(nn.Module):
     Under tensor parallelism a rank holds its share of the intermediate channels, and its
     output is a partial sum for the caller to reduce.
 
-    On a CPU with AMX, a bf16 SiLU MLP runs as the single expert of the AMX experts kernel
-    (`after_load` moves its weights into the kernel's panels): one call, with the same bf16
-    roundings, instead of two oneDNN products and the GLU's eager ops."""
+    On a CPU with AMX or AVX512-BF16, a bf16 SiLU MLP runs as the single expert of the panel
+    experts kernel (`after_load` moves its weights into the kernel's panels): one call, with
+    the same bf16 roundings, instead of two oneDNN products and the GLU's eager ops."""
 
     def __init__(self, hidden: int, intermediate: int, swiglu_limit: float, hidden_act: str,
                  tp: TensorParallel = SINGLE):  # fmt: skip
@@ -43,22 +43,22 @@ class DenseMLP(nn.Module):
         self.down_proj = Linear(intermediate, hidden, tp, "row")
         self.swiglu_limit = swiglu_limit
         self.hidden_act, self.act = hidden_act, activation(hidden_act)
-        self.panels: tuple[torch.Tensor, torch.Tensor] | None = None  # (gate_up, down) packed for amx_experts
+        self.panels: tuple[torch.Tensor, torch.Tensor] | None = None  # (gate_up, down) packed for panel_experts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.panels is not None:
             rows = x.reshape(-1, self.hidden)
             one_expert = torch.tensor([rows.shape[0]], dtype=torch.int32)  # every row, weight 1
-            out = amx_experts(rows, torch.ones(rows.shape[0]), one_expert, *self.panels, self.swiglu_limit)
+            out = panel_experts(rows, torch.ones(rows.shape[0]), one_expert, *self.panels, self.swiglu_limit)
             return out.view(x.shape)
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
         return self.down_proj(clamped_glu(gate, up, self.swiglu_limit, self.act))
 
     def after_load(self) -> None:
-        plain = all(type(p) in (Linear, OneDNNLinear, AMXLinear) for p in (self.gate_up_proj, self.down_proj))
+        plain = all(type(p) in (Linear, OneDNNLinear, PanelLinear) for p in (self.gate_up_proj, self.down_proj))
         gate_up = self.gate_up_proj.dense_weight() if plain else None
         if (not plain or self.hidden_act not in ("silu", "swish")
-                or not amx_experts_fit(gate_up.device, gate_up.dtype, self.hidden, self.intermediate)):
+                or not panel_experts_fit(gate_up.device, gate_up.dtype, self.hidden, self.intermediate)):
             return
         self.panels = (pack_panels(gate_up.detach()[None]), pack_panels(self.down_proj.dense_weight().detach()[None]))
         self.gate_up_proj = self.down_proj = None  # the panels hold the weights now

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from oxserve.kernels.moe import (
-    amx_experts, amx_experts_fit, amx_routed, grouped_experts, grouped_gemm_supported, looped_experts, native_experts,
+    panel_experts, panel_experts_fit, panel_routed, grouped_experts, grouped_gemm_supported, looped_experts, native_experts,
     native_experts_fit, native_route, native_route_fit, pack_panels,
 )
 from oxserve.model.common import DenseMLP
@@ -81,20 +81,20 @@ class Experts(nn.Module):
         self.down_proj = loadable(empty_param(self.num_experts, cfg.hidden_size, inter), split=down_split)
         self.swiglu_limit = cfg.swiglu_limit
         self.hidden_size, self.intermediate_size = cfg.hidden_size, inter
-        self.packed = False  # after_load: the stacks are in the AMX kernel's panels (gate_up_panels, down_panels)
+        self.packed = False  # after_load: the stacks are in the panel kernel's panels (gate_up_panels, down_panels)
 
     @property
     def routes_natively(self) -> bool:
-        """Whether forward runs in one native call (AMX panels, every expert on this rank)."""
+        """Whether forward runs in one native call (packed panels, every expert on this rank)."""
         return self.packed and not self.sliced
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
                 shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Sort (token, expert) pairs by expert, run the experts, add each pair back to its token.
         Expert-parallel: only the pairs routed to this rank's experts. `shared`: a shared
-        expert's AMX panels, run and added in the same call (only where it routes natively)."""
+        expert's panels, run and added in the same call (only where it routes natively)."""
         if self.routes_natively:
-            return amx_routed(x, weights, experts, self.gate_up_panels, self.down_panels, self.swiglu_limit, shared)
+            return panel_routed(x, weights, experts, self.gate_up_panels, self.down_panels, self.swiglu_limit, shared)
         if shared is not None:
             raise ValueError("a shared expert runs inside the routed experts' call only where they route natively")
         top_k = experts.shape[1]
@@ -111,10 +111,10 @@ class Experts(nn.Module):
         return torch.zeros_like(x).index_add_(0, token_of, out)
 
     def after_load(self) -> None:
-        """On a CPU with AMX, bf16 stacks move into the AMX kernel's panels, which hold the
-        same values; the dense stacks are freed."""
+        """On a CPU with AMX or AVX512-BF16, bf16 stacks move into the panel kernel's panels,
+        which hold the same values; the dense stacks are freed."""
         weight = self.gate_up_proj
-        if not amx_experts_fit(weight.device, weight.dtype, self.hidden_size, self.intermediate_size):
+        if not panel_experts_fit(weight.device, weight.dtype, self.hidden_size, self.intermediate_size):
             return
         self.register_buffer("gate_up_panels", pack_panels(weight.detach()), persistent=False)
         self.register_buffer("down_panels", pack_panels(self.down_proj.detach()), persistent=False)
@@ -125,8 +125,8 @@ class Experts(nn.Module):
     def run_sorted(self, rows: torch.Tensor, row_weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """rows [P, H] sorted by expert, row_weight [P, 1], offsets [E] -> [P, H]. Quantized
         experts replace this (and the parameters), not the routing around it."""
-        if self.packed:  # CPU with AMX, bf16: any number of rows
-            return amx_experts(rows, row_weight, offsets, self.gate_up_panels, self.down_panels, self.swiglu_limit)
+        if self.packed:  # CPU with AMX or AVX512-BF16, bf16: any number of rows
+            return panel_experts(rows, row_weight, offsets, self.gate_up_panels, self.down_panels, self.swiglu_limit)
         hidden, inter = self.hidden_size, self.intermediate_size
         if native_experts_fit(rows, self.num_experts):  # decode on CPU in bf16
             run = native_experts
@@ -154,7 +154,7 @@ class MoE(nn.Module):
             weights, experts = self.gate(x)
         shared = self.shared_experts
         together = shared is not None and shared.panels is not None and self.experts.routes_natively
-        with span(tracer, f"{self.name}.experts"):  # with the shared expert where both run on AMX
+        with span(tracer, f"{self.name}.experts"):  # with the shared expert where both run on panels
             routed = self.experts(x, weights, experts, shared.panels if together else None)
         if shared is None or together:
             return routed

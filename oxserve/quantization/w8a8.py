@@ -154,7 +154,7 @@ class W8A8Experts(Experts):
         nn.Module.__init__(self)  # not Experts.__init__: the parameters are built here, from `experts`
         self.num_experts, self.swiglu_limit = experts.num_experts, experts.swiglu_limit
         self.sliced, self.first_expert = experts.sliced, experts.first_expert  # the parent's routing reads them
-        self.packed = False  # the parent's one-call AMX routing is for bf16 panels, not these
+        self.packed = False  # the parent's one-call panel routing is for bf16 panels, not these
         (e, two_inter, hidden), inter = experts.gate_up_proj.shape, experts.down_proj.shape[2]
         self.shape = (hidden, inter)
         self.dtype = experts.gate_up_proj.dtype

@@ -1,21 +1,29 @@
-/* Routed experts in bf16 on AMX tiles, for any number of rows per expert.
+/* Routed experts and plain products in bf16 on weights packed once at load into panels, for
+ * any number of rows per expert, on AMX tiles or, on CPUs without AMX, AVX512-BF16 vectors.
  *
  * The same products and roundings as moe_bf16.c (see there), on weights packed once at load
  * into the pair-interleaved ("VNNI") panels that an AMX B tile reads in one load:
  *
  *     W [N, K] -> packed [N/16][K/2][16][2]:  packed[b][p][n][t] = W[16 b + n][2 p + t]
  *
- * so the 16 output channels of a panel and 32 of its inputs are one contiguous 1 KiB tile.
+ * so the 16 output channels of a panel and 32 of its inputs are one contiguous 1 KiB tile,
+ * and one input pair of the 16 channels is one 64-byte vector for `vdpbf16ps`.
  * gate_up [E, 2I, H] and down [E, H, I] are packed per expert (N = 2I, K = H; N = H, K = I).
  *
- * Why: torch's grouped GEMM pays a oneDNN set-up per expert and call, and the AVX512-BF16
- * kernel runs out of arithmetic past a few rows per expert; a tile multiply does 16 x 16 x 32
- * multiply-adds per instruction, so the experts cost about what reading their weights costs
- * at decode batch sizes, and prefill runs near the tile units' rate.
+ * Why: torch's grouped GEMM pays a oneDNN set-up per expert and call, and the dot-product
+ * kernel of moe_bf16.c runs out of arithmetic past a few rows per expert; here each loaded
+ * weight vector serves every row of the block (a tile multiply does 16 x 16 x 32
+ * multiply-adds per instruction; a vector one 16 x 2 per row), so the experts cost about what
+ * reading their weights costs at decode batch sizes.
+ *
+ * Built twice (oxserve/kernels/moe.py): with -mamx-tile -mamx-bf16 the panel products run on
+ * tiles (__AMX_TILE__); without, on AVX512-BF16 vectors. Both sum each output's products in
+ * input order in fp32, so they agree with each other and with oneDNN's bf16 products.
  *
  * Tiles: 0 and 1 accumulate (up to 16 rows x 16 fp32), 2 holds rows of x or of the
  * activations (16 x 32 bf16), 3 and 4 weight panels. Each OpenMP thread configures its own
  * tiles (the configuration is per thread) with the row count of its current chunk. */
+#define _GNU_SOURCE /* syscall() under -std=c11 */
 #include <immintrin.h>
 #include <omp.h>
 #include <stdint.h>
@@ -38,16 +46,29 @@ typedef struct {
     uint8_t rows[16];
 } TileConfig;
 
+#ifdef __AMX_TILE__
 /* Ask Linux for the tile data state (once per process); 0 when granted. */
-int moe_amx_enable(void) { return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 0 : -1; }
+int panels_enable(void) { return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 0 : -1; }
 
-static void configure(int m) {
+/* Configure this thread's tiles for m rows, unless they already are. */
+static void rows_of_block(int m, int *configured) {
+    if (m == *configured) return;
     TileConfig c = {0};
     c.palette = 1;
     for (int t = 0; t < 3; t++) { c.rows[t] = (uint8_t)m; c.colsb[t] = 64; }
     for (int t = 3; t < 5; t++) { c.rows[t] = TILE_K / 2; c.colsb[t] = 64; }
     _tile_loadconfig(&c);
+    *configured = m;
 }
+
+static void release_tiles(int configured) {
+    if (configured) _tile_release();
+}
+#else
+int panels_enable(void) { return 0; } /* vectors need no permission */
+static void rows_of_block(int m, int *configured) { *configured = m; }
+static void release_tiles(int configured) { (void)configured; }
+#endif
 
 /* e^x on 16 lanes: x = n ln2 + r, |r| <= ln2/2, e^r by Cephes' degree-7 polynomial, times 2^n
  * (scalef saturates to inf and 0). Within 2 ulp of expf; its bf16 rounding rarely differs. */
@@ -90,10 +111,12 @@ static inline const uint16_t *panel(const uint16_t *packed, int64_t n, int64_t k
 }
 
 /* acc0, acc1 [m, 16] fp32 = a [m, k] (rows `lda` apart) times two weight panels, from their
- * first tiles w0 and w1 (a panel's tiles follow each other, 1 KiB apart). The tiles must be
- * configured for m rows. */
-static void panel_pair(const uint16_t *a, int64_t lda, int64_t k, const uint16_t *w0, const uint16_t *w1,
+ * first tiles w0 and w1 (a panel's tiles follow each other, 1 KiB apart). m <= 16; on AMX
+ * the tiles must be configured for m rows. */
+#ifdef __AMX_TILE__
+static void panel_pair(const uint16_t *a, int64_t lda, int64_t k, const uint16_t *w0, const uint16_t *w1, int m,
                        float *acc0, float *acc1) {
+    (void)m;
     _tile_zero(0);
     _tile_zero(1);
     for (int64_t kk = 0; kk < k / TILE_K; kk++) {
@@ -106,11 +129,58 @@ static void panel_pair(const uint16_t *a, int64_t lda, int64_t k, const uint16_t
     _tile_stored(0, acc0, 64);
     _tile_stored(1, acc1, 64);
 }
+#elif defined(__AVX512BF16__)
+#define VEC_ROWS 8 /* rows per pass: 16 accumulators, two weight vectors and a broadcast fit the 32 registers */
+
+/* `rows` (a constant after inlining) rows of a against both panels: each weight vector,
+ * one input pair of 16 channels, is loaded once and used for every row. */
+static inline __attribute__((always_inline)) void vector_rows(const uint16_t *a, int64_t lda, int64_t k,
+                                                              const uint16_t *w0, const uint16_t *w1, const int rows,
+                                                              float *acc0, float *acc1) {
+    __m512 c0[VEC_ROWS], c1[VEC_ROWS];
+    for (int r = 0; r < rows; r++) c0[r] = c1[r] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < k / 2; p++) {
+        const __m512bh b0 = (__m512bh)_mm512_loadu_si512(w0 + p * 2 * TILE_N);
+        const __m512bh b1 = (__m512bh)_mm512_loadu_si512(w1 + p * 2 * TILE_N);
+        for (int r = 0; r < rows; r++) {
+            int32_t pair;
+            memcpy(&pair, a + r * lda + 2 * p, sizeof pair);
+            const __m512bh x = (__m512bh)_mm512_set1_epi32(pair);
+            c0[r] = _mm512_dpbf16_ps(c0[r], x, b0);
+            c1[r] = _mm512_dpbf16_ps(c1[r], x, b1);
+        }
+    }
+    for (int r = 0; r < rows; r++) {
+        _mm512_storeu_ps(acc0 + r * TILE_N, c0[r]);
+        _mm512_storeu_ps(acc1 + r * TILE_N, c1[r]);
+    }
+}
+
+static void panel_pair(const uint16_t *a, int64_t lda, int64_t k, const uint16_t *w0, const uint16_t *w1, int m,
+                       float *acc0, float *acc1) {
+    for (int r0 = 0; r0 < m; r0 += VEC_ROWS) {
+        const uint16_t *ar = a + r0 * lda;
+        float *o0 = acc0 + r0 * TILE_N, *o1 = acc1 + r0 * TILE_N;
+        switch (m - r0 < VEC_ROWS ? m - r0 : VEC_ROWS) { /* a constant row count per case: registers, not memory */
+        case 1: vector_rows(ar, lda, k, w0, w1, 1, o0, o1); break;
+        case 2: vector_rows(ar, lda, k, w0, w1, 2, o0, o1); break;
+        case 3: vector_rows(ar, lda, k, w0, w1, 3, o0, o1); break;
+        case 4: vector_rows(ar, lda, k, w0, w1, 4, o0, o1); break;
+        case 5: vector_rows(ar, lda, k, w0, w1, 5, o0, o1); break;
+        case 6: vector_rows(ar, lda, k, w0, w1, 6, o0, o1); break;
+        case 7: vector_rows(ar, lda, k, w0, w1, 7, o0, o1); break;
+        default: vector_rows(ar, lda, k, w0, w1, 8, o0, o1); break;
+        }
+    }
+}
+#else
+#error "bf16_panels.c needs AMX-BF16 (-mamx-tile -mamx-bf16) or AVX512-BF16"
+#endif
 
 /* x [P, H] bf16 sorted by expert; offsets [E] int32 (end of each expert's rows); row_weight
  * [P] fp32; gate_up, down packed as above; y [P, H] bf16. H and I multiples of 32. Returns
  * 0, or -1 without scratch memory. */
-int moe_amx_experts(const uint16_t *x, int64_t P, int64_t H, const int32_t *offsets, int64_t E, const float *row_weight,
+int panels_experts(const uint16_t *x, int64_t P, int64_t H, const int32_t *offsets, int64_t E, const float *row_weight,
                     const uint16_t *gate_up, const uint16_t *down, int64_t I, float limit, uint16_t *y, int nthreads) {
     if (P == 0) return 0;
     uint16_t *act = malloc((size_t)(P * I) * sizeof(uint16_t));
@@ -127,9 +197,9 @@ int moe_amx_experts(const uint16_t *x, int64_t P, int64_t H, const int32_t *offs
             int64_t e = task / panels_i, b = task % panels_i;
             for (int64_t m0 = start_of(offsets, e), end = offsets[e]; m0 < end; m0 += TILE_M) {
                 int m = end - m0 < TILE_M ? (int)(end - m0) : TILE_M;
-                if (m != configured) { configure(m); configured = m; }
+                rows_of_block(m, &configured);
                 panel_pair(x + m0 * H, H, H, panel(gate_up, 2 * I, H, e, b), panel(gate_up, 2 * I, H, e, panels_i + b),
-                           acc0, acc1);
+                           m, acc0, acc1);
                 for (int r = 0; r < m; r++)
                     glu16(acc0 + r * TILE_N, acc1 + r * TILE_N, limit, row_weight[m0 + r], act + (m0 + r) * I + b * TILE_N);
             }
@@ -140,8 +210,8 @@ int moe_amx_experts(const uint16_t *x, int64_t P, int64_t H, const int32_t *offs
             int64_t e = task / pairs_h, b = 2 * (task % pairs_h);
             for (int64_t m0 = start_of(offsets, e), end = offsets[e]; m0 < end; m0 += TILE_M) {
                 int m = end - m0 < TILE_M ? (int)(end - m0) : TILE_M;
-                if (m != configured) { configure(m); configured = m; }
-                panel_pair(act + m0 * I, I, I, panel(down, H, I, e, b), panel(down, H, I, e, b + 1), acc0, acc1);
+                rows_of_block(m, &configured);
+                panel_pair(act + m0 * I, I, I, panel(down, H, I, e, b), panel(down, H, I, e, b + 1), m, acc0, acc1);
                 for (int r = 0; r < m; r++) {
                     uint16_t *row = y + (m0 + r) * H + b * TILE_N;
                     _mm256_storeu_si256((__m256i *)row, (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(acc0 + r * TILE_N)));
@@ -149,19 +219,19 @@ int moe_amx_experts(const uint16_t *x, int64_t P, int64_t H, const int32_t *offs
                 }
             }
         }
-        if (configured) _tile_release();
+        release_tiles(configured);
     }
     free(act);
     return 0;
 }
 
-#define LINEAR_ROWS 64 /* rows of x per task of amx_linear: its weight panels stay in L1 across them */
+#define LINEAR_ROWS 64 /* rows of x per task of panel_linear: its weight panels stay in L1 across them */
 
 /* A plain product on the same tiles: y [M, N] bf16 = x [M, K] bf16 times W [N, K]^T, W packed
  * as above from W padded with zero rows to N_packed (a multiple of 32) output channels; only
  * the N real ones are stored. K a multiple of 32. fp32 sums, rounded to bf16 once. Tasks are
  * (pair of panels, LINEAR_ROWS rows). */
-int moe_amx_linear(const uint16_t *x, int64_t M, int64_t K, const uint16_t *w, int64_t N, int64_t n_packed,
+int panels_linear(const uint16_t *x, int64_t M, int64_t K, const uint16_t *w, int64_t N, int64_t n_packed,
                    uint16_t *y, int nthreads) {
     const int64_t pairs = n_packed / (2 * TILE_N), groups = (M + LINEAR_ROWS - 1) / LINEAR_ROWS;
     #pragma omp parallel num_threads(nthreads)
@@ -174,8 +244,8 @@ int moe_amx_linear(const uint16_t *x, int64_t M, int64_t K, const uint16_t *w, i
             const int64_t end = (g + 1) * LINEAR_ROWS < M ? (g + 1) * LINEAR_ROWS : M;
             for (int64_t m0 = g * LINEAR_ROWS; m0 < end; m0 += TILE_M) {
                 int m = end - m0 < TILE_M ? (int)(end - m0) : TILE_M;
-                if (m != configured) { configure(m); configured = m; }
-                panel_pair(x + m0 * K, K, K, panel(w, n_packed, K, 0, b), panel(w, n_packed, K, 0, b + 1), acc0, acc1);
+                rows_of_block(m, &configured);
+                panel_pair(x + m0 * K, K, K, panel(w, n_packed, K, 0, b), panel(w, n_packed, K, 0, b + 1), m, acc0, acc1);
                 for (int half = 0; half < 2; half++) {
                     const int64_t c0 = (b + half) * TILE_N;
                     const int64_t valid = N - c0 < TILE_N ? (N - c0 > 0 ? N - c0 : 0) : TILE_N;
@@ -187,17 +257,17 @@ int moe_amx_linear(const uint16_t *x, int64_t M, int64_t K, const uint16_t *w, i
                 }
             }
         }
-        if (configured) _tile_release();
+        release_tiles(configured);
     }
     return 0;
 }
 
 /* Routed experts with the routing's bookkeeping in here too: ids [T, k] (experts 0..E-1) and
  * weights [T, k] fp32 per token; the (token, slot) pairs sorted by expert (stable), their rows
- * gathered, moe_amx_experts, then each token's outputs added in expert order with a bf16
+ * gathered, panels_experts, then each token's outputs added in expert order with a bf16
  * rounding after each add, as torch's index_add_ into a bf16 zero tensor does. y [T, H].
  * Returns 0, or -1 without scratch memory. */
-int moe_amx_routed(const uint16_t *x, int64_t T, int64_t H, const int64_t *ids, const float *weights, int64_t k,
+int panels_routed(const uint16_t *x, int64_t T, int64_t H, const int64_t *ids, const float *weights, int64_t k,
                    int64_t E, const uint16_t *gate_up, const uint16_t *down, int64_t I, float limit,
                    const uint16_t *shared_gate_up, const uint16_t *shared_down, int64_t shared_I, uint16_t *y,
                    int nthreads) {
@@ -210,7 +280,7 @@ int moe_amx_routed(const uint16_t *x, int64_t T, int64_t H, const int64_t *ids, 
         int failed = shared == NULL || ones == NULL;
         if (!failed) {
             for (int64_t t = 0; t < T; t++) ones[t] = 1.0f;
-            failed = moe_amx_experts(x, T, H, &all_rows, 1, ones, shared_gate_up, shared_down, shared_I, limit, shared,
+            failed = panels_experts(x, T, H, &all_rows, 1, ones, shared_gate_up, shared_down, shared_I, limit, shared,
                                      nthreads) != 0;
         }
         free(ones);
@@ -228,7 +298,7 @@ int moe_amx_routed(const uint16_t *x, int64_t T, int64_t H, const int64_t *ids, 
     int status = -1;
     if (offsets == NULL || slot_of == NULL || rows == NULL || out == NULL || row_weight == NULL || acc == NULL) goto done;
     /* counting sort: offsets[e] first holds where expert e's rows start, and after the pairs are
-     * placed (in order: stable) where they end, which is what moe_amx_experts takes */
+     * placed (in order: stable) where they end, which is what panels_experts takes */
     for (int64_t p = 0; p < P; p++) offsets[ids[p]]++;
     for (int64_t e = 0, start = 0; e < E; e++) {
         const int32_t count = offsets[e];
@@ -241,7 +311,7 @@ int moe_amx_routed(const uint16_t *x, int64_t T, int64_t H, const int64_t *ids, 
         memcpy(rows + slot_of[p] * H, x + (p / k) * H, (size_t)H * sizeof(uint16_t));
         row_weight[slot_of[p]] = weights[p];
     }
-    if (moe_amx_experts(rows, P, H, offsets, E, row_weight, gate_up, down, I, limit, out, nthreads) != 0) goto done;
+    if (panels_experts(rows, P, H, offsets, E, row_weight, gate_up, down, I, limit, out, nthreads) != 0) goto done;
     #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t t = 0; t < T; t++) {
         float *sum = acc + (int64_t)omp_get_thread_num() * H;
