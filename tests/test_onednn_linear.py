@@ -116,3 +116,20 @@ def test_products_are_the_same_at_any_row_count_of_a_bucket():
     full = packed(x)
     for m in (17, 18, 19):
         torch.testing.assert_close(packed(x[:m]), full[:m], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("rows,heads,inputs,outputs", [(1, 4, 64, 64), (33, 3, 32, 40), (70, 2, 96, 64), (0, 4, 64, 32)])
+def test_per_head_panel_products_equal_the_einsum(rows, heads, inputs, outputs):
+    """Absorbed MLA's per-head products (`panel_heads`): each head's rows times its own
+    weight, the same fp32 sums rounded once as the batched GEMM, on every build."""
+    from oxserve.kernels.moe import pack_heads, panel_heads
+
+    x = torch.randn(rows, heads, 2 * inputs).bfloat16()[..., ::2]  # strided rows: copied, not misread
+    weight = torch.randn(heads, outputs, inputs).bfloat16()
+    want = torch.einsum("mhk,hnk->mhn", x, weight)
+    if not PANELS:  # refused clearly where neither instruction set is
+        with pytest.raises(RuntimeError, match="AVX512-BF16"):
+            panel_heads(x, pack_heads(weight), outputs)
+    for lib in panel_builds().values():
+        got = panel_heads(x, pack_heads(weight), outputs, lib=lib)
+        assert got.shape == want.shape and torch.equal(got, want)

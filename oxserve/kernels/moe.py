@@ -166,7 +166,7 @@ def bind_panels(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.panels_experts.argtypes = _EXPERTS_ARGTYPES
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.panels_linear.restype = ctypes.c_int
-    lib.panels_linear.argtypes = [p, i64, i64, p, i64, i64, p, ctypes.c_int]
+    lib.panels_linear.argtypes = [p, i64, i64, i64, p, i64, i64, p, ctypes.c_int]
     lib.panels_routed.restype = ctypes.c_int
     lib.panels_routed.argtypes = [p, i64, i64, p, p, i64, i64, p, p, i64, ctypes.c_float, p, p, i64, p, ctypes.c_int]
     return lib
@@ -261,22 +261,36 @@ def panel_linear_fit(device: torch.device, dtype: torch.dtype, in_features: int)
 
 def pack_linear(weight: torch.Tensor) -> torch.Tensor:
     """[N, K] -> panels of the weight padded with zero rows to a multiple of 32 outputs."""
-    n, k = weight.shape
+    return pack_heads(weight[None])[0]
+
+
+def pack_heads(weight: torch.Tensor) -> torch.Tensor:
+    """[heads, N, K] -> per head, `pack_linear`'s panels (for `panel_heads`)."""
+    heads, n, k = weight.shape
     padded = -(-n // (2 * PANEL_WIDTH)) * 2 * PANEL_WIDTH
-    return pack_panels(torch.cat([weight, weight.new_zeros(padded - n, k)])[None])[0]
+    return pack_panels(torch.cat([weight, weight.new_zeros(heads, padded - n, k)], dim=1))
 
 
 def panel_linear(x: torch.Tensor, panels: torch.Tensor, out_features: int, lib: ctypes.CDLL | None = None) -> torch.Tensor:
     """x [M, K] bf16 times the weight packed by `pack_linear` -> [M, out_features] bf16.
     `lib`: as for `panel_experts`."""
+    return panel_heads(x.unsqueeze(1), panels[None], out_features, lib).squeeze(1)
+
+
+def panel_heads(x: torch.Tensor, panels: torch.Tensor, out_features: int, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """x [M, heads, K] bf16, each head times its own weight [out_features, K] packed by
+    `pack_heads` -> [M, heads, out_features] bf16 (`einsum("mhk,hnk->mhn")`, one call)."""
     rows = x.contiguous()
-    (m, k), n_packed = rows.shape, panels.shape[0] * PANEL_WIDTH
-    if rows.dtype != torch.bfloat16 or panels.shape[1] * 2 != k:
-        raise ValueError(f"panel_linear: rows {tuple(rows.shape)} ({rows.dtype}) do not fit panels {tuple(panels.shape)}")
-    out = rows.new_empty(m, out_features)
+    (m, heads, k), n_packed = rows.shape, panels.shape[1] * PANEL_WIDTH
+    if rows.dtype != torch.bfloat16 or panels.shape[0] != heads or panels.shape[2] * 2 != k:
+        raise ValueError(f"panel_heads: rows {tuple(rows.shape)} ({rows.dtype}) do not fit panels {tuple(panels.shape)}")
+    lib = lib or _panel_kernel()
+    if lib is None:
+        raise RuntimeError("panel products need a CPU with AMX-BF16 or AVX512-BF16 and a C compiler")
+    out = rows.new_empty(m, heads, out_features)
     if m:
-        (lib or _panel_kernel()).panels_linear(native.pointer(rows), m, k, native.pointer(panels), out_features,
-                                               n_packed, native.pointer(out), torch.get_num_threads())
+        lib.panels_linear(native.pointer(rows), m, heads, k, native.pointer(panels), out_features, n_packed,
+                          native.pointer(out), torch.get_num_threads())
     return out
 
 

@@ -20,6 +20,7 @@ from oxserve.cache.layers import MLACache
 from oxserve.cache.precision import LayerCachePrecision
 from oxserve.cache.spec import MLACacheSpec, PagedTensor
 from oxserve.kernels.mla_attention import latent_attention, latent_attention_fit
+from oxserve.kernels.moe import pack_heads, panel_heads, panel_linear_fit
 from oxserve.model.batch import ForwardBatch
 from oxserve.model.common import RMSNorm
 from oxserve.model.config import TextModelConfig
@@ -56,12 +57,17 @@ class MLAttention(nn.Module):
         self.indexer = Indexer(cfg, tp) if has_indexer else None
         self.w_uk: torch.Tensor | None = None  # [H, nope, C], set by after_load
         self.w_uv: torch.Tensor | None = None  # [H, v, C]
+        # after_load, where the panel kernels run the dtype: w_uk^T and w_uv packed per head
+        self.head_panels: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def after_load(self) -> None:
         """Split kv_b_proj into the per-head pieces folded into query and output."""
         w_kv = self.kv_b_proj.dense_weight().view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
         # contiguous: products with the split views copied them on every call
         self.w_uk, self.w_uv = (w.contiguous() for w in w_kv.split([self.nope_dim, self.v_dim], dim=1))
+        w = self.w_uk
+        if panel_linear_fit(w.device, w.dtype, self.nope_dim) and panel_linear_fit(w.device, w.dtype, self.kv_lora_rank):
+            self.head_panels = pack_heads(self.w_uk.transpose(1, 2)), pack_heads(self.w_uv)
 
     def cache_spec(self, dtype: torch.dtype, precision: LayerCachePrecision = LayerCachePrecision()) -> MLACacheSpec:
         latent = PagedTensor(self.kv_lora_rank, precision.dtype("latent", dtype), read_as=dtype)
@@ -77,7 +83,7 @@ class MLAttention(nn.Module):
         with span(tracer, f"{self.name}.q_proj"):
             q_resid = self.q_a_layernorm(self.q_a_proj(x))
             q = self.q_b_proj(q_resid).view(tokens, self.num_heads, self.nope_dim)
-            q_latent = torch.einsum("thd,hdc->thc", q, self.w_uk)
+            q_latent = self._absorb_query(q)
         with span(tracer, f"{self.name}.kv_proj"):
             cache.store_latents(batch.cache_rows, self.kv_a_layernorm(self.kv_a_proj_with_mqa(x)))
         if self.indexer is not None:
@@ -97,8 +103,20 @@ class MLAttention(nn.Module):
                     e = min(s + QUERY_BLOCK, tokens)
                     out_latent[s:e] = self._attend(q_latent[s:e], selection[s:e], batch.request_index[s:e], batch, cache)
         with span(tracer, f"{self.name}.o_proj"):
-            out = torch.einsum("thc,hvc->thv", out_latent, self.w_uv)
+            out = self._expand_output(out_latent)
             return self.o_proj(out.reshape(tokens, self.num_heads * self.v_dim)), selection
+
+    def _absorb_query(self, q: torch.Tensor) -> torch.Tensor:
+        """[T, H, nope] -> the query in latent space [T, H, C]: q_h W_uk_h per head."""
+        if self.head_panels is not None:  # one native call instead of a batched GEMM's set-up
+            return panel_heads(q, self.head_panels[0], self.kv_lora_rank)
+        return torch.einsum("thd,hdc->thc", q, self.w_uk)
+
+    def _expand_output(self, out_latent: torch.Tensor) -> torch.Tensor:
+        """[T, H, C] -> each head's value output [T, H, v]: W_uv_h out_h."""
+        if self.head_panels is not None:
+            return panel_heads(out_latent, self.head_panels[1], self.v_dim)
+        return torch.einsum("thc,hvc->thv", out_latent, self.w_uv)
 
     def _attend(self, q_latent, positions, request, batch: ForwardBatch, cache: MLACache) -> torch.Tensor:
         rows = batch.rows_for_positions(request.unsqueeze(1).expand_as(positions), positions)

@@ -227,32 +227,38 @@ int panels_experts(const uint16_t *x, int64_t P, int64_t H, const int32_t *offse
 
 #define LINEAR_ROWS 64 /* rows of x per task of panel_linear: its weight panels stay in L1 across them */
 
-/* A plain product on the same tiles: y [M, N] bf16 = x [M, K] bf16 times W [N, K]^T, W packed
- * as above from W padded with zero rows to N_packed (a multiple of 32) output channels; only
- * the N real ones are stored. K a multiple of 32. fp32 sums, rounded to bf16 once. Tasks are
- * (pair of panels, LINEAR_ROWS rows). */
-int panels_linear(const uint16_t *x, int64_t M, int64_t K, const uint16_t *w, int64_t N, int64_t n_packed,
-                   uint16_t *y, int nthreads) {
+/* Plain products on the same panels, one per head: for each head h,
+ *     y[:, h, :N] = x[:, h, :K] times W_h [N, K]^T      x [M, heads, K], y [M, heads, N] (bf16)
+ * with W_h packed as above from W_h padded with zero rows to n_packed (a multiple of 32)
+ * output channels, the heads' panels one after another; only the N real outputs are stored.
+ * heads = 1 is a plain linear layer; more are the per-head products of absorbed MLA. K a
+ * multiple of 32. fp32 sums, rounded to bf16 once. Tasks are (head, pair of panels,
+ * LINEAR_ROWS rows). */
+int panels_linear(const uint16_t *x, int64_t M, int64_t heads, int64_t K, const uint16_t *w, int64_t N,
+                  int64_t n_packed, uint16_t *y, int nthreads) {
     const int64_t pairs = n_packed / (2 * TILE_N), groups = (M + LINEAR_ROWS - 1) / LINEAR_ROWS;
+    const int64_t lda = heads * K, ldy = heads * N;
     #pragma omp parallel num_threads(nthreads)
     {
         int configured = 0;
         float acc0[TILE_M * TILE_N], acc1[TILE_M * TILE_N];
         #pragma omp for schedule(static)
-        for (int64_t task = 0; task < pairs * groups; task++) {
-            const int64_t b = 2 * (task % pairs), g = task / pairs;
+        for (int64_t task = 0; task < heads * pairs * groups; task++) {
+            const int64_t b = 2 * (task % pairs), g = task / pairs % groups, h = task / (pairs * groups);
             const int64_t end = (g + 1) * LINEAR_ROWS < M ? (g + 1) * LINEAR_ROWS : M;
+            const uint16_t *wh = w + h * n_packed * K;
             for (int64_t m0 = g * LINEAR_ROWS; m0 < end; m0 += TILE_M) {
                 int m = end - m0 < TILE_M ? (int)(end - m0) : TILE_M;
                 rows_of_block(m, &configured);
-                panel_pair(x + m0 * K, K, K, panel(w, n_packed, K, 0, b), panel(w, n_packed, K, 0, b + 1), m, acc0, acc1);
+                panel_pair(x + m0 * lda + h * K, lda, K, panel(wh, n_packed, K, 0, b), panel(wh, n_packed, K, 0, b + 1),
+                           m, acc0, acc1);
                 for (int half = 0; half < 2; half++) {
                     const int64_t c0 = (b + half) * TILE_N;
                     const int64_t valid = N - c0 < TILE_N ? (N - c0 > 0 ? N - c0 : 0) : TILE_N;
                     const __mmask16 keep = (__mmask16)((1u << valid) - 1u);
                     const float *acc = half ? acc1 : acc0;
                     for (int r = 0; r < m; r++)
-                        _mm256_mask_storeu_epi16(y + (m0 + r) * N + c0, keep,
+                        _mm256_mask_storeu_epi16(y + (m0 + r) * ldy + h * N + c0, keep,
                                                  (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(acc + r * TILE_N)));
                 }
             }
