@@ -9,6 +9,7 @@ import torch
 
 from oxserve.engine.sampler import greedy_tokens
 from oxserve.kernels.hyper import hc_collapse, hc_collapse_torch, hc_expand, hc_expand_torch, hc_gates_torch
+from oxserve.kernels.norm import rms_norm_torch
 from oxserve.kernels.onednn import choose_linear_kernel
 from oxserve.kernels.token_mask import apply_token_bitmask, apply_token_bitmask_torch
 from oxserve.model.common import RMSNorm
@@ -138,12 +139,19 @@ def reference_rmsnorm(cfg, i):
 
 
 def rmsnorm_candidate(cfg, i):
+    """The engine's RMSNorm module: one native pass for bf16 on CPU."""
     with torch.device("meta"):
         norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
     bind_params(norm, weight=i["weight"])
 
     def run(out):
         out[0].copy_(norm(i["x"]))
+    return run
+
+
+def rmsnorm_torch_candidate(cfg, i):
+    def run(out):
+        out[0].copy_(rms_norm_torch(i["x"], i["weight"], cfg.rms_norm_eps))
     return run
 
 
@@ -161,7 +169,8 @@ def _rmsnorm_cases(cfg, shapes, dtype, device):
     ]
 
 
-register_op(Op("rmsnorm", _rmsnorm_cases, reference_rmsnorm, close_for("x"), {"torch": rmsnorm_candidate}))
+register_op(Op("rmsnorm", _rmsnorm_cases, reference_rmsnorm, close_for("x"),
+               {"engine": rmsnorm_candidate, "torch": rmsnorm_torch_candidate}))
 
 
 # ---- LM head ----------------------------------------------------------------------------
@@ -281,4 +290,5 @@ def _greedy_cases(cfg, shapes, dtype, device):
 
 
 register_op(Op("sampler.greedy", _greedy_cases, reference_greedy, exact,
-               {"engine": returning(greedy_tokens), "argmax": returning(lambda logits: logits.argmax(dim=-1))}))
+               {"engine": returning(greedy_tokens), "max": returning(lambda logits: logits.max(dim=-1).indices),
+                "argmax": returning(lambda logits: logits.argmax(dim=-1))}))
