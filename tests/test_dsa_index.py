@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from oxserve.kernels.dsa_index import index_scores, index_scores_fit
+from oxserve.kernels.dsa_index import expand_selection, expand_selection_torch, index_scores, index_scores_fit
 
 BLOCK, KPOOL = 16, 4
 
@@ -31,6 +31,23 @@ def test_native_index_scores_match_torch(dtype, tokens, heads, dim):
     seen = pools[None] < visible[:, None]
     torch.testing.assert_close(got[seen], want[seen], rtol=1e-5, atol=1e-5)
     assert torch.equal(got[~seen], torch.zeros_like(got[~seen]))
+    hidden = index_scores(q, weights, visible, request, blocks, ppb, pool_keys, num_pools, dim**-0.5, float("-inf"))
+    assert torch.equal(hidden[seen], got[seen]) and (hidden[~seen] == float("-inf")).all()
+
+
+@pytest.mark.parametrize("pool,tail", [(4, True), (4, False), (1, True), (16, True)])
+@pytest.mark.parametrize("tokens,k", [(1, 3), (9, 5), (6, 0)])
+def test_native_selection_expands_as_torch(pool, tail, tokens, k):
+    """Chosen pools -> positions: pools past a query's visible ones (top-k's filler) and tail
+    positions past the query itself become -1."""
+    gen = torch.Generator().manual_seed(pool * 100 + tokens * 10 + k)
+    query_pos = torch.randint(0, 40, (tokens,), generator=gen)
+    visible = (query_pos + 1) // pool
+    chosen = torch.randint(0, 12, (tokens, k), generator=gen)
+    want = expand_selection_torch(chosen, visible, query_pos, pool, tail)
+    got = expand_selection(chosen, visible, query_pos, pool, tail)
+    assert got.dtype == torch.int64 and torch.equal(got, want)
+    assert ((want == -1) | (want <= query_pos[:, None])).all()
 
 
 def test_quantized_tables_take_the_torch_path():

@@ -3,7 +3,8 @@
 `index_scores` runs `native/dsa_index.c` on CPU for a bf16 or fp32 pool-key table; the torch
 form (`Indexer._select`: gather the keys, two products) runs elsewhere and for int8/fp8
 tables, and is what the kernel is tested against. The choice of pools (top-k) stays torch's
-either way, so ties are broken the same way.
+either way, so ties are broken the same way; `expand_selection` turns the chosen pools into
+positions in one pass (`expand_selection_torch` is its torch form).
 """
 
 from __future__ import annotations
@@ -27,9 +28,10 @@ def index_scores_fit(q: torch.Tensor, pool_keys) -> bool:
 
 def index_scores(q: torch.Tensor, head_weights: torch.Tensor, visible_pools: torch.Tensor, request: torch.Tensor,
                  block_tables: torch.Tensor, pools_per_block: int, pool_keys: torch.Tensor, num_pools: int,
-                 scale: float) -> torch.Tensor:
+                 scale: float, hidden: float = 0.0) -> torch.Tensor:
     """q [T, H, D] fp32, head_weights [T, H] fp32, visible_pools [T] -> [T, num_pools] fp32:
-    sum_h w_h relu(scale q_h . key_p) for the pools each query sees, 0 for the others."""
+    sum_h w_h relu(scale q_h . key_p) for the pools each query sees, `hidden` for the others
+    (-inf: what a top-k over them should skip)."""
     tokens, heads, dim = q.shape
     q, head_weights = q.contiguous(), head_weights.float().contiguous()
     visible_pools, request, block_tables = (t.contiguous() for t in (visible_pools, request, block_tables))
@@ -37,8 +39,36 @@ def index_scores(q: torch.Tensor, head_weights: torch.Tensor, visible_pools: tor
     ptr = native.pointer
     _kernel().dsa_index_scores(ptr(q), ptr(head_weights), ptr(visible_pools), ptr(request), ptr(block_tables),
                                block_tables.shape[1], pools_per_block, ptr(pool_keys),
-                               int(pool_keys.dtype == torch.bfloat16), tokens, heads, dim, num_pools, scale, ptr(out),
-                               torch.get_num_threads())
+                               int(pool_keys.dtype == torch.bfloat16), tokens, heads, dim, num_pools, scale, hidden,
+                               ptr(out), torch.get_num_threads())
+    return out
+
+
+def expand_selection_torch(chosen: torch.Tensor, visible_pools: torch.Tensor, query_pos: torch.Tensor, pool: int,
+                           tail: bool) -> torch.Tensor:
+    """The positions [T, k P (+ P - 1)] a query attends to: the P positions of each pool top-k
+    chose (chosen [T, k]; -1 for a pool the query does not see, which top-k took to fill k),
+    then, with `tail`, the positions of the query's own incomplete pool up to itself (-1 past it)."""
+    chosen = chosen.masked_fill(chosen >= visible_pools.unsqueeze(1), -1)
+    offsets = torch.arange(pool, device=chosen.device)
+    positions = (chosen.unsqueeze(-1) * pool + offsets).masked_fill(chosen.unsqueeze(-1) < 0, -1).flatten(1)
+    if tail and pool > 1:
+        own = visible_pools.unsqueeze(1) * pool + offsets[:-1]
+        positions = torch.cat([positions, own.masked_fill(own > query_pos.unsqueeze(1), -1)], dim=1)
+    return positions
+
+
+def expand_selection(chosen: torch.Tensor, visible_pools: torch.Tensor, query_pos: torch.Tensor, pool: int,
+                     tail: bool) -> torch.Tensor:
+    """`expand_selection_torch` in one native pass on CPU (int64 tensors)."""
+    if chosen.device.type != "cpu" or _kernel() is None:
+        return expand_selection_torch(chosen, visible_pools, query_pos, pool, tail)
+    chosen, visible_pools, query_pos = (t.to(torch.int64).contiguous() for t in (chosen, visible_pools, query_pos))
+    tokens, k = chosen.shape
+    tail = tail and pool > 1
+    out = torch.empty(tokens, k * pool + (pool - 1 if tail else 0), dtype=torch.int64)
+    _kernel().dsa_expand_selection(chosen.data_ptr(), tokens, k, visible_pools.data_ptr(), query_pos.data_ptr(), pool,
+                                   tail, out.data_ptr())
     return out
 
 
@@ -48,5 +78,7 @@ def _kernel() -> ctypes.CDLL | None:
     if lib is None:
         return None
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    lib.dsa_index_scores.argtypes = [p, p, p, p, p, i64, i64, p, i32, i64, i32, i64, i64, ctypes.c_float, p, i32]
+    lib.dsa_index_scores.argtypes = [p, p, p, p, p, i64, i64, p, i32, i64, i32, i64, i64, ctypes.c_float, ctypes.c_float,
+                                     p, i32]
+    lib.dsa_expand_selection.argtypes = [p, i64, i64, p, p, i64, i32, p]
     return lib

@@ -77,8 +77,11 @@ def hc_gates(
 @functools.cache
 def _kernel() -> ctypes.CDLL | None:
     lib = native.load("hc_gates", BUILD_FLAGS)
-    if lib is not None:
+    if lib is not None:  # argument types bound once: a call converts plain ints and floats in C
+        p, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
         lib.hc_collapse.restype = lib.hc_expand.restype = ctypes.c_int
+        lib.hc_collapse.argtypes = [p, i32, i64, i32, i64, p, p, p, i32, f32, f32, p, p, p, p, p, f32, i32]
+        lib.hc_expand.argtypes = [p, p, p, p, i32, i64, i32, i64, p, i32]
     return lib
 
 
@@ -113,21 +116,24 @@ def hc_collapse_native(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     tokens, n, d = streams.shape
     streams = streams.contiguous()
-    fn, base, scale = (t.float().contiguous() for t in (fn, base, scale))  # no copies where already fp32
-    pre, post = streams.new_empty(tokens, n, dtype=torch.float32), streams.new_empty(tokens, n, dtype=torch.float32)
-    comb, out = streams.new_empty(tokens, n, n, dtype=torch.float32), streams.new_empty(tokens, d)
+    fn, base, scale = (_fp32(t) for t in (fn, base, scale))  # loaded in fp32: no copies
+    pre, post = torch.empty(tokens, n, dtype=torch.float32), torch.empty(tokens, n, dtype=torch.float32)
+    comb = torch.empty(tokens, n, n, dtype=torch.float32)
+    out = streams.new_empty(tokens, d)
     norm_weight, block_eps = (None, 0.0) if block_norm is None else block_norm
-    if norm_weight is not None:
+    if norm_weight is not None and (norm_weight.dtype != streams.dtype or not norm_weight.is_contiguous()):
         norm_weight = norm_weight.to(streams.dtype).contiguous()
-    ptr = native.pointer
-    status = _kernel().hc_collapse(ptr(streams), ctypes.c_int(streams.dtype == torch.bfloat16), ctypes.c_int64(tokens),
-                                   ctypes.c_int(n), ctypes.c_int64(d), ptr(fn), ptr(base), ptr(scale), ctypes.c_int(iters),
-                                   ctypes.c_float(eps), ctypes.c_float(norm_eps), ptr(pre), ptr(post), ptr(comb), ptr(out),
-                                   None if norm_weight is None else ptr(norm_weight), ctypes.c_float(block_eps),
-                                   ctypes.c_int(torch.get_num_threads()))
+    status = _kernel().hc_collapse(
+        streams.data_ptr(), streams.dtype == torch.bfloat16, tokens, n, d, fn.data_ptr(), base.data_ptr(),
+        scale.data_ptr(), iters, eps, norm_eps, pre.data_ptr(), post.data_ptr(), comb.data_ptr(), out.data_ptr(),
+        None if norm_weight is None else norm_weight.data_ptr(), block_eps, torch.get_num_threads())
     if status != 0:
         raise MemoryError(f"hc_collapse: no scratch memory for {tokens} tokens")
     return post, comb, out
+
+
+def _fp32(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.float32 and t.is_contiguous() else t.float().contiguous()
 
 
 def hc_collapse(
@@ -149,13 +155,11 @@ def hc_expand_torch(post: torch.Tensor, comb: torch.Tensor, block_out: torch.Ten
 
 def hc_expand_native(post: torch.Tensor, comb: torch.Tensor, block_out: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
     tokens, n, d = streams.shape
-    post, comb = post.float().contiguous(), comb.float().contiguous()
+    post, comb = _fp32(post), _fp32(comb)
     block_out, streams = block_out.to(streams.dtype).contiguous(), streams.contiguous()
     out = torch.empty_like(streams)
-    ptr = native.pointer
-    status = _kernel().hc_expand(ptr(post), ptr(comb), ptr(block_out), ptr(streams), ctypes.c_int(streams.dtype == torch.bfloat16),
-                                 ctypes.c_int64(tokens), ctypes.c_int(n), ctypes.c_int64(d), ptr(out),
-                                 ctypes.c_int(torch.get_num_threads()))
+    status = _kernel().hc_expand(post.data_ptr(), comb.data_ptr(), block_out.data_ptr(), streams.data_ptr(),
+                                 streams.dtype == torch.bfloat16, tokens, n, d, out.data_ptr(), torch.get_num_threads())
     if status != 0:
         raise MemoryError(f"hc_expand: no scratch memory for {tokens} tokens")
     return out

@@ -21,7 +21,7 @@ from torch import nn
 
 from oxserve.cache.layers import MLACache
 from oxserve.cache.spec import PagedTensor
-from oxserve.kernels.dsa_index import index_scores, index_scores_fit
+from oxserve.kernels.dsa_index import expand_selection, index_scores, index_scores_fit
 from oxserve.kernels.moe import pack_linear, panel_linear, panel_linear_fit
 from oxserve.model.batch import ForwardBatch
 from oxserve.model.config import TextModelConfig
@@ -86,6 +86,8 @@ class Indexer(nn.Module):
         for r in range(nb, batch.num_requests):
             s, e = starts[r], starts[r + 1]
             parts.append(self._select(q[s:e], head_weights[s:e], pos[s:e], batch, r, seq_lens[r], cache))
+        if len(parts) == 1:
+            return parts[0]
         width = max(p.shape[1] for p in parts)
         return torch.cat([F.pad(p, (0, width - p.shape[1]), value=-1) for p in parts])
 
@@ -113,30 +115,26 @@ class Indexer(nn.Module):
         """
         visible_pools = (query_pos + 1) // self.kpool
         num_pools = longest // self.kpool
-        pool_ids = torch.arange(num_pools, device=q.device)
+        k = min(self.max_pools, num_pools)
         scale = self.head_dim**-0.5
         if self.native_scores and not isinstance(request, int) and index_scores_fit(q, cache.pool_keys):  # in place
-            head_sums = index_scores(q, head_weights, visible_pools, request, batch.block_tables,
-                                     batch.block_size // self.kpool, cache.pool_keys, num_pools, scale)
+            pool_scores = self.tp.reduce(index_scores(q, head_weights, visible_pools, request, batch.block_tables,
+                                                      batch.block_size // self.kpool, cache.pool_keys, num_pools, scale,
+                                                      hidden=float("-inf")))
+            chosen = pool_scores.topk(k, dim=-1).indices
+            return expand_selection(chosen, visible_pools, query_pos, self.kpool, self.with_tail)
+        pool_ids = torch.arange(num_pools, device=q.device)
+        if isinstance(request, int):
+            keys = cache.pool_keys_at(batch.pool_rows(request, pool_ids, self.kpool)).float().unsqueeze(0)
         else:
-            if isinstance(request, int):
-                keys = cache.pool_keys_at(batch.pool_rows(request, pool_ids, self.kpool)).float().unsqueeze(0)
-            else:
-                # A shorter request's pools end early: read its last pool there (masked below),
-                # never past its own blocks.
-                grid = torch.minimum(pool_ids, (visible_pools - 1).clamp(min=0).unsqueeze(1))
-                keys = cache.pool_keys_at(batch.pool_rows(request.unsqueeze(1).expand_as(grid), grid, self.kpool)).float()
-            # [N, H, Dk] x [N|1, P, Dk] -> [N, H, P]; relu per head, then the weighted head sum.
-            scores = F.relu(torch.matmul(q, keys.transpose(1, 2)) * scale)
-            head_sums = (head_weights.unsqueeze(1) @ scores).squeeze(1)
+            # A shorter request's pools end early: read its last pool there (masked below),
+            # never past its own blocks.
+            grid = torch.minimum(pool_ids, (visible_pools - 1).clamp(min=0).unsqueeze(1))
+            keys = cache.pool_keys_at(batch.pool_rows(request.unsqueeze(1).expand_as(grid), grid, self.kpool)).float()
+        # [N, H, Dk] x [N|1, P, Dk] -> [N, H, P]; relu per head, then the weighted head sum.
+        scores = F.relu(torch.matmul(q, keys.transpose(1, 2)) * scale)
+        head_sums = (head_weights.unsqueeze(1) @ scores).squeeze(1)
         visible = pool_ids.unsqueeze(0) < visible_pools.unsqueeze(1)
         pool_scores = self.tp.reduce(head_sums).masked_fill(~visible, float("-inf"))
-        chosen = pool_scores.topk(min(self.max_pools, num_pools), dim=-1).indices
-        chosen = chosen.masked_fill(~visible.gather(1, chosen), -1)
-        offsets = torch.arange(self.kpool, device=q.device)
-        positions = (chosen.unsqueeze(-1) * self.kpool + offsets).masked_fill(chosen.unsqueeze(-1) < 0, -1).flatten(1)
-        if self.with_tail and self.kpool > 1:
-            tail = visible_pools.unsqueeze(1) * self.kpool + offsets[:-1]
-            tail = tail.masked_fill(tail > query_pos.unsqueeze(1), -1)
-            positions = torch.cat([positions, tail], dim=1)
-        return positions
+        chosen = pool_scores.topk(k, dim=-1).indices
+        return expand_selection(chosen, visible_pools, query_pos, self.kpool, self.with_tail)
