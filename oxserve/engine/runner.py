@@ -178,14 +178,15 @@ class ModelRunner:
     def _sample(self, sampling: list[ScheduledRequest], logits: torch.Tensor) -> tuple[list[list[int]], list]:
         """One token per plain request; for a request verifying drafts, the drafts it keeps
         and one more. The rows of `logits` follow `sampling` (a verify has one per token)."""
-        sizes = [s.num_new_tokens if s.verifies else 1 for s in sampling]
-        per_request = logits.split(sizes)
         plain = [i for i, s in enumerate(sampling) if not s.verifies]
+        all_plain = len(plain) == len(sampling)  # one row each: no split (a decode step of 32 makes 32 views)
+        per_request = None if all_plain else logits.split([s.num_new_tokens if s.verifies else 1 for s in sampling])
         tokens: list[list[int]] = [[] for _ in sampling]
         logprobs: list = [None] * len(sampling)
         if plain:
             rows = [self._sampling_row(sampling[i].request_id) for i in plain]
-            plain_logits = torch.cat([per_request[i] for i in plain])  # a copy: masks may write to it
+            # a copy: masks may write to it
+            plain_logits = logits.clone() if all_plain else torch.cat([per_request[i] for i in plain])
             grammars = [self._grammar(sampling[i].request_id) for i in plain]
             if self.masks is not None:
                 with span(self.tracer, "grammar_mask", track="engine"):

@@ -12,7 +12,12 @@
  *
  * q, latent and out are bf16 when `bf16`, else fp32; sums are fp32. Queries are spread over
  * `threads` threads. Returns 0, or -2 without scratch memory.
+ *
+ * Each selected latent is read from the cache and widened once, into rows [n][C] (for the
+ * weighted sum, vectorised over C) and their transpose [C][n] (for the scores, vectorised over
+ * positions: each score sums its C products in order, with no per-score horizontal add).
  */
+#include <immintrin.h>
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -24,13 +29,84 @@
 
 static inline float model_round(float x, int bf16) { return bf16 ? round_bf16(x) : x; }
 
+#define LANES 16   /* floats per vector block */
+#define PREFETCH 8 /* latent rows read ahead */
+
+#ifdef __AVX512F__
+/* the positions' scores 16 at a time, 4 heads at once (independent sums: the multiply-adds
+ * overlap); each score sums its C products in order, as the plain loop below does */
+static inline void score_block4(const float *q, int64_t dim, const float *lat_t, int64_t n, int64_t k0, float *score) {
+    __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+    for (int64_t c = 0; c < dim; c++) {
+        const __m512 col = _mm512_loadu_ps(lat_t + c * n + k0);
+        s0 = _mm512_fmadd_ps(_mm512_set1_ps(q[c]), col, s0);
+        s1 = _mm512_fmadd_ps(_mm512_set1_ps(q[dim + c]), col, s1);
+        s2 = _mm512_fmadd_ps(_mm512_set1_ps(q[2 * dim + c]), col, s2);
+        s3 = _mm512_fmadd_ps(_mm512_set1_ps(q[3 * dim + c]), col, s3);
+    }
+    _mm512_storeu_ps(score + k0, s0);
+    _mm512_storeu_ps(score + n + k0, s1);
+    _mm512_storeu_ps(score + 2 * n + k0, s2);
+    _mm512_storeu_ps(score + 3 * n + k0, s3);
+}
+
+/* 16 channels of 4 heads' weighted sums over all positions, in order of k */
+static inline void sum_block4(const float *p, int64_t n, const float *lat, int64_t dim, int64_t c0, float *acc) {
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (int64_t k = 0; k < n; k++) {
+        const __m512 row = _mm512_loadu_ps(lat + k * dim + c0);
+        a0 = _mm512_fmadd_ps(_mm512_set1_ps(p[k]), row, a0);
+        a1 = _mm512_fmadd_ps(_mm512_set1_ps(p[n + k]), row, a1);
+        a2 = _mm512_fmadd_ps(_mm512_set1_ps(p[2 * n + k]), row, a2);
+        a3 = _mm512_fmadd_ps(_mm512_set1_ps(p[3 * n + k]), row, a3);
+    }
+    _mm512_storeu_ps(acc + c0, a0);
+    _mm512_storeu_ps(acc + dim + c0, a1);
+    _mm512_storeu_ps(acc + 2 * dim + c0, a2);
+    _mm512_storeu_ps(acc + 3 * dim + c0, a3);
+}
+#define BLOCK_HEADS 4
+#else
+#define BLOCK_HEADS 0 /* no vector blocks: the plain loops do everything */
+#endif
+
+/* score[h][k] = q[h] . lat[k] for every head, from the transposed latents lat_t [C][n]. */
+static void head_scores(const float *q, const float *lat_t, int heads, int64_t dim, int64_t n, float *score) {
+    int h0 = 0;
+#ifdef __AVX512F__
+    for (; h0 + BLOCK_HEADS <= heads; h0 += BLOCK_HEADS)
+        for (int64_t k0 = 0; k0 + LANES <= n; k0 += LANES) score_block4(q + h0 * dim, dim, lat_t, n, k0, score + h0 * n);
+#endif
+    for (int h = 0; h < heads; h++)
+        for (int64_t k = h < h0 ? n / LANES * LANES : 0; k < n; k++) {
+            float sum = 0.0f;
+            for (int64_t c = 0; c < dim; c++) sum += q[h * dim + c] * lat_t[c * n + k];
+            score[h * n + k] = sum;
+        }
+}
+
+/* acc[h] = sum_k p[h][k] lat[k], in order of k. */
+static void weighted_sums(const float *p, const float *lat, int heads, int64_t dim, int64_t n, float *acc) {
+    int h0 = 0;
+#ifdef __AVX512F__
+    for (; h0 + BLOCK_HEADS <= heads; h0 += BLOCK_HEADS)
+        for (int64_t c0 = 0; c0 + LANES <= dim; c0 += LANES) sum_block4(p + h0 * n, n, lat, dim, c0, acc + h0 * dim);
+#endif
+    for (int h = 0; h < heads; h++)
+        for (int64_t c = h < h0 ? dim / LANES * LANES : 0; c < dim; c++) {
+            float sum = 0.0f;
+            for (int64_t k = 0; k < n; k++) sum += p[h * n + k] * lat[k * dim + c];
+            acc[h * dim + c] = sum;
+        }
+}
+
 int mla_latent_attention(const void *q, const void *latent, const int64_t *positions, int64_t width,
                          const int64_t *request, const int64_t *block_tables, int64_t max_blocks, int64_t block_size,
                          int64_t tokens, int heads, int64_t dim, float scale, int bf16, void *out, int threads) {
     if (threads < 1) threads = 1;
     const int64_t k_room = width > 0 ? width : 1;
-    /* per thread: the query's heads [H][C], one latent row [C], scores [H][K], sums [H][C], rows [K] */
-    const int64_t per_thread = 2 * heads * dim + dim + heads * k_room;
+    /* per thread: the query's heads [H][C], sums [H][C], scores [H][K], latents [K][C] and [C][K] */
+    const int64_t per_thread = 2 * heads * dim + heads * k_room + 2 * k_room * dim;
     float *scratch = malloc((size_t)(threads * per_thread) * sizeof(float));
     int64_t *rows_all = malloc((size_t)(threads * k_room) * sizeof(int64_t));
     if (scratch == NULL || rows_all == NULL) {
@@ -41,35 +117,37 @@ int mla_latent_attention(const void *q, const void *latent, const int64_t *posit
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t t = 0; t < tokens; t++) {
         const int id = omp_get_thread_num();
-        float *qf = scratch + id * per_thread, *acc = qf + heads * dim, *row = acc + heads * dim, *score = row + dim;
+        float *qf = scratch + id * per_thread, *acc = qf + heads * dim, *score = acc + heads * dim;
+        float *lat = score + heads * k_room, *lat_t = lat + k_room * dim;
         int64_t *rows = rows_all + id * k_room;
         const int64_t *pos = positions + t * width, *table = block_tables + request[t] * max_blocks;
         int64_t n = 0;
         for (int64_t k = 0; k < width; k++)
             if (pos[k] >= 0) rows[n++] = table[pos[k] / block_size] * block_size + pos[k] % block_size;
         widen_row(q, t * heads * dim, heads * dim, bf16, qf);
+        const int64_t row_bytes = dim * (bf16 ? 2 : 4);
         for (int64_t k = 0; k < n; k++) {
-            widen_row(latent, rows[k] * dim, dim, bf16, row);
-            for (int h = 0; h < heads; h++) score[h * n + k] = model_round(vdot(qf + h * dim, row, dim), bf16) * scale;
+            if (k + PREFETCH < n) /* the rows are scattered over the cache's blocks: ask for them early */
+                for (int64_t at = 0; at < row_bytes; at += 64)
+                    __builtin_prefetch((const char *)latent + rows[k + PREFETCH] * row_bytes + at);
+            widen_row(latent, rows[k] * dim, dim, bf16, lat + k * dim);
+            for (int64_t c = 0; c < dim; c++) lat_t[c * n + k] = lat[k * dim + c];
         }
+        head_scores(qf, lat_t, heads, dim, n, score);
         for (int h = 0; h < heads; h++) {
-            float *s = score + h * n, top = n > 0 ? s[0] : 0.0f, total = 0.0f;
-            for (int64_t k = 1; k < n; k++) top = s[k] > top ? s[k] : top;
+            float *restrict s = score + h * n;
+            float top = 0.0f, total = 0.0f;
+            for (int64_t k = 0; k < n; k++) {
+                s[k] = model_round(s[k], bf16) * scale;
+                top = k == 0 || s[k] > top ? s[k] : top;
+            }
             for (int64_t k = 0; k < n; k++) {
                 s[k] = vexp(s[k] - top);
                 total += s[k];
             }
             for (int64_t k = 0; k < n; k++) s[k] = model_round(s[k] / total, bf16);
         }
-        memset(acc, 0, (size_t)(heads * dim) * sizeof(float));
-        for (int64_t k = 0; k < n; k++) {
-            widen_row(latent, rows[k] * dim, dim, bf16, row);
-            for (int h = 0; h < heads; h++) {
-                const float p = score[h * n + k];
-                float *restrict a = acc + h * dim;
-                for (int64_t c = 0; c < dim; c++) a[c] += p * row[c];
-            }
-        }
+        weighted_sums(score, lat, heads, dim, n, acc);
         const int64_t at = t * heads * dim;
         if (bf16) {
             uint16_t *o = (uint16_t *)out + at;
