@@ -94,9 +94,9 @@ class OneDNNLinear(nn.Module):
 class PanelLinear(OneDNNLinear):
     """A bf16 `Linear` on packed panels (`oxserve.kernels.moe.panel_linear`, AMX tiles or
     AVX512-BF16 vectors): its weight packed once, one native call a product. oneDNN's
-    primitive costs 15-22 us a call whatever the size on the Sapphire Rapids machine and
-    35-80 us on the AMD EPYC (AVX512-BF16), more than a decode step's small products take on
-    panels (5.5-14 us; `python docs/bench/linear_call_cost.py`); results are bit-equal to
+    primitive costs 14-22 us a call whatever the size (Sapphire Rapids; AMD EPYC with
+    AVX512-BF16), more than a decode step's small products take on panels (5-11 us;
+    `python docs/bench/linear_call_cost.py`); results are bit-equal to
     `F.linear`'s (the same fp32 sums in input order). Weights whose inputs are not whole
     panels (multiples of 32) take oneDNN."""
 
