@@ -66,9 +66,10 @@ def main() -> None:
              "--max-model-len", "4096", "--host", "127.0.0.1"]  # fmt: skip
     p_port, d_port, kv_port = free_port(), free_port(), free_port()
     instances = [
-        start([*serve, "--role", "prefill", "--port", str(p_port)], f"http://127.0.0.1:{p_port}", logs / "prefill.log"),
-        start([*serve, "--role", "decode", "--port", str(d_port), "--kv-port", str(kv_port)], f"http://127.0.0.1:{d_port}",
-              logs / "decode.log"),
+        start([*serve, "--role", "prefill", "--port", str(p_port), "--batch-store", str(logs / "prefill.sqlite")],
+              f"http://127.0.0.1:{p_port}", logs / "prefill.log"),
+        start([*serve, "--role", "decode", "--port", str(d_port), "--kv-port", str(kv_port), "--batch-store",
+               str(logs / "decode.sqlite")], f"http://127.0.0.1:{d_port}", logs / "decode.log"),
     ]  # fmt: skip
     runs = []
     try:

@@ -34,6 +34,7 @@ from oxserve.feedback.machine import data_dir
 log = logging.getLogger("oxserve.epd")
 
 START_TIMEOUT_S = 300.0
+SERVING_ROLES = ("prefill", "decode")  # the roles that build the OpenAI app (and its batch store)
 STOP_TIMEOUT_S = 20.0
 
 
@@ -102,7 +103,9 @@ def start(d: Deployment) -> list[tuple[Member, subprocess.Popen, Path]]:
         cmd = [sys.executable, "-m", "oxserve.cli", "serve", "--role", m.role, "--host", "127.0.0.1", "--port", str(m.port),
                *(["--model", d.model] if d.model else []), *d.args, *m.args,
                *(["--kv-port", str(m.kv_port)] if m.kv_port is not None else []),
-               *(["--mm-port", str(m.mm_port)] if m.mm_port is not None else [])]  # fmt: skip
+               *(["--mm-port", str(m.mm_port)] if m.mm_port is not None else []),
+               # the deployment's own files, not a default one per port in the user's data directory
+               *(["--batch-store", str(d.log_dir / f"batches-{m.role}-{m.port}.sqlite")] if m.role in SERVING_ROLES else [])]  # fmt: skip
         log_path = d.log_dir / f"{m.role}-{m.port}.log"
         with open(log_path, "w") as out:
             proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
