@@ -36,7 +36,7 @@ def test_decode_inputs_match_the_general_path(dtype, state_dtype, lower_bound, b
     assert kda_io.decode_inputs_fit(case["mixed"], case["f"], case["beta_logits"], case["table"], "silu", dim)
     table_native, table_torch = case["table"].clone(), case["table"].clone()
     args = (case["f"], case["dt_bias"], case["a_log"], lower_bound, case["beta_logits"], dim)
-    got = kda_io.decode_inputs(case["mixed"], table_native, case["slots"], case["weight"], *args)
+    got = kda_io.decode_inputs(case["mixed"], table_native, case["slots"], kda_io.conv_taps(case["weight"]), *args)
     want = kda_io.decode_inputs_torch(case["mixed"], table_torch, case["slots"], case["weight"], SILU, *args)
     # v is the conv output rounded to the model dtype: one bf16 step where fp32 sums land
     # on either side of a rounding boundary.

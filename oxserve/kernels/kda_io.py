@@ -77,25 +77,32 @@ def decode_inputs_fit(mixed: torch.Tensor, f: torch.Tensor, beta_logits: torch.T
             and _kernel() is not None)
 
 
-def decode_inputs(mixed: torch.Tensor, conv_table: torch.Tensor, slots: torch.Tensor, conv_weight: torch.Tensor,
+def decode_inputs(mixed: torch.Tensor, conv_table: torch.Tensor, slots: torch.Tensor, conv_taps: torch.Tensor,
                   f: torch.Tensor, dt_bias: torch.Tensor, a_log: torch.Tensor, lower_bound: float | None,
                   beta_logits: torch.Tensor, dim: int) -> tuple[torch.Tensor, ...]:
     """One token per request (where `decode_inputs_fit`): mixed [B, 3HD] (the qkv projection),
-    conv_table [slots, K-1, 3HD] updated in place at `slots` [B]; f [B, HD], beta_logits [B, H]
-    in mixed's dtype. Returns q, k, v, g [B, H, D] and beta [B, H], fp32, as the conv then
-    `kda_gates` give them."""
+    conv_table [slots, K-1, 3HD] updated in place at `slots` [B]; conv_taps [K, 3HD] fp32, the
+    conv weight tap-major (`conv_taps(conv_weight)`, made once at load); f [B, HD], beta_logits
+    [B, H] in mixed's dtype. Returns q, k, v, g [B, H, D] and beta [B, H], fp32, as the conv then
+    `kda_gates` give them. (A decode step calls this once per KDA layer, so the Python around
+    the C call is kept to plain pointers: it was ~30 us of a 37 us call at one request.)"""
     batch, heads = mixed.shape[0], beta_logits.shape[-1]
-    q, k, v, g = (torch.empty(batch, heads, dim) for _ in range(4))
+    q, k, v, g = torch.empty(batch, heads, dim), torch.empty(batch, heads, dim), torch.empty(batch, heads, dim), \
+        torch.empty(batch, heads, dim)
     beta = torch.empty(batch, heads)
-    dtype = mixed.dtype
-    mixed, f, beta_logits, slots = (t.contiguous() for t in (mixed, f, beta_logits, slots))
-    weight_t = conv_weight.float().t().contiguous()  # [K, C]: each tap a contiguous run of channels
-    dt_bias, a_log = dt_bias.float().contiguous(), a_log.float().contiguous()
+    mixed, f, beta_logits, slots = (t if t.is_contiguous() else t.contiguous() for t in (mixed, f, beta_logits, slots))
+    dt_bias, a_log = (t if t.dtype == torch.float32 and t.is_contiguous() else t.float().contiguous() for t in (dt_bias, a_log))
     _kernel().kda_decode_inputs(
-        *_ptrs(mixed, conv_table, slots, weight_t, f, dt_bias, a_log, beta_logits), batch, heads, dim,
-        weight_t.shape[0], dim**-0.5, int(lower_bound is not None), lower_bound or 0.0, int(dtype == torch.bfloat16),
-        int(conv_table.dtype == torch.bfloat16), *_ptrs(q, k, v, g, beta), torch.get_num_threads())
+        mixed.data_ptr(), conv_table.data_ptr(), slots.data_ptr(), conv_taps.data_ptr(), f.data_ptr(), dt_bias.data_ptr(),
+        a_log.data_ptr(), beta_logits.data_ptr(), batch, heads, dim, conv_taps.shape[0], dim**-0.5,
+        lower_bound is not None, lower_bound or 0.0, mixed.dtype == torch.bfloat16, conv_table.dtype == torch.bfloat16,
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr(), torch.get_num_threads())
     return q, k, v, g, beta
+
+
+def conv_taps(conv_weight: torch.Tensor) -> torch.Tensor:
+    """[C, K] -> [K, C] fp32: each tap a contiguous run of channels, as `decode_inputs` reads it."""
+    return conv_weight.float().t().contiguous()
 
 
 def decode_inputs_torch(mixed: torch.Tensor, conv_table: torch.Tensor, slots: torch.Tensor,

@@ -60,6 +60,10 @@ class KDAttention(nn.Module):
         self.o_proj = Linear(cfg.kda_dim, cfg.hidden_size, tp, "row")
         self.norm_eps = cfg.rms_norm_eps
         self.lower_bound = cfg.linear_lower_bound
+        self.conv_taps: torch.Tensor | None = None  # conv_weight tap-major, for decode (after_load)
+
+    def after_load(self) -> None:
+        self.conv_taps = kda_io.conv_taps(self.conv_weight.detach())
 
     def cache_spec(
         self, dtype: torch.dtype, precision: LayerCachePrecision = LayerCachePrecision(), replay: int = 0
@@ -80,10 +84,10 @@ class KDAttention(nn.Module):
         with span(tracer, f"{self.name}.gates"):
             f, beta_logits = self.forget_gate(x), self.b_proj(x)
         gate_params = (self.forget_gate.dt_bias, self.forget_gate.A_log, self.lower_bound)
-        if batch.num_decodes == batch.num_requests and kda_io.decode_inputs_fit(
+        if batch.num_decodes == batch.num_requests and self.conv_taps is not None and kda_io.decode_inputs_fit(
                 mixed, f, beta_logits, cache.conv, self.conv_act_name, self.head_dim):
             with span(tracer, f"{self.name}.conv"):  # the conv and the gates' pointwise math, in one call
-                q, k, v, g, beta = kda_io.decode_inputs(mixed, cache.conv, batch.state_slots, self.conv_weight, f,
+                q, k, v, g, beta = kda_io.decode_inputs(mixed, cache.conv, batch.state_slots, self.conv_taps, f,
                                                         *gate_params, beta_logits, self.head_dim)
         else:
             with span(tracer, f"{self.name}.conv"):

@@ -355,7 +355,8 @@ def decode_inputs_candidate(cfg, i, native: bool = True):
         table.copy_(i["conv_table"])
         if native and kda_io.decode_inputs_fit(i["mixed"], i["f"], i["beta_logits"], table, cfg.hidden_act,
                                                cfg.linear_head_dim):
-            result = kda_io.decode_inputs(i["mixed"], table, i["slots"], i["conv_weight"], *gate)
+            taps = kda_io.conv_taps(i["conv_weight"])  # the layer makes it once, at load; here it is timed too
+            result = kda_io.decode_inputs(i["mixed"], table, i["slots"], taps, *gate)
         else:
             result = kda_io.decode_inputs_torch(i["mixed"], table, i["slots"], i["conv_weight"], act, *gate)
         for buffer, value in zip(out[:5], result, strict=True):
