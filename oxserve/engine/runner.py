@@ -34,7 +34,7 @@ from oxserve.engine.mtp_drafter import MTPDrafter
 from oxserve.engine.prompt_logprobs import score_prompt_tokens
 from oxserve.engine.sampler import SamplingRow, make_generator, sample
 from oxserve.engine.speculative import verify
-from oxserve.model.batch import BatchRequest, make_forward_batch
+from oxserve.model.batch import BatchRequest, BlockIds, make_forward_batch
 from oxserve.model.glm5_next import Glm5NextForCausalLM
 from oxserve.multimodal.embedder import MultiModalEmbedder, RowSpan
 from oxserve.multimodal.inputs import MultiModalItem
@@ -52,7 +52,7 @@ class RequestState:
     params: SamplingParams
     prompt_token_ids: list[int]
     output_token_ids: list[int]  # output tokens fed to the model so far
-    block_ids: list[int]
+    blocks: BlockIds
     generator: torch.Generator | None  # seeded per request; None -> the default RNG
     grammar: RequestGrammar | None = None  # structured outputs: the output's matcher so far
     mm_items: tuple[MultiModalItem, ...] = ()  # images and videos in the prompt
@@ -112,7 +112,7 @@ class ModelRunner:
                 return {}
 
     def _block_tables(self, request_ids) -> dict[str, list[int]]:
-        return {rid: self.requests[rid].block_ids for rid in request_ids}
+        return {rid: self.requests[rid].blocks.ids for rid in request_ids}
 
     def settle(self, out: SchedulerOutput) -> None:
         """A step with nothing to compute: forget finished requests, apply prefix-cache ops."""
@@ -227,13 +227,13 @@ class ModelRunner:
             old = self.requests.get(new.request_id)  # resumed after preemption: keep its generator
             generator = old.generator if old is not None else make_generator(new.params.seed, self.device)
             grammar = old.grammar if old is not None else None
-            self.requests[new.request_id] = RequestState(new.params, new.prompt_token_ids, list(new.output_token_ids), [],
+            self.requests[new.request_id] = RequestState(new.params, new.prompt_token_ids, list(new.output_token_ids), BlockIds(),
                                                          generator, grammar, new.mm_items)
             if self.drafter is not None:
                 self.drafter.restart(new.request_id)
         for s in out.scheduled:
             state = self.requests[s.request_id]
-            state.block_ids.extend(s.new_block_ids)
+            state.blocks.extend(s.new_block_ids)
             state.slot = s.state_slot
             if (snap := self.imports.pop(s.request_id, None)) is not None:
                 self._import(state, snap)
@@ -248,8 +248,9 @@ class ModelRunner:
         this step scores."""
         with span(self.tracer, "prepare_inputs", track="engine"):
             requests = [
-                BatchRequest(s.num_computed_tokens, s.num_new_tokens, self.requests[s.request_id].block_ids, s.state_slot,
-                             s.samples, s.num_draft_tokens, s.prompt_logprob_positions)
+                BatchRequest(s.num_computed_tokens, s.num_new_tokens, self.requests[s.request_id].blocks.ids, s.state_slot,
+                             s.samples, s.num_draft_tokens, s.prompt_logprob_positions,
+                             self.requests[s.request_id].blocks.tensor())
                 for s in scheduled
             ]
             batch = make_forward_batch(requests, self.model.config, self.layout.block_size, self.layout.num_blocks, self.device,
@@ -275,7 +276,7 @@ class ModelRunner:
         """Copies of the caches of a request's first `num_tokens` tokens (right after the step
         that computed them, before its blocks can be reused)."""
         state = self.requests[request_id]
-        blocks = state.block_ids[: -(-num_tokens // self.layout.block_size)]
+        blocks = state.blocks.ids[: -(-num_tokens // self.layout.block_size)]
         return export_caches(self.caches, self.layout.num_blocks, blocks, state.slot, self.rings)
 
     def generator_state(self, request_id: str) -> bytes | None:
@@ -283,7 +284,7 @@ class ModelRunner:
         return None if generator is None else bytes(generator.get_state().numpy())
 
     def _import(self, state: RequestState, snap: CacheSnapshot) -> None:
-        blocks = state.block_ids[: -(-snap.num_tokens // self.layout.block_size)]
+        blocks = state.blocks.ids[: -(-snap.num_tokens // self.layout.block_size)]
         with torch.inference_mode():
             import_caches(self.caches, self.layout.num_blocks, blocks, state.slot, snap.tensors)
         if self.rings is not None:

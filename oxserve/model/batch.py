@@ -23,11 +23,37 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from oxserve.cache.replay import ReplayBook, RingCounts
 from oxserve.kernels.kda import ChunkLayout, ConvLayout, chunk_layout, chunk_plan, conv_layout
 from oxserve.model.config import TextModelConfig
 from oxserve.telemetry import Tracer
+
+
+class BlockIds:
+    """A request's cache block ids, append-only: as a Python list (host arithmetic) and as an
+    int64 tensor grown with it, so a step's block table is padded from tensors instead of
+    converting every id of every request from Python each step (32 requests at 16k context:
+    2.1 ms a step, against 0.1 ms)."""
+
+    def __init__(self) -> None:
+        self.ids: list[int] = []
+        self._buffer = torch.empty(16, dtype=torch.long)
+
+    def extend(self, ids: list[int]) -> None:
+        if not ids:
+            return
+        start, end = len(self.ids), len(self.ids) + len(ids)
+        if end > self._buffer.numel():
+            grown = torch.empty(max(end, 2 * self._buffer.numel()), dtype=torch.long)
+            grown[:start] = self._buffer[:start]
+            self._buffer = grown
+        self._buffer[start:end] = torch.tensor(ids, dtype=torch.long)
+        self.ids.extend(ids)
+
+    def tensor(self) -> torch.Tensor:
+        return self._buffer[: len(self.ids)]
 
 
 @dataclass(frozen=True)
@@ -41,6 +67,7 @@ class BatchRequest:
     samples: bool
     num_draft_tokens: int = 0  # speculative tokens at the end, verified this step
     scored_positions: range = range(0)  # more positions (in the request) whose logits are wanted: prompt logprobs
+    block_tensor: torch.Tensor | None = None  # block_ids as int64 (`BlockIds.tensor`), where the caller keeps one
 
     @property
     def verifies(self) -> bool:
@@ -150,11 +177,16 @@ def make_forward_batch(
             raise ValueError(f"scored positions {req.scored_positions} are outside this step's tokens [{start}, {end})")
         scored_rows += [first + p - start for p in req.scored_positions]
     logits_indices += scored_rows
-    width = max(len(req.block_ids) for req in requests)
-    tables = [req.block_ids + [num_blocks] * (width - len(req.block_ids)) for req in requests]
 
     def as_long(values) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=device)
+
+    if all(req.block_tensor is not None for req in requests):
+        block_tables = pad_sequence([req.block_tensor for req in requests], batch_first=True,
+                                    padding_value=num_blocks).to(device)
+    else:
+        width = max(len(req.block_ids) for req in requests)
+        block_tables = as_long([req.block_ids + [num_blocks] * (width - len(req.block_ids)) for req in requests])
 
     query_lens = [req.num_new_tokens for req in requests]
     batch = ForwardBatch(
@@ -164,7 +196,7 @@ def make_forward_batch(
         positions=as_long(positions),
         request_index=as_long(request_index),
         cache_rows=as_long(cache_rows),
-        block_tables=as_long(tables),
+        block_tables=block_tables,
         state_slots=as_long([req.state_slot for req in requests]),
         has_initial_state=torch.tensor([req.num_computed_tokens > 0 for req in requests], device=device),
         block_size=block_size,
@@ -183,15 +215,16 @@ def make_forward_batch(
     elif num_verifies and cfg.kda_layers:
         raise ValueError("verifying draft tokens needs ReplaySSM rings for the KDA layers (--kda-decode replay)")
     if cfg.full_indexer_layers:
-        batch.pools = _pool_completions(requests, tables, cfg.index_kpool, block_size, device)
+        batch.pools = _pool_completions(requests, cfg.index_kpool, block_size, device)
     return batch
 
 
-def _pool_completions(requests: list[BatchRequest], tables, kpool, block_size, device) -> PoolCompletions:
+def _pool_completions(requests: list[BatchRequest], kpool, block_size, device) -> PoolCompletions:
     members: list[list[int]] = []
     pool_rows: list[int] = []
     pools_per_block = block_size // kpool
-    for req, table in zip(requests, tables):
+    for req in requests:
+        table = req.block_ids
         start, end = req.num_computed_tokens, req.num_computed_tokens + req.num_new_tokens
         for last in range(start + (kpool - 1 - start) % kpool, end, kpool):  # positions that end a pool
             members.append([table[p // block_size] * block_size + p % block_size for p in range(last + 1 - kpool, last + 1)])
