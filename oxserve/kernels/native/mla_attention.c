@@ -33,37 +33,24 @@ static inline float model_round(float x, int bf16) { return bf16 ? round_bf16(x)
 #define PREFETCH 8 /* latent rows read ahead */
 
 #ifdef __AVX512F__
-/* the positions' scores 16 at a time, 4 heads at once (independent sums: the multiply-adds
- * overlap); each score sums its C products in order, as the plain loop below does */
-static inline void score_block4(const float *q, int64_t dim, const float *lat_t, int64_t n, int64_t k0, float *score) {
+/* out[j][0..16) = sum_i a[j][i] * b[i][0..16) for 4 rows j at once (independent sums, so the
+ * multiply-adds overlap), each summed in order of i: rows of a are `a_stride` apart, rows of b
+ * `b_stride`, rows of out `out_stride`. Scores: a = 4 heads' queries, b = 16 positions of the
+ * transposed latents; weighted sums: a = 4 heads' probabilities, b = 16 channels of the latents. */
+static inline void rows4_by_16(const float *a, int64_t a_stride, const float *b, int64_t b_stride, int64_t count,
+                               float *out, int64_t out_stride) {
     __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
-    for (int64_t c = 0; c < dim; c++) {
-        const __m512 col = _mm512_loadu_ps(lat_t + c * n + k0);
-        s0 = _mm512_fmadd_ps(_mm512_set1_ps(q[c]), col, s0);
-        s1 = _mm512_fmadd_ps(_mm512_set1_ps(q[dim + c]), col, s1);
-        s2 = _mm512_fmadd_ps(_mm512_set1_ps(q[2 * dim + c]), col, s2);
-        s3 = _mm512_fmadd_ps(_mm512_set1_ps(q[3 * dim + c]), col, s3);
+    for (int64_t i = 0; i < count; i++) {
+        const __m512 row = _mm512_loadu_ps(b + i * b_stride);
+        s0 = _mm512_fmadd_ps(_mm512_set1_ps(a[i]), row, s0);
+        s1 = _mm512_fmadd_ps(_mm512_set1_ps(a[a_stride + i]), row, s1);
+        s2 = _mm512_fmadd_ps(_mm512_set1_ps(a[2 * a_stride + i]), row, s2);
+        s3 = _mm512_fmadd_ps(_mm512_set1_ps(a[3 * a_stride + i]), row, s3);
     }
-    _mm512_storeu_ps(score + k0, s0);
-    _mm512_storeu_ps(score + n + k0, s1);
-    _mm512_storeu_ps(score + 2 * n + k0, s2);
-    _mm512_storeu_ps(score + 3 * n + k0, s3);
-}
-
-/* 16 channels of 4 heads' weighted sums over all positions, in order of k */
-static inline void sum_block4(const float *p, int64_t n, const float *lat, int64_t dim, int64_t c0, float *acc) {
-    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-    for (int64_t k = 0; k < n; k++) {
-        const __m512 row = _mm512_loadu_ps(lat + k * dim + c0);
-        a0 = _mm512_fmadd_ps(_mm512_set1_ps(p[k]), row, a0);
-        a1 = _mm512_fmadd_ps(_mm512_set1_ps(p[n + k]), row, a1);
-        a2 = _mm512_fmadd_ps(_mm512_set1_ps(p[2 * n + k]), row, a2);
-        a3 = _mm512_fmadd_ps(_mm512_set1_ps(p[3 * n + k]), row, a3);
-    }
-    _mm512_storeu_ps(acc + c0, a0);
-    _mm512_storeu_ps(acc + dim + c0, a1);
-    _mm512_storeu_ps(acc + 2 * dim + c0, a2);
-    _mm512_storeu_ps(acc + 3 * dim + c0, a3);
+    _mm512_storeu_ps(out, s0);
+    _mm512_storeu_ps(out + out_stride, s1);
+    _mm512_storeu_ps(out + 2 * out_stride, s2);
+    _mm512_storeu_ps(out + 3 * out_stride, s3);
 }
 #define BLOCK_HEADS 4
 #else
@@ -75,7 +62,8 @@ static void head_scores(const float *q, const float *lat_t, int heads, int64_t d
     int h0 = 0;
 #ifdef __AVX512F__
     for (; h0 + BLOCK_HEADS <= heads; h0 += BLOCK_HEADS)
-        for (int64_t k0 = 0; k0 + LANES <= n; k0 += LANES) score_block4(q + h0 * dim, dim, lat_t, n, k0, score + h0 * n);
+        for (int64_t k0 = 0; k0 + LANES <= n; k0 += LANES)
+            rows4_by_16(q + h0 * dim, dim, lat_t + k0, n, dim, score + h0 * n + k0, n);
 #endif
     for (int h = 0; h < heads; h++)
         for (int64_t k = h < h0 ? n / LANES * LANES : 0; k < n; k++) {
@@ -90,7 +78,8 @@ static void weighted_sums(const float *p, const float *lat, int heads, int64_t d
     int h0 = 0;
 #ifdef __AVX512F__
     for (; h0 + BLOCK_HEADS <= heads; h0 += BLOCK_HEADS)
-        for (int64_t c0 = 0; c0 + LANES <= dim; c0 += LANES) sum_block4(p + h0 * n, n, lat, dim, c0, acc + h0 * dim);
+        for (int64_t c0 = 0; c0 + LANES <= dim; c0 += LANES)
+            rows4_by_16(p + h0 * n, n, lat + c0, dim, n, acc + h0 * dim + c0, dim);
 #endif
     for (int h = 0; h < heads; h++)
         for (int64_t c = h < h0 ? dim / LANES * LANES : 0; c < dim; c++) {
