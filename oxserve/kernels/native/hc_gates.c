@@ -127,9 +127,7 @@ static void dot4_f32(const float *a, int64_t stride, const float *b, int64_t cou
 /* The block's input RMSNorm, as torch's RMSNorm does it: x (values of the streams' dtype)
  * normalised in fp32, rounded to that dtype, times the weight, rounded again. */
 static void block_norm(float *x, int64_t d, const void *weight, float eps, int is_bf16) {
-    float sum = 0.0f;
-    for (int64_t c = 0; c < d; c++) sum += x[c] * x[c];
-    const float inv = 1.0f / sqrtf(sum / (float)d + eps);
+    const float inv = 1.0f / sqrtf(dot_f32(x, x, d) / (float)d + eps); /* partial sums: vectorised */
     if (is_bf16) {
         const uint16_t *w = weight;
         for (int64_t c = 0; c < d; c++) x[c] = round_bf16(bf16_to_f32(w[c]) * round_bf16(x[c] * inv));
