@@ -57,35 +57,21 @@ static inline void rows4_by_16(const float *a, int64_t a_stride, const float *b,
 #define BLOCK_HEADS 0 /* no vector blocks: the plain loops do everything */
 #endif
 
-/* score[h][k] = q[h] . lat[k] for every head, from the transposed latents lat_t [C][n]. */
-static void head_scores(const float *q, const float *lat_t, int heads, int64_t dim, int64_t n, float *score) {
+/* out[h][j] = sum_i a[h][i] b[i][j], summed in order of i, for h < heads and j < cols: a
+ * [heads][count], b [count][cols], out [heads][cols]. Scores: a = the queries, b = the
+ * transposed latents [C][n]; weighted sums: a = the probabilities, b = the latents [n][C]. */
+static void head_products(const float *a, int heads, int64_t count, const float *b, int64_t cols, float *out) {
     int h0 = 0;
 #ifdef __AVX512F__
     for (; h0 + BLOCK_HEADS <= heads; h0 += BLOCK_HEADS)
-        for (int64_t k0 = 0; k0 + LANES <= n; k0 += LANES)
-            rows4_by_16(q + h0 * dim, dim, lat_t + k0, n, dim, score + h0 * n + k0, n);
+        for (int64_t j0 = 0; j0 + LANES <= cols; j0 += LANES)
+            rows4_by_16(a + h0 * count, count, b + j0, cols, count, out + h0 * cols + j0, cols);
 #endif
     for (int h = 0; h < heads; h++)
-        for (int64_t k = h < h0 ? n / LANES * LANES : 0; k < n; k++) {
+        for (int64_t j = h < h0 ? cols / LANES * LANES : 0; j < cols; j++) {
             float sum = 0.0f;
-            for (int64_t c = 0; c < dim; c++) sum += q[h * dim + c] * lat_t[c * n + k];
-            score[h * n + k] = sum;
-        }
-}
-
-/* acc[h] = sum_k p[h][k] lat[k], in order of k. */
-static void weighted_sums(const float *p, const float *lat, int heads, int64_t dim, int64_t n, float *acc) {
-    int h0 = 0;
-#ifdef __AVX512F__
-    for (; h0 + BLOCK_HEADS <= heads; h0 += BLOCK_HEADS)
-        for (int64_t c0 = 0; c0 + LANES <= dim; c0 += LANES)
-            rows4_by_16(p + h0 * n, n, lat + c0, dim, n, acc + h0 * dim + c0, dim);
-#endif
-    for (int h = 0; h < heads; h++)
-        for (int64_t c = h < h0 ? dim / LANES * LANES : 0; c < dim; c++) {
-            float sum = 0.0f;
-            for (int64_t k = 0; k < n; k++) sum += p[h * n + k] * lat[k * dim + c];
-            acc[h * dim + c] = sum;
+            for (int64_t i = 0; i < count; i++) sum += a[h * count + i] * b[i * cols + j];
+            out[h * cols + j] = sum;
         }
 }
 
@@ -122,7 +108,7 @@ int mla_latent_attention(const void *q, const void *latent, const int64_t *posit
             widen_row(latent, rows[k] * dim, dim, bf16, lat + k * dim);
             for (int64_t c = 0; c < dim; c++) lat_t[c * n + k] = lat[k * dim + c];
         }
-        head_scores(qf, lat_t, heads, dim, n, score);
+        head_products(qf, heads, dim, lat_t, n, score); /* score[h][k] = q[h] . latent k */
         for (int h = 0; h < heads; h++) {
             float *restrict s = score + h * n;
             float top = 0.0f, total = 0.0f;
@@ -136,7 +122,7 @@ int mla_latent_attention(const void *q, const void *latent, const int64_t *posit
             }
             for (int64_t k = 0; k < n; k++) s[k] = model_round(s[k] / total, bf16);
         }
-        weighted_sums(score, lat, heads, dim, n, acc);
+        head_products(score, heads, n, lat, dim, acc); /* acc[h] = sum_k p[h][k] latent k */
         const int64_t at = t * heads * dim;
         if (bf16) {
             uint16_t *o = (uint16_t *)out + at;
