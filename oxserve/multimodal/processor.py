@@ -212,9 +212,9 @@ class MediaProcessor:
         if total < wanted:
             picks = np.linspace(0, total - 1, wanted, dtype=int).tolist()
         else:
-            picks, second = [], 0.0
+            picks, second, frame_seconds = [], 0.0, 1 / fps
             for i in range(total):
-                if i / fps >= second:
+                if i * frame_seconds >= second:  # as the reference times frames: i / fps can differ in the last bit
                     second += 1 / cfg.fps
                     picks.append(i)
                     if second >= max_seconds:
