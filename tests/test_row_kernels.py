@@ -1,8 +1,6 @@
 """`native/rows.c` (RMSNorm in bf16, the greedy argmax) against their torch forms, in every
 build: the widest vector path this CPU has and plain C."""
 
-import ctypes
-
 import pytest
 import torch
 
@@ -13,17 +11,9 @@ from oxserve.kernels.norm import rms_norm, rms_norm_torch
 BUILDS = {"native": rows.BUILD_FLAGS, "plain": ("-O3", "-fopenmp", "-mno-avx2", "-mno-avx512f")}
 
 
-def build(name: str) -> ctypes.CDLL:
-    lib = native.load("rows", BUILDS[name])
-    p, i64 = ctypes.c_void_p, ctypes.c_int64
-    lib.rms_norm_bf16.argtypes = [p, i64, i64, p, ctypes.c_float, p, ctypes.c_int]
-    lib.argmax_rows.argtypes = [p, i64, i64, i64, p, ctypes.c_int]
-    return lib
-
-
 @pytest.fixture(params=list(BUILDS))
 def kernel(request, monkeypatch):
-    lib = build(request.param)
+    lib = rows.bind(native.load("rows", BUILDS[request.param]))
     monkeypatch.setattr(rows, "_kernel", lambda: lib)
     return lib
 

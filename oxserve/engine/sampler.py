@@ -68,8 +68,8 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """The index of each row's largest logit, the first one on a tie (as `argmax`, NaN
     included). On CPU one native pass (`oxserve.kernels.rows.argmax_native`): torch's index
-    reductions are not vectorised (AMD EPYC, 2 threads, 32 rows of 8192: `max` 170 us, against
-    `amax` 9 us; `oxserve bench kernels --ops sampler.greedy`); elsewhere `max`, which beats
+    reductions are not vectorised (`oxserve bench kernels --ops sampler.greedy`, AMD EPYC, 2
+    threads, 32 rows of 8192: `max` 229 us, native 56 us); elsewhere `max`, which beats
     `argmax` on CPU (Sapphire Rapids, 32 rows of 32k: 1.31 -> 0.50 ms)."""
     if argmax_fit(logits):
         return argmax_native(logits)

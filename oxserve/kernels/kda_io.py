@@ -85,7 +85,7 @@ def decode_inputs(mixed: torch.Tensor, conv_table: torch.Tensor, slots: torch.Te
     conv weight tap-major (`conv_taps(conv_weight)`, made once at load); f [B, HD], beta_logits
     [B, H] in mixed's dtype. Returns q, k, v, g [B, H, D] and beta [B, H], fp32, as the conv then
     `kda_gates` give them. (A decode step calls this once per KDA layer, so the Python around
-    the C call is kept to plain pointers: it was ~30 us of a 37 us call at one request.)"""
+    the C call is kept to plain pointers.)"""
     batch, heads = mixed.shape[0], beta_logits.shape[-1]
     q, k, v, g = torch.empty(batch, heads, dim), torch.empty(batch, heads, dim), torch.empty(batch, heads, dim), \
         torch.empty(batch, heads, dim)

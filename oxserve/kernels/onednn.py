@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from oxserve.kernels.moe import pack_linear, panel_isa, panel_linear, panel_linear_fit, unpack_panels
+from oxserve.kernels.moe import pack_linear, panel_linear, panel_linear_fit, unpack_panels
 from oxserve.model.linear import Linear, swap_linears
 
 LINEAR_KERNELS = ("auto", "panels", "onednn", "torch")  # the --linear-kernel choices
@@ -125,7 +125,7 @@ class PanelLinear(OneDNNLinear):
 
 
 def panel_linear_supported(device: torch.device, dtype: torch.dtype) -> bool:
-    return device.type == "cpu" and dtype == torch.bfloat16 and panel_isa() is not None and panel_linear_fit(device, dtype, 32)
+    return panel_linear_fit(device, dtype, 32)  # CPU, bf16, and a panel build for this CPU
 
 
 def choose_linear_kernel(

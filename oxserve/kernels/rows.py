@@ -14,15 +14,18 @@ from oxserve.kernels import native
 BUILD_FLAGS = native.NATIVE_ISA + native.OPENMP + ("-O3",)
 
 
-@functools.cache
-def _kernel() -> ctypes.CDLL | None:
-    lib = native.load("rows", BUILD_FLAGS)
-    if lib is None:
-        return None
+def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """The kernels' argument types, on any build of `native/rows.c` (tests build others)."""
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.rms_norm_bf16.argtypes = [p, i64, i64, p, ctypes.c_float, p, ctypes.c_int]
     lib.argmax_rows.argtypes = [p, i64, i64, i64, p, ctypes.c_int]
     return lib
+
+
+@functools.cache
+def _kernel() -> ctypes.CDLL | None:
+    lib = native.load("rows", BUILD_FLAGS)
+    return bind(lib) if lib is not None else None
 
 
 def rms_norm_fit(x: torch.Tensor, weight: torch.Tensor) -> bool:
