@@ -130,3 +130,29 @@ def test_conv_chunk_then_steps_equals_whole_chunk():
         o, state = conv(x[t : t + 1], state)
         outs.append(o)
     torch.testing.assert_close(torch.cat(outs), whole)
+
+
+@pytest.mark.parametrize("dims", [(8, 12), (64, 64), (7, 40), (32, 96)])
+def test_native_prefill_run_matches_reference_in_place(dims):
+    """`writeback_run` on a state table: requests of random lengths (tokens packed), some
+    fresh (zeroed first), others from their cached state; other slots untouched. (7, 40):
+    odd key width and value width not a multiple of 32 take the kernel's plain loops."""
+    from oxserve.kernels import kda_decode
+
+    dk, dv = dims
+    rng = random.Random(torch.seed())
+    requests = rng.randint(1, 5)
+    lengths = _split(rng.randint(requests, 90), requests, rng) if requests > 1 else [rng.randint(1, 90)]
+    q, k, v, g, beta, _ = _inputs(sum(lengths), heads=3, dk=dk, dv=dv, decay_scale=5.0)
+    table = torch.randn(requests + 3, 3, dk, dv) * 0.3
+    before = table.clone()
+    slots = torch.randperm(requests + 3)[:requests]
+    fresh = torch.tensor([rng.random() < 0.5 for _ in range(requests)])
+    initial = torch.where(fresh.view(-1, 1, 1, 1), 0.0, table[slots])
+    assert kda_decode.writeback_run_fits(table)
+    out = kda_decode.writeback_run(table, slots, fresh, lengths, q, k, v, g, beta)
+    ref_out, ref_states = _reference_packed(q, k, v, g, beta, initial, lengths)
+    torch.testing.assert_close(out, ref_out, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(table[slots], ref_states, atol=2e-5, rtol=1e-4)
+    others = [s for s in range(requests + 3) if s not in slots.tolist()]
+    assert torch.equal(table[others], before[others])

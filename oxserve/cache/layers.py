@@ -25,6 +25,7 @@ import torch
 
 from oxserve.cache.replay import RingCounts
 from oxserve.kernels import kda_decode
+from oxserve.kernels.kda import ChunkLayout, kda_chunked
 
 FP8 = torch.float8_e4m3fn
 QMAX = {torch.int8: 127.0, FP8: 448.0}  # the largest magnitude each stores
@@ -178,6 +179,20 @@ class KDACache:
         index = torch.tensor(kept, device=windows.device)
         scatter_rows(self.conv, slots, windows[torch.arange(len(kept), device=windows.device), index])
         self.staged_conv = None
+
+    def prefill(self, slots: torch.Tensor, has_initial_state: torch.Tensor, lens: list[int], chunks: ChunkLayout,
+                q, k, v, g, beta) -> torch.Tensor:
+        """Prompt chunks (lens[b] tokens of request b, packed) from each request's full state, or
+        zeros where it has no context yet; the table keeps the states they end in. On CPU a
+        token at a time on the table in place (`kda_decode.writeback_run`: the state stays in
+        cache); elsewhere, or for a bf16 table, chunk-parallel on gathered copies."""
+        if kda_decode.writeback_run_fits(self.recurrent):
+            return kda_decode.writeback_run(self.recurrent, slots, ~has_initial_state, lens, q, k, v, g, beta)
+        states = self.recurrent_states(slots)
+        initial = torch.where(has_initial_state.view(-1, 1, 1, 1), states, 0.0)
+        out, final = kda_chunked(q, k, v, g, beta, initial, chunks)
+        self.store_recurrent_states(slots, final)
+        return out
 
     def settle(self, slots: torch.Tensor, rings: RingCounts | None) -> None:
         """Fold ring entries still pending into the checkpoints of `slots`, so that the

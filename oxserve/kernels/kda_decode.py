@@ -49,6 +49,7 @@ def _kernel() -> ctypes.CDLL | None:
     lib.kda_replay_step.argtypes = [p] * 11 + [i64, i32, i32, i32, i32, i32, p, i32]
     lib.kda_replay_fold.argtypes = [p] * 6 + [i64, i32, i32, i32, i32, i32, i32]
     lib.kda_replay_run.argtypes = [p] * 13 + [i64, i32, i32, i32, i32, i32, p, i32]
+    lib.kda_writeback_run.argtypes = [p] * 10 + [i64, i32, i32, i32, p, i32]
     return lib
 
 
@@ -96,6 +97,32 @@ def writeback_step(states: torch.Tensor, slots: torch.Tensor, q, k, v, g, beta) 
 def writeback_step_torch(states, slots, q, k, v, g, beta) -> torch.Tensor:
     out, new = kda_recurrent_step(q, k, v, g, beta, states.index_select(0, slots).float())
     states.index_copy_(0, slots, new.to(states.dtype))
+    return out
+
+
+def writeback_run_fits(states: torch.Tensor) -> bool:
+    """Whether `writeback_run` can run on this state table (in place: CPU, fp32)."""
+    return _native(states, None) is not None
+
+
+def writeback_run(states: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor, lens: list[int], q, k, v, g, beta) -> torch.Tensor:
+    """Prompt chunks: lens[b] consecutive write-back steps per request (tokens packed request
+    after request, q, k, g [T, H, Dk], v [T, H, Dv], beta [T, H]) on the table's states at
+    `slots`, each zeroed first where `fresh` [R] (bool) says the request has no context.
+    Needs `writeback_run_fits(states)`. Returns o [T, H, Dv] (fp32)."""
+    q, k, v, g, beta = _inputs(q, k, v, g, beta)
+    lib = _native(states, None, q, k, v, g, beta)
+    if lib is None:
+        raise ValueError("writeback_run: needs the native kernel and contiguous fp32 CPU tensors")
+    starts = [0]
+    for n in lens[:-1]:
+        starts.append(starts[-1] + n)
+    host = [torch.tensor(x, dtype=torch.int64) for x in (starts, lens)]
+    out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
+    fresh = fresh.to(device="cpu", dtype=torch.uint8).contiguous()
+    decay = g.exp()  # held here: the kernel gets its address only
+    lib.kda_writeback_run(*_ptrs(q, k, v, decay, beta, states, slots.contiguous(), *host, fresh), len(lens), q.shape[1],
+                          q.shape[2], v.shape[-1], native.pointer(out), torch.get_num_threads())
     return out
 
 

@@ -9,7 +9,7 @@ from oxserve.cache.layers import KDACache
 from oxserve.cache.precision import LayerCachePrecision
 from oxserve.cache.spec import KDACacheSpec, ReplayRingSpec, StateTensor
 from oxserve.kernels import kda_io
-from oxserve.kernels.kda import causal_conv, conv_windows, kda_chunked
+from oxserve.kernels.kda import causal_conv, conv_windows
 from oxserve.kernels.kda_decode import replay_exact
 from oxserve.model.activations import activation
 from oxserve.model.batch import ForwardBatch
@@ -108,7 +108,7 @@ class KDAttention(nn.Module):
     def _delta_rule(self, q, k, v, g, beta, batch: ForwardBatch, cache: KDACache) -> torch.Tensor:
         """Decodes take one recurrent step each, on the cached states in place; verifies a
         run of such steps (ReplaySSM: rejected ones are undone by the ring count); prefill
-        chunks run chunk-parallel, all at once, from their full states."""
+        chunks run from their full states (`KDACache.prefill`)."""
         nd, nv = batch.num_decodes, batch.num_verifies
         parts = []
         if nd:
@@ -122,10 +122,8 @@ class KDAttention(nn.Module):
         if nd + nv < batch.num_requests:
             slots = batch.state_slots[nd + nv :]
             cache.settle(slots, batch.rings)
-            initial = _initial(cache.recurrent_states(slots), batch.has_initial_state[nd + nv :])
-            out, states = kda_chunked(q[t:], k[t:], v[t:], g[t:], beta[t:], initial, batch.chunks)
-            cache.store_recurrent_states(slots, states)
-            parts.append(out)
+            parts.append(cache.prefill(slots, batch.has_initial_state[nd + nv :], batch.query_lens[nd + nv :], batch.chunks,
+                                       q[t:], k[t:], v[t:], g[t:], beta[t:]))
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 

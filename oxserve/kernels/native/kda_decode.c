@@ -100,6 +100,24 @@ static void dot2(const float *restrict a, const float *restrict b, const float *
 
 int kda_decode_max_dim(void) { return MAX_D; }
 
+/* x = q * a, y = k * a for one token of one head, a its decay. */
+static void decay_inputs(const float *qh, const float *kh, const float *a, int dk, float *x, float *y) {
+    for (int d = 0; d < dk; d++) {
+        x[d] = qh[d] * a[d];
+        y[d] = kh[d] * a[d];
+    }
+}
+
+/* The update d = beta (v - r) and o = p + (q . k) d, from p = (q*a)^T S and r = (k*a)^T S. */
+static void delta_and_output(const float *qh, const float *kh, const float *vh, float beta, const float *p,
+                             const float *r, int dk, int dv, float *restrict delta, float *restrict o) {
+    const float qk = dot(qh, kh, dk);
+    for (int e = 0; e < dv; e++) {
+        delta[e] = beta * (vh[e] - r[e]);
+        o[e] = p[e] + qk * delta[e];
+    }
+}
+
 int kda_writeback_step(const float *q, const float *k, const float *v, const float *g, const float *beta,
                        float *states, const int64_t *slots, int64_t batch, int heads, int dk, int dv, float *out,
                        int threads) {
@@ -109,23 +127,93 @@ int kda_writeback_step(const float *q, const float *k, const float *v, const flo
         const int64_t b = bh / heads;
         const int h = (int)(bh % heads);
         float *S = states + (slots[b] * heads + h) * (int64_t)dk * dv;
-        const float *qh = q + bh * dk, *kh = k + bh * dk, *gh = g + bh * dk, *vh = v + bh * dv;
+        const float *kh = k + bh * dk;
         float a[MAX_D], x[MAX_D], y[MAX_D], p[MAX_D], r[MAX_D], delta[MAX_D];
-        for (int d = 0; d < dk; d++) {
-            a[d] = expf(gh[d]);
-            x[d] = qh[d] * a[d];
-            y[d] = kh[d] * a[d];
-        }
+        for (int d = 0; d < dk; d++) a[d] = expf(g[bh * dk + d]);
+        decay_inputs(q + bh * dk, kh, a, dk, x, y);
         two_products(S, x, y, dk, dv, p, r);
-        const float qk = dot(qh, kh, dk);
-        float *o = out + bh * dv;
-        for (int e = 0; e < dv; e++) {
-            delta[e] = beta[bh] * (vh[e] - r[e]);
-            o[e] = p[e] + qk * delta[e];
-        }
+        delta_and_output(q + bh * dk, kh, v + bh * dv, beta[bh], p, r, dk, dv, delta, out + bh * dv);
         for (int d = 0; d < dk; d++) {
             float *restrict row = S + (int64_t)d * dv;
             for (int e = 0; e < dv; e++) row[e] = a[d] * row[e] + kh[d] * delta[e];
+        }
+    }
+    return 0;
+}
+
+/* 16 floats as one value (GCC/Clang vector extension: AVX-512 registers where the CPU has
+ * them, else pairs of narrower ones); `vf_u` loads and stores them at any 4-byte alignment. */
+typedef float vf __attribute__((vector_size(64)));
+typedef float vf_u __attribute__((vector_size(64), aligned(4)));
+#define VL 16
+
+/* S <- diag(a) S + k delta^T, and p = x^T S, r = y^T S of the new S, in one pass over S. The
+ * sums of 32 columns stay in registers through all dk rows (two sets, even and odd rows, so
+ * that consecutive multiply-adds do not wait on each other); dv % 32 columns take a plain loop. */
+static void update_and_products(float *restrict S, const float *a, const float *k, const float *delta, const float *x,
+                                const float *y, int dk, int dv, float *restrict p, float *restrict r) {
+    int e0 = 0;
+    for (; e0 + 2 * VL <= dv && dk % 2 == 0; e0 += 2 * VL) {
+        const vf d0 = *(const vf_u *)(delta + e0), d1 = *(const vf_u *)(delta + e0 + VL);
+        vf p0 = {0}, p1 = {0}, p2 = {0}, p3 = {0}, r0 = {0}, r1 = {0}, r2 = {0}, r3 = {0};
+        for (int d = 0; d < dk; d += 2) {
+            vf_u *row = (vf_u *)(S + (int64_t)d * dv + e0), *next = (vf_u *)(S + (int64_t)(d + 1) * dv + e0);
+            const vf s0 = a[d] * row[0] + k[d] * d0, s1 = a[d] * row[1] + k[d] * d1;
+            const vf s2 = a[d + 1] * next[0] + k[d + 1] * d0, s3 = a[d + 1] * next[1] + k[d + 1] * d1;
+            row[0] = s0, row[1] = s1, next[0] = s2, next[1] = s3;
+            p0 += x[d] * s0, p1 += x[d] * s1, p2 += x[d + 1] * s2, p3 += x[d + 1] * s3;
+            r0 += y[d] * s0, r1 += y[d] * s1, r2 += y[d + 1] * s2, r3 += y[d + 1] * s3;
+        }
+        *(vf_u *)(p + e0) = p0 + p2, *(vf_u *)(p + e0 + VL) = p1 + p3;
+        *(vf_u *)(r + e0) = r0 + r2, *(vf_u *)(r + e0 + VL) = r1 + r3;
+    }
+    if (e0 == dv) return;
+    for (int e = e0; e < dv; e++) p[e] = r[e] = 0.0f;
+    for (int d = 0; d < dk; d++) {
+        float *restrict row = S + (int64_t)d * dv;
+        for (int e = e0; e < dv; e++) {
+            const float s = a[d] * row[e] + k[d] * delta[e];
+            row[e] = s;
+            p[e] += x[d] * s;
+            r[e] += y[d] * s;
+        }
+    }
+}
+
+/* Prefill: for each request b, lens[b] consecutive write-back steps on tokens starts[b] ..
+ * (packed as for kda_replay_run; `decay` = exp(g), taken whole from the caller's vectorised
+ * exp), on its state in the table, which is zeroed first where fresh[b] (a request with no
+ * context yet). One pass over S per token: the update for token t and the products that
+ * token t + 1 reads are made together. Tasks are (request, head). */
+int kda_writeback_run(const float *q, const float *k, const float *v, const float *decay, const float *beta,
+                      float *states, const int64_t *slots, const int64_t *starts, const int64_t *lens,
+                      const uint8_t *fresh, int64_t batch, int heads, int dk, int dv, float *out, int threads) {
+    if (dk > MAX_D || dv > MAX_D) return -1;
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+    for (int64_t bh = 0; bh < batch * heads; bh++) {
+        const int64_t b = bh / heads, n = lens[b];
+        const int h = (int)(bh % heads);
+        float *S = states + (slots[b] * heads + h) * (int64_t)dk * dv;
+        if (fresh[b])
+            for (int64_t i = 0; i < (int64_t)dk * dv; i++) S[i] = 0.0f;
+        if (n == 0) continue;
+        float x[MAX_D], y[MAX_D], p[MAX_D], r[MAX_D], delta[MAX_D];
+        int64_t th = starts[b] * heads + h; /* row of (token, head) */
+        decay_inputs(q + th * dk, k + th * dk, decay + th * dk, dk, x, y);
+        two_products(S, x, y, dk, dv, p, r);
+        for (int64_t t = 0; t < n; t++, th += heads) {
+            const float *kh = k + th * dk, *a = decay + th * dk;
+            delta_and_output(q + th * dk, kh, v + th * dv, beta[th], p, r, dk, dv, delta, out + th * dv);
+            if (t + 1 == n) {
+                for (int d = 0; d < dk; d++) {
+                    float *restrict row = S + (int64_t)d * dv;
+                    for (int e = 0; e < dv; e++) row[e] = a[d] * row[e] + kh[d] * delta[e];
+                }
+                break;
+            }
+            const int64_t next = th + heads;
+            decay_inputs(q + next * dk, k + next * dk, decay + next * dk, dk, x, y);
+            update_and_products(S, a, kh, delta, x, y, dk, dv, p, r);
         }
     }
     return 0;
@@ -165,12 +253,7 @@ static void replay_token(const Ring *ring, float *S, int64_t slot, int h, int n,
             p[e] += s * dj[e];
         }
     }
-    const float qk = dot(qh, kh, dk);
-    float *delta = entry(ring, ring->deltas, slot, n, h, dv);
-    for (int e = 0; e < dv; e++) {
-        delta[e] = beta * (vh[e] - r[e]);
-        o[e] = p[e] + qk * delta[e];
-    }
+    delta_and_output(qh, kh, vh, beta, p, r, dk, dv, entry(ring, ring->deltas, slot, n, h, dv), o);
     for (int d = 0; d < dk; d++) key[d] = ring->exact ? kh[d] : kh[d] / A[d];  // A >= e^-80 here: a normal fp32
 }
 

@@ -16,6 +16,7 @@ from oxserve.kernels.kda_decode import (
     replay_step_torch,
     replay_verify,
     replay_verify_torch,
+    writeback_run,
     writeback_step,
 )
 from oxserve.model.activations import activation
@@ -235,7 +236,18 @@ def _verify_cases(cfg, shapes, dtype, device):
 register_op(Op("kda.replay_verify", _verify_cases, reference_replay_verify, close(TOLERANCE[FP32]),
                {"native": verify_candidate, "torch": lambda cfg, i: verify_candidate(cfg, i, _verify_torch)}))
 # The chunked form reorders a long fp32 recurrence: allow more rounding than a single step.
-register_op(Op("kda.chunked", _chunked_cases, reference_chunked, close(1e-3), {"torch": chunked_candidate}))
+def native_run_candidate(cfg, i):
+    """The engine's CPU prefill: the tokens one at a time on the state in place (a table of one)."""
+    tokens, slots, fresh = i["q"].shape[0], torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.bool)
+
+    def run(out):
+        out[1].copy_(i["state"])
+        out[0].copy_(writeback_run(out[1][None], slots, fresh, [tokens], i["q"], i["k"], i["v"], i["g"], i["beta"]))
+    return run
+
+
+register_op(Op("kda.chunked", _chunked_cases, reference_chunked, close(1e-3),
+               {"torch": chunked_candidate, "native": native_run_candidate}))
 
 
 # ---- causal conv ---------------------------------------------------------------------------
