@@ -1,27 +1,28 @@
-"""The native KDA decode inputs (conv + gates) and gated norm against their torch forms."""
+"""The native KDA conv inputs (conv + gates) and gated norm against their torch forms."""
 
 import pytest
 import torch
 
 from oxserve.kernels import kda_io
+from oxserve.model.batch import token_runs
 from oxserve.model.activations import activation
 
 SILU = activation("silu")
 
 
-def _decode_case(gen, batch, heads, dim, width, dtype, state_dtype, lower_bound):
-    channels, slots_total = 3 * heads * dim, batch + 5
+def _decode_case(gen, batch, heads, dim, width, dtype, state_dtype, lower_bound, tokens=None):
+    channels, slots_total, tokens = 3 * heads * dim, batch + 5, tokens or batch
     return {
-        "mixed": torch.randn(batch, channels, generator=gen).to(dtype),
+        "mixed": torch.randn(tokens, channels, generator=gen).to(dtype),
         # the table holds conv inputs, values of the model dtype, whatever it stores them in
         "table": torch.randn(slots_total, width - 1, channels, generator=gen).to(dtype).to(state_dtype),
         "slots": torch.randperm(slots_total, generator=gen)[:batch],
         "weight": torch.randn(channels, width, generator=gen) * width**-0.5,
-        "f": (torch.randn(batch, heads * dim, generator=gen) * 3).to(dtype),
+        "f": (torch.randn(tokens, heads * dim, generator=gen) * 3).to(dtype),
         "dt_bias": torch.randn(heads * dim, generator=gen),
         "a_log": torch.randn(heads, generator=gen) * 0.5,
         "lower_bound": lower_bound,
-        "beta_logits": (torch.randn(batch, heads, generator=gen) * 2).to(dtype),
+        "beta_logits": (torch.randn(tokens, heads, generator=gen) * 2).to(dtype),
         "dim": dim,
     }
 
@@ -30,19 +31,26 @@ def _decode_case(gen, batch, heads, dim, width, dtype, state_dtype, lower_bound)
                                                (torch.float32, torch.float32), (torch.float32, torch.bfloat16)])
 @pytest.mark.parametrize("lower_bound", [None, -5.0])
 @pytest.mark.parametrize("batch,heads,dim,width", [(1, 1, 8, 4), (7, 3, 16, 4), (33, 2, 64, 2), (4, 2, 32, 1)])
-def test_decode_inputs_match_the_general_path(dtype, state_dtype, lower_bound, batch, heads, dim, width):
-    gen = torch.Generator().manual_seed(batch * 100 + dim + width)
-    case = _decode_case(gen, batch, heads, dim, width, dtype, state_dtype, lower_bound)
-    assert kda_io.decode_inputs_fit(case["mixed"], case["f"], case["beta_logits"], case["table"], "silu", dim)
+@pytest.mark.parametrize("prompts", [False, True])
+def test_conv_inputs_match_the_general_path(dtype, state_dtype, lower_bound, batch, heads, dim, width, prompts):
+    """Decodes (one token each, all with context), or prompt chunks of random lengths, some
+    requests without context (their stale table rows must read as zeros)."""
+    gen = torch.Generator().manual_seed(batch * 100 + dim + width + prompts)
+    lens = torch.randint(1, 40, (batch,), generator=gen).tolist() if prompts else [1] * batch
+    case = _decode_case(gen, batch, heads, dim, width, dtype, state_dtype, lower_bound, tokens=sum(lens))
+    has_context = torch.rand(batch, generator=gen) < 0.5 if prompts else torch.ones(batch, dtype=torch.bool)
+    assert kda_io.conv_inputs_fit(case["mixed"], case["f"], case["beta_logits"], case["table"], "silu", dim)
     table_native, table_torch = case["table"].clone(), case["table"].clone()
     args = (case["f"], case["dt_bias"], case["a_log"], lower_bound, case["beta_logits"], dim)
-    got = kda_io.decode_inputs(case["mixed"], table_native, case["slots"], kda_io.conv_taps(case["weight"]), *args)
-    want = kda_io.decode_inputs_torch(case["mixed"], table_torch, case["slots"], case["weight"], SILU, *args)
+    got = kda_io.conv_inputs(case["mixed"], table_native, case["slots"], has_context, token_runs(lens),
+                             kda_io.conv_taps(case["weight"]), *args)
+    want = kda_io.conv_inputs_torch(case["mixed"], table_torch, case["slots"], has_context, lens, case["weight"], SILU,
+                                    *args)
     # v is the conv output rounded to the model dtype: one bf16 step where fp32 sums land
     # on either side of a rounding boundary.
     tol = 8e-3 if dtype == torch.bfloat16 else 2e-5
     for name, g, w in zip("qkvg", got[:4], want[:4]):
-        assert g.shape == w.shape == (batch, heads, dim) and g.dtype == torch.float32, name
+        assert g.shape == w.shape == (sum(lens), heads, dim) and g.dtype == torch.float32, name
         torch.testing.assert_close(g, w, rtol=tol, atol=tol, msg=name)
     torch.testing.assert_close(got[4], want[4], rtol=tol, atol=tol)
     assert torch.equal(table_native, table_torch)  # the shifted windows are copies: exact
@@ -51,15 +59,15 @@ def test_decode_inputs_match_the_general_path(dtype, state_dtype, lower_bound, b
     assert torch.equal(table_native[untouched], case["table"][untouched])
 
 
-def test_decode_inputs_decline_what_the_kernel_does_not_compute():
+def test_conv_inputs_decline_what_the_kernel_does_not_compute():
     mixed, f, beta = torch.zeros(2, 48), torch.zeros(2, 16), torch.zeros(2, 2)
     table = torch.zeros(4, 3, 48)
-    assert kda_io.decode_inputs_fit(mixed, f, beta, table, "silu", 8)
-    assert not kda_io.decode_inputs_fit(mixed, f, beta, table, "gelu", 8)  # another conv activation
-    assert not kda_io.decode_inputs_fit(mixed.half(), f.half(), beta.half(), table, "silu", 8)
-    assert not kda_io.decode_inputs_fit(mixed, f.bfloat16(), beta, table, "silu", 8)  # mixed dtypes
-    assert not kda_io.decode_inputs_fit(mixed, f, beta, table[:, ::2], "silu", 8)  # strided table
-    assert not kda_io.decode_inputs_fit(mixed, f, beta, table, "silu", kda_io.NATIVE_MAX_DIM + 1)
+    assert kda_io.conv_inputs_fit(mixed, f, beta, table, "silu", 8)
+    assert not kda_io.conv_inputs_fit(mixed, f, beta, table, "gelu", 8)  # another conv activation
+    assert not kda_io.conv_inputs_fit(mixed.half(), f.half(), beta.half(), table, "silu", 8)
+    assert not kda_io.conv_inputs_fit(mixed, f.bfloat16(), beta, table, "silu", 8)  # mixed dtypes
+    assert not kda_io.conv_inputs_fit(mixed, f, beta, table[:, ::2], "silu", 8)  # strided table
+    assert not kda_io.conv_inputs_fit(mixed, f, beta, table, "silu", kda_io.NATIVE_MAX_DIM + 1)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

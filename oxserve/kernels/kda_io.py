@@ -6,11 +6,10 @@
     core [T, H, D] --rmsnorm * w * sigmoid(gate)--> [T, HD] in the model dtype
 
 `kda_gates` and `gated_norm_torch` are the torch forms (any batch, any device);
-`decode_inputs_torch` is the general path's conv and gates for a batch of decodes. For a batch
-of decodes on CPU, `decode_inputs` runs the conv (its state updated in place in the cache
-table) and the gates in one native call, and `gated_norm` the norm in another
-(`native/kda_io.c`): about 40 eager ops a layer fewer. The torch forms are what they are
-tested against.
+`conv_inputs_torch` is the general path's conv and gates. On CPU, `conv_inputs` runs the conv
+of any mix of decodes and prompt chunks (the states updated in place in the cache table) and
+the gates in one native call, and `gated_norm` the norm in another (`native/kda_io.c`): about
+40 eager ops a layer fewer. The torch forms are what they are tested against.
 """
 
 from __future__ import annotations
@@ -28,6 +27,7 @@ BUILD_FLAGS = native.NATIVE_ISA + native.OPENMP + ("-O3",)
 NATIVE_ACTIVATIONS = ("silu", "swish")  # the conv activation the kernel computes
 NATIVE_DTYPES = (torch.bfloat16, torch.float32)
 NATIVE_MAX_DIM = 1024  # MAX_DIM in kda_io.c
+NATIVE_MAX_WIDTH = 8  # MAX_WIDTH in kda_io.c
 
 
 def forget_decay(f: torch.Tensor, dt_bias: torch.Tensor, a_log: torch.Tensor, lower_bound: float | None,
@@ -68,51 +68,53 @@ def gated_norm(core: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps
     return out
 
 
-def decode_inputs_fit(mixed: torch.Tensor, f: torch.Tensor, beta_logits: torch.Tensor, conv_table: torch.Tensor,
-                      activation_name: str, dim: int) -> bool:
-    """Whether `decode_inputs` can run the conv and gates of these decodes natively."""
+def conv_inputs_fit(mixed: torch.Tensor, f: torch.Tensor, beta_logits: torch.Tensor, conv_table: torch.Tensor,
+                    activation_name: str, dim: int) -> bool:
+    """Whether `conv_inputs` can run the conv and gates of these tokens natively."""
     return (activation_name in NATIVE_ACTIVATIONS and dim <= NATIVE_MAX_DIM and isinstance(conv_table, torch.Tensor)
             and conv_table.dtype in NATIVE_DTYPES and conv_table.is_contiguous() and conv_table.device.type == "cpu"
-            and f.dtype == beta_logits.dtype == mixed.dtype and _on_cpu_in(mixed.dtype, mixed, f, beta_logits)
-            and _kernel() is not None)
+            and conv_table.shape[1] < NATIVE_MAX_WIDTH and f.dtype == beta_logits.dtype == mixed.dtype
+            and _on_cpu_in(mixed.dtype, mixed, f, beta_logits) and _kernel() is not None)
 
 
-def decode_inputs(mixed: torch.Tensor, conv_table: torch.Tensor, slots: torch.Tensor, conv_taps: torch.Tensor,
-                  f: torch.Tensor, dt_bias: torch.Tensor, a_log: torch.Tensor, lower_bound: float | None,
-                  beta_logits: torch.Tensor, dim: int) -> tuple[torch.Tensor, ...]:
-    """One token per request (where `decode_inputs_fit`): mixed [B, 3HD] (the qkv projection),
-    conv_table [slots, K-1, 3HD] updated in place at `slots` [B]; conv_taps [K, 3HD] fp32, the
-    conv weight tap-major (`conv_taps(conv_weight)`, made once at load); f [B, HD], beta_logits
-    [B, H] in mixed's dtype. Returns q, k, v, g [B, H, D] and beta [B, H], fp32, as the conv then
-    `kda_gates` give them. (A decode step calls this once per KDA layer, so the Python around
-    the C call is kept to plain pointers.)"""
-    batch, heads = mixed.shape[0], beta_logits.shape[-1]
-    q, k, v, g = torch.empty(batch, heads, dim), torch.empty(batch, heads, dim), torch.empty(batch, heads, dim), \
-        torch.empty(batch, heads, dim)
-    beta = torch.empty(batch, heads)
+def conv_inputs(mixed: torch.Tensor, conv_table: torch.Tensor, slots: torch.Tensor, has_context: torch.Tensor,
+                runs: torch.Tensor, conv_taps: torch.Tensor, f: torch.Tensor, dt_bias: torch.Tensor, a_log: torch.Tensor,
+                lower_bound: float | None, beta_logits: torch.Tensor, dim: int) -> tuple[torch.Tensor, ...]:
+    """Decodes and prompt chunks (where `conv_inputs_fit`): mixed [T, 3HD] (the qkv projection),
+    request b's tokens rows runs[b] = (first, count) (`model.batch.token_runs`); conv_table [slots,
+    K-1, 3HD] updated in place at `slots` [R], a request's state read as zeros unless
+    `has_context` [R] (bool); conv_taps [K, 3HD] fp32, the conv weight tap-major (`conv_taps`,
+    made once at load); f [T, HD], beta_logits [T, H] in mixed's dtype. Returns q, k, v, g [T,
+    H, D] and beta [T, H], fp32, as `conv_inputs_torch` gives them. (A decode step calls this
+    once per KDA layer, so the Python around the C call is kept to plain pointers.)"""
+    tokens, heads = mixed.shape[0], beta_logits.shape[-1]
+    q, k, v, g = (torch.empty(tokens, heads, dim) for _ in range(4))
+    beta = torch.empty(tokens, heads)
     mixed, f, beta_logits, slots = (t if t.is_contiguous() else t.contiguous() for t in (mixed, f, beta_logits, slots))
     dt_bias, a_log = (t if t.dtype == torch.float32 and t.is_contiguous() else t.float().contiguous() for t in (dt_bias, a_log))
-    _kernel().kda_decode_inputs(
-        mixed.data_ptr(), conv_table.data_ptr(), slots.data_ptr(), conv_taps.data_ptr(), f.data_ptr(), dt_bias.data_ptr(),
-        a_log.data_ptr(), beta_logits.data_ptr(), batch, heads, dim, conv_taps.shape[0], dim**-0.5,
-        lower_bound is not None, lower_bound or 0.0, mixed.dtype == torch.bfloat16, conv_table.dtype == torch.bfloat16,
-        q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr(), torch.get_num_threads())
+    _kernel().kda_conv_inputs(
+        mixed.data_ptr(), conv_table.data_ptr(), slots.data_ptr(), has_context.data_ptr(), runs.data_ptr(),
+        conv_taps.data_ptr(), f.data_ptr(), dt_bias.data_ptr(), a_log.data_ptr(), beta_logits.data_ptr(), slots.shape[0],
+        heads, dim, conv_taps.shape[0], dim**-0.5, lower_bound is not None, lower_bound or 0.0,
+        mixed.dtype == torch.bfloat16, conv_table.dtype == torch.bfloat16, q.data_ptr(), k.data_ptr(), v.data_ptr(),
+        g.data_ptr(), beta.data_ptr(), torch.get_num_threads())
     return q, k, v, g, beta
 
 
 def conv_taps(conv_weight: torch.Tensor) -> torch.Tensor:
-    """[C, K] -> [K, C] fp32: each tap a contiguous run of channels, as `decode_inputs` reads it."""
+    """[C, K] -> [K, C] fp32: each tap a contiguous run of channels, as `conv_inputs` reads it."""
     return conv_weight.float().t().contiguous()
 
 
-def decode_inputs_torch(mixed: torch.Tensor, conv_table: torch.Tensor, slots: torch.Tensor,
-                        conv_weight: torch.Tensor, activation, f: torch.Tensor, dt_bias: torch.Tensor,
-                        a_log: torch.Tensor, lower_bound: float | None, beta_logits: torch.Tensor,
-                        dim: int) -> tuple[torch.Tensor, ...]:
-    """`decode_inputs` as the general path computes it: gather the conv states, the packed conv,
-    scatter the states back, `kda_gates`."""
-    layout = conv_layout([1] * mixed.shape[0], conv_weight.shape[1], mixed.device)
+def conv_inputs_torch(mixed: torch.Tensor, conv_table: torch.Tensor, slots: torch.Tensor, has_context: torch.Tensor,
+                      query_lens: list[int], conv_weight: torch.Tensor, activation, f: torch.Tensor,
+                      dt_bias: torch.Tensor, a_log: torch.Tensor, lower_bound: float | None, beta_logits: torch.Tensor,
+                      dim: int) -> tuple[torch.Tensor, ...]:
+    """`conv_inputs` as the general path computes it: gather the conv states (zeros without
+    context), the packed conv, scatter the states back, `kda_gates`."""
+    layout = conv_layout(query_lens, conv_weight.shape[1], mixed.device)
     states = conv_table.index_select(0, slots).to(mixed.dtype)
+    states = torch.where(has_context.view(-1, 1, 1), states, 0.0)
     conv_out, states = causal_conv(mixed, states, conv_weight, layout, activation)
     conv_table.index_copy_(0, slots, states.to(conv_table.dtype))
     return kda_gates(conv_out, f, dt_bias, a_log, lower_bound, beta_logits, dim)
@@ -133,6 +135,6 @@ def _kernel() -> ctypes.CDLL | None:
     if lib is None:
         return None
     p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-    lib.kda_decode_inputs.argtypes = [p] * 8 + [i64, i32, i32, i32, f32, i32, f32, i32, i32] + [p] * 5 + [i32]
+    lib.kda_conv_inputs.argtypes = [p] * 10 + [i64, i32, i32, i32, f32, i32, f32, i32, i32] + [p] * 5 + [i32]
     lib.kda_gated_norm.argtypes = [p] * 3 + [i64, i32, i32, f32, i32, p, i32]
     return lib

@@ -100,6 +100,7 @@ class ForwardBatch:
     # batch order, then each request's scored_positions in batch order.
     logits_indices: torch.Tensor
     conv: ConvLayout | None = None  # KDA conv over all requests
+    query_runs: torch.Tensor | None = None  # [R, 2] long on the host: each request's (first token row, count)
     chunks: ChunkLayout | None = None  # KDA chunked delta rule over the prefill requests
     pools: PoolCompletions | None = None  # indexer pools completed this step
     rings: RingCounts | None = None  # KDA ReplaySSM ring counts (None: states are written back)
@@ -137,6 +138,15 @@ class ForwardBatch:
         safe = pools.clamp(min=0)
         blocks = self.block_tables[request, safe // pools_per_block]
         return blocks * pools_per_block + safe % pools_per_block
+
+
+def token_runs(query_lens: list[int]) -> torch.Tensor:
+    """[R, 2] int64 on the host: each request's first token row and token count, tokens packed in order."""
+    runs, start = [], 0
+    for n in query_lens:
+        runs.append((start, n))
+        start += n
+    return torch.tensor(runs, dtype=torch.int64).view(len(query_lens), 2)
 
 
 def make_forward_batch(
@@ -208,6 +218,7 @@ def make_forward_batch(
         size, exact = chunk_plan(cfg.linear_lower_bound)
         batch.conv = conv_layout(query_lens, cfg.linear_conv_kernel_dim, device, windows_from=num_decodes,
                                  num_windowed=num_verifies)
+        batch.query_runs = token_runs(query_lens)
         batch.chunks = chunk_layout(query_lens[num_decodes + num_verifies :], size, exact, device)
     if rings is not None:
         has_context = [req.num_computed_tokens > 0 for req in requests]

@@ -84,11 +84,12 @@ class KDAttention(nn.Module):
         with span(tracer, f"{self.name}.gates"):
             f, beta_logits = self.forget_gate(x), self.b_proj(x)
         gate_params = (self.forget_gate.dt_bias, self.forget_gate.A_log, self.lower_bound)
-        if batch.num_decodes == batch.num_requests and self.conv_taps is not None and kda_io.decode_inputs_fit(
+        if not batch.num_verifies and self.conv_taps is not None and kda_io.conv_inputs_fit(
                 mixed, f, beta_logits, cache.conv, self.conv_act_name, self.head_dim):
             with span(tracer, f"{self.name}.conv"):  # the conv and the gates' pointwise math, in one call
-                q, k, v, g, beta = kda_io.decode_inputs(mixed, cache.conv, batch.state_slots, self.conv_taps, f,
-                                                        *gate_params, beta_logits, self.head_dim)
+                q, k, v, g, beta = kda_io.conv_inputs(mixed, cache.conv, batch.state_slots, batch.has_initial_state,
+                                                      batch.query_runs, self.conv_taps, f, *gate_params, beta_logits,
+                                                      self.head_dim)
         else:
             with span(tracer, f"{self.name}.conv"):
                 states = _initial(cache.conv_states(batch.state_slots).to(mixed.dtype), batch.has_initial_state)

@@ -20,6 +20,7 @@ from oxserve.kernels.kda_decode import (
     writeback_step,
 )
 from oxserve.model.activations import activation
+from oxserve.model.batch import token_runs
 from oxserve.profiling.opbench.checks import TOLERANCE, close, close_for, randn
 from oxserve.profiling.opbench.registry import Case, Op, register_op, returning
 
@@ -365,12 +366,15 @@ def decode_inputs_candidate(cfg, i, native: bool = True):
     def run(out):
         table = out[5]
         table.copy_(i["conv_table"])
-        if native and kda_io.decode_inputs_fit(i["mixed"], i["f"], i["beta_logits"], table, cfg.hidden_act,
-                                               cfg.linear_head_dim):
+        batch = i["mixed"].shape[0]
+        has_context = torch.ones(batch, dtype=torch.bool)
+        if native and kda_io.conv_inputs_fit(i["mixed"], i["f"], i["beta_logits"], table, cfg.hidden_act,
+                                             cfg.linear_head_dim):
             taps = kda_io.conv_taps(i["conv_weight"])  # the layer makes it once, at load; here it is timed too
-            result = kda_io.decode_inputs(i["mixed"], table, i["slots"], taps, *gate)
+            result = kda_io.conv_inputs(i["mixed"], table, i["slots"], has_context, token_runs([1] * batch), taps, *gate)
         else:
-            result = kda_io.decode_inputs_torch(i["mixed"], table, i["slots"], i["conv_weight"], act, *gate)
+            result = kda_io.conv_inputs_torch(i["mixed"], table, i["slots"], has_context, [1] * batch, i["conv_weight"],
+                                              act, *gate)
         for buffer, value in zip(out[:5], result, strict=True):
             buffer.copy_(value)
     return run
