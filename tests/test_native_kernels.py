@@ -72,7 +72,8 @@ def _close_in(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("tokens,n,d", [(0, 4, 64), (1, 4, 512), (7, 4, 33), (64, 1, 100), (5, 5, 80), (3, NATIVE_MAX_N, 20)])
+@pytest.mark.parametrize("tokens,n,d", [(0, 4, 64), (1, 4, 512), (7, 4, 33), (64, 1, 100), (5, 5, 80), (3, NATIVE_MAX_N, 20),
+                                        (301, 4, 64)])
 def test_hc_collapse_and_expand_native_match_torch(dtype, tokens, n, d):
     gen = torch.Generator().manual_seed(tokens * 100 + n * 10 + d)
     width = (2 + n) * n
@@ -94,6 +95,21 @@ def test_hc_collapse_and_expand_native_match_torch(dtype, tokens, n, d):
     torch.testing.assert_close(new.float(), expected.float(), **_close_in(dtype))
     if tokens and dtype == torch.bfloat16:  # the roundings are the torch version's: flips are rare
         assert (new != expected).float().mean() < 0.01
+
+
+def test_hc_collapse_native_gives_a_token_the_same_result_in_any_batch():
+    """Tokens are taken in blocks: a token's gates and block input must not depend on which
+    other tokens share its call (or a request's output would depend on the batch)."""
+    gen = torch.Generator().manual_seed(7)
+    n, d = 4, 96
+    streams = torch.randn(37, n, d, generator=gen).bfloat16()
+    fn = torch.randn((2 + n) * n, n * d, generator=gen) * (n * d) ** -0.5
+    base, scale = torch.randn((2 + n) * n, generator=gen), torch.rand(3, generator=gen) + 0.5
+    whole = hc_collapse_native(streams, fn, base, scale, 20, 1e-6, 1e-5)
+    for start, stop in ((0, 1), (3, 6), (5, 37), (11, 20)):
+        part = hc_collapse_native(streams[start:stop], fn, base, scale, 20, 1e-6, 1e-5)
+        for p, w in zip(part, whole, strict=True):
+            assert torch.equal(p, w[start:stop])
 
 
 @pytest.mark.parametrize("vocab", [1, 31, 32, 33, 1000])

@@ -5,9 +5,9 @@
     expand:   new streams = post (x) block_output + comb^T @ streams
 
 `hc_gates` runs the native C kernel on CPU (one call instead of ~120 tiny ops) and
-`hc_gates_torch` elsewhere. `hc_collapse` and `hc_expand` run the whole of each in one
-native call for decode-sized batches on CPU (bf16 or fp32), else their torch versions; the
-collapse includes the block's input RMSNorm when given one. The
+`hc_gates_torch` elsewhere. On CPU (bf16 or fp32) `hc_expand` runs whole in one native call,
+and `hc_collapse` too for decode-sized batches (larger ones take the torch version around the
+native gates); the collapse includes the block's input RMSNorm when given one. The
 torch versions are what the kernels are tested against.
 """
 
@@ -23,11 +23,11 @@ from oxserve.kernels import native
 from oxserve.kernels.norm import rms_norm
 
 NATIVE_MAX_N = 16  # MAX_N in hc_gates.c
-# Up to this many tokens a call takes the native collapse and expand (threaded). `oxserve bench
-# kernels --ops hc.collapse,hc.expand --batch 64,128,256 --context 512 --threads 2`, bf16:
-# collapse 93 / 163 / 286 / 619 us at 64 / 128 / 256 / 512 tokens against 157 / 237 / 366 / 540
-# for torch around the native gates; expand 48 / 131 / 197 / 520 against 113 / 172 / 274 / 498.
-NATIVE_MAX_TOKENS = 256
+# Past this many tokens the collapse's projection runs faster as torch's fp32 GEMM (oneDNN/MKL)
+# than in the native kernel's dot products: interleaved, 2 threads, N=4, D=256, bf16, torch
+# time / native time = 2.3, 1.35, 1.23, 0.88, 0.79 at 32, 64, 128, 256, 2048 tokens. The
+# native expand is the faster one at every size (3.0 at 32 tokens, 1.5-1.7 at 2048).
+NATIVE_COLLAPSE_MAX_TOKENS = 128
 BlockNorm = tuple[torch.Tensor, float]  # the RMSNorm after a collapse: (weight, eps)
 BUILD_FLAGS = native.NATIVE_ISA + native.OPENMP + ("-O3",)  # vector sums; no FMA contraction under -std=c11
 
@@ -60,7 +60,7 @@ def hc_gates_native(
     comb = mixed.new_empty(tokens, n, n)
     status = lib.hc_gates(native.pointer(mixed), native.pointer(base), native.pointer(scale), ctypes.c_int64(tokens),
                  ctypes.c_int(n), ctypes.c_int(iters), ctypes.c_float(eps),
-                 native.pointer(pre), native.pointer(post), native.pointer(comb))
+                 native.pointer(pre), native.pointer(post), native.pointer(comb), torch.get_num_threads())
     if status != 0:
         raise ValueError(f"hc_gates: hc_mult {n} is above the native kernel's limit")
     return pre, post, comb
@@ -87,7 +87,7 @@ def _kernel() -> ctypes.CDLL | None:
 
 def _native_fits(streams: torch.Tensor, n: int) -> bool:
     return (streams.device.type == "cpu" and streams.dtype in (torch.bfloat16, torch.float32) and n <= NATIVE_MAX_N
-            and streams.shape[0] <= NATIVE_MAX_TOKENS and _kernel() is not None)
+            and _kernel() is not None)
 
 
 # ---- collapse -----------------------------------------------------------------------------
@@ -140,7 +140,8 @@ def hc_collapse(
     streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int, eps: float,
     norm_eps: float, block_norm: BlockNorm | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    fits = _native_fits(streams, streams.shape[1]) and (block_norm is None or block_norm[0].dtype == streams.dtype)
+    fits = (_native_fits(streams, streams.shape[1]) and streams.shape[0] <= NATIVE_COLLAPSE_MAX_TOKENS
+            and (block_norm is None or block_norm[0].dtype == streams.dtype))
     kernel = hc_collapse_native if fits else hc_collapse_torch
     return kernel(streams, fn, base, scale, iters, eps, norm_eps, block_norm)
 

@@ -51,37 +51,47 @@ static void row_softmax(float m[][LANES], int n, float eps) {
     }
 }
 
-/* Returns 0, or -1 when n is above MAX_N (the caller then uses the torch version). */
-int hc_gates(const float *mixed, const float *base, const float *scale, int64_t tokens, int n,
-             int iters, float eps, float *pre, float *post, float *comb) {
-    if (n > MAX_N) return -1;
+/* The gates of tokens t0 .. t0 + lanes (lanes <= LANES), from their rows of mixed (`mixed`
+ * points at token t0's), into pre, post and comb at those tokens. */
+static void gates_block(const float *mixed, const float *base, const float *scale, int64_t t0, int lanes, int n,
+                        int iters, float eps, float *pre, float *post, float *comb) {
     const int width = (2 + n) * n, nn = n * n;
     float block[MAX_N * MAX_N][LANES];
-    for (int64_t t = 0; t < tokens; t++) {
-        const float *x = mixed + t * width;
+    for (int l = 0; l < lanes; l++) {
+        const float *x = mixed + l * width;
+        const int64_t t = t0 + l;
         for (int j = 0; j < n; j++) {
             pre[t * n + j] = sigmoidf(x[j] * scale[0] + base[j]) + eps;
             post[t * n + j] = 2.0f * sigmoidf(x[n + j] * scale[1] + base[n + j]);
         }
     }
-    for (int64_t t0 = 0; t0 < tokens; t0 += LANES) {
-        int lanes = tokens - t0 < LANES ? (int)(tokens - t0) : LANES;
-        for (int k = 0; k < nn; k++)
-            for (int l = 0; l < LANES; l++)  /* idle lanes repeat the block's first token */
-                block[k][l] = mixed[(t0 + (l < lanes ? l : 0)) * width + 2 * n + k] * scale[2] + base[2 * n + k];
-        row_softmax(block, n, eps);
+    for (int k = 0; k < nn; k++)
+        for (int l = 0; l < LANES; l++)  /* idle lanes repeat the block's first token */
+            block[k][l] = mixed[(l < lanes ? l : 0) * width + 2 * n + k] * scale[2] + base[2 * n + k];
+    row_softmax(block, n, eps);
+    normalise(block, n, 0, eps);
+    for (int it = 1; it < iters; it++) {
+        normalise(block, n, 1, eps);
         normalise(block, n, 0, eps);
-        for (int it = 1; it < iters; it++) {
-            normalise(block, n, 1, eps);
-            normalise(block, n, 0, eps);
-        }
-        for (int l = 0; l < lanes; l++)
-            for (int k = 0; k < nn; k++) comb[(t0 + l) * nn + k] = block[k][l];
     }
+    for (int l = 0; l < lanes; l++)
+        for (int k = 0; k < nn; k++) comb[(t0 + l) * nn + k] = block[k][l];
+}
+
+/* Returns 0, or -1 when n is above MAX_N (the caller then uses the torch version). Blocks of
+ * LANES tokens are shared among `threads` threads. */
+int hc_gates(const float *mixed, const float *base, const float *scale, int64_t tokens, int n,
+             int iters, float eps, float *pre, float *post, float *comb, int threads) {
+    if (n > MAX_N) return -1;
+    const int width = (2 + n) * n;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t t0 = 0; t0 < tokens; t0 += LANES)
+        gates_block(mixed + t0 * width, base, scale, t0, tokens - t0 < LANES ? (int)(tokens - t0) : LANES, n, iters,
+                    eps, pre, post, comb);
     return 0;
 }
 
-/* ---- the whole collapse and expand, for decode-sized batches -------------------------------
+/* ---- the whole collapse and expand --------------------------------------------------------
  *
  * Streams are [T, N, D] in bf16 (is_bf16) or fp32; the torch version is ~10 eager ops per
  * call (dtype copies, a norm, a skinny product, two batched products), each costing more
@@ -91,7 +101,7 @@ int hc_gates(const float *mixed, const float *base, const float *scale, int64_t 
 /* A row of `count` values (bf16 or fp32) into fp32, and back (rounded to bf16 when asked). */
 static inline float rounded(float v, int is_bf16) { return is_bf16 ? round_bf16(v) : v; }
 
-#define SUMS 32 /* independent partial sums, so the adds do not wait on each other (x4 in dot4_f32: in registers) */
+#define SUMS 32 /* independent partial sums, so the adds do not wait on each other (in registers in dot_rows2) */
 
 static float dot_f32(const float *a, const float *b, int64_t count) {
     float part[SUMS] = {0};
@@ -104,25 +114,68 @@ static float dot_f32(const float *a, const float *b, int64_t count) {
     return sum;
 }
 
-/* dot_f32 of four rows a0..a3 (stride `stride`) with b at once, each summed exactly as
- * dot_f32 sums it: b is read once for the four. */
-static void dot4_f32(const float *a, int64_t stride, const float *b, int64_t count, float sums[4]) {
-    float part[4][SUMS] = {{0}};
+/* 16 floats as one value (GCC/Clang vector extension); `vf_u` at any 4-byte alignment. */
+typedef float vf __attribute__((vector_size(64)));
+typedef float vf_u __attribute__((vector_size(64), aligned(4)));
+
+/* The projection's products and sums as fused multiply-adds (half the vector operations; the
+ * rest of this file keeps torch's separate roundings). */
+#define CONTRACTED __attribute__((optimize("fp-contract=fast")))
+
+/* `rows` rows of a (stride `stride`) dotted with b0 and with b1, each in SUMS partial sums
+ * (lane l of the two vectors holds partial sum l, then l + 16) added in order, then the
+ * count % SUMS tail: b0 and b1 are read once for all rows, the 4 x 2 x 2 sums stay in
+ * registers, and every row count gives a row the same sums. */
+static inline __attribute__((always_inline)) CONTRACTED void dot_rows2(const float *a, int64_t stride, const int rows,
+                                                           const float *b0, const float *b1, int64_t count,
+                                                           float out0[4], float out1[4]) {
+    vf s0[4][2] = {{{0}}}, s1[4][2] = {{{0}}};
     int64_t k = 0;
-    for (; k + SUMS <= count; k += SUMS)
-        for (int l = 0; l < SUMS; l++) {
-            const float w = b[k + l];
-            for (int r = 0; r < 4; r++) part[r][l] += a[r * stride + k + l] * w;
+    for (; k + SUMS <= count; k += SUMS) {
+        const vf w00 = *(const vf_u *)(b0 + k), w01 = *(const vf_u *)(b0 + k + 16);
+        const vf w10 = *(const vf_u *)(b1 + k), w11 = *(const vf_u *)(b1 + k + 16);
+        for (int r = 0; r < rows; r++) {
+            const vf x0 = *(const vf_u *)(a + r * stride + k), x1 = *(const vf_u *)(a + r * stride + k + 16);
+            s0[r][0] += x0 * w00, s0[r][1] += x1 * w01;
+            s1[r][0] += x0 * w10, s1[r][1] += x1 * w11;
         }
-    for (int r = 0; r < 4; r++) {
-        float sum = 0.0f;
-        for (int l = 0; l < SUMS; l++) sum += part[r][l];
-        for (int64_t i = k; i < count; i++) sum += a[r * stride + i] * b[i];
-        sums[r] = sum;
+    }
+    for (int r = 0; r < rows; r++) {
+        float sum0 = 0.0f, sum1 = 0.0f;
+        for (int l = 0; l < SUMS; l++) {
+            sum0 += s0[r][l / 16][l % 16];
+            sum1 += s1[r][l / 16][l % 16];
+        }
+        for (int64_t i = k; i < count; i++) {
+            sum0 += a[r * stride + i] * b0[i];
+            sum1 += a[r * stride + i] * b1[i];
+        }
+        out0[r] = sum0;
+        out1[r] = sum1;
     }
 }
 
-#define BLOCK 4 /* tokens that share each read of fn */
+/* mixed[i][j] = (x_i . fn_j) * inv_rms[i] for nt <= 4 rows x_i of `flat` values (`ldx` apart) and all
+ * `width` outputs, the same sums for any nt: a token's gates never depend on its block. */
+static CONTRACTED void project(const float *x, int64_t ldx, int64_t flat, int nt, const float *fn, int width,
+                               const float *inv_rms, float *mixed) {
+    float o0[4], o1[4];
+    for (int j = 0; j < width; j += 2) {
+        const float *f1 = fn + (int64_t)(j + 1 < width ? j + 1 : j) * flat; /* odd width: the last twice */
+        switch (nt) { /* a constant row count per case: registers, not memory */
+        case 1: dot_rows2(x, ldx, 1, fn + j * flat, f1, flat, o0, o1); break;
+        case 2: dot_rows2(x, ldx, 2, fn + j * flat, f1, flat, o0, o1); break;
+        case 3: dot_rows2(x, ldx, 3, fn + j * flat, f1, flat, o0, o1); break;
+        default: dot_rows2(x, ldx, 4, fn + j * flat, f1, flat, o0, o1); break;
+        }
+        for (int i = 0; i < nt; i++) {
+            mixed[i * width + j] = o0[i] * inv_rms[i];
+            if (j + 1 < width) mixed[i * width + j + 1] = o1[i] * inv_rms[i];
+        }
+    }
+}
+
+#define BLOCK LANES /* tokens per task: their gates are computed together, their streams stay in cache */
 
 /* The block's input RMSNorm, as torch's RMSNorm does it: x (values of the streams' dtype)
  * normalised in fp32, rounded to that dtype, times the weight, rounded again. */
@@ -140,55 +193,47 @@ static void block_norm(float *x, int64_t d, const void *weight, float eps, int i
 /* collapse: mixed[t] = fn . x_t / rms(x_t) over the flattened streams x_t [N*D] (fn
  * [(2+N)N, N*D] fp32), the gates, then out[t] = sum_n pre[t, n] x_t[n] in the streams'
  * dtype, and with a `norm_weight` (the streams' dtype) the block's RMSNorm of it (eps
- * `block_eps`). pre [T, N], post [T, N], comb [T, N, N] fp32 as hc_gates. The projection
- * and the sum run on `threads` threads, BLOCK tokens at a time. Returns 0, -1 above MAX_N,
- * -2 without scratch memory. */
+ * `block_eps`). pre [T, N], post [T, N], comb [T, N, N] fp32 as hc_gates. Tasks are blocks of
+ * BLOCK tokens, each taken through all of it while its widened streams are in cache, on
+ * `threads` threads. Returns 0, -1 above MAX_N, -2 without scratch memory. */
 int hc_collapse(const void *streams, int is_bf16, int64_t tokens, int n, int64_t d, const float *fn,
                 const float *base, const float *scale, int iters, float eps, float norm_eps,
                 float *pre, float *post, float *comb, void *out, const void *norm_weight, float block_eps,
                 int threads) {
     if (n > MAX_N) return -1;
     if (tokens == 0) return 0;
+    if (threads < 1) threads = 1;
     const int width = (2 + n) * n;
-    const int64_t flat = (int64_t)n * d;
-    float *mixed = malloc((size_t)(tokens * width) * sizeof(float));
-    float *x = malloc((size_t)(tokens * flat) * sizeof(float));
-    float *rows = malloc((size_t)(tokens * d) * sizeof(float));
-    if (mixed == NULL || x == NULL || rows == NULL) { free(mixed); free(x); free(rows); return -2; }
-    const int64_t blocks = (tokens + BLOCK - 1) / BLOCK;
+    const int64_t flat = (int64_t)n * d, ldx = flat + 16, per_thread = BLOCK * ldx + d; /* ldx: rows off 4 KiB strides */
+    float *scratch = malloc((size_t)(threads * per_thread) * sizeof(float));
+    if (scratch == NULL) return -2;
 #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t blk = 0; blk < blocks; blk++) {
-        const int64_t t0 = blk * BLOCK, nt = tokens - t0 < BLOCK ? tokens - t0 : BLOCK;
-        float *xb = x + t0 * flat, inv_rms[BLOCK], sums[BLOCK];
-        widen_row(streams, t0 * flat, nt * flat, is_bf16, xb);
-        for (int64_t i = 0; i < nt; i++)
-            inv_rms[i] = 1.0f / sqrtf(dot_f32(xb + i * flat, xb + i * flat, flat) / (float)flat + norm_eps);
-        for (int j = 0; j < width; j++) {
-            if (nt == BLOCK)
-                dot4_f32(xb, flat, fn + j * flat, flat, sums);
-            else
-                for (int64_t i = 0; i < nt; i++) sums[i] = dot_f32(xb + i * flat, fn + j * flat, flat);
-            for (int64_t i = 0; i < nt; i++) mixed[(t0 + i) * width + j] = sums[i] * inv_rms[i];
+    for (int64_t t0 = 0; t0 < tokens; t0 += BLOCK) {
+        const int nt = tokens - t0 < BLOCK ? (int)(tokens - t0) : BLOCK;
+        float *x = scratch + (int64_t)omp_get_thread_num() * per_thread, *row = x + BLOCK * ldx;
+        float inv_rms[BLOCK], mixed[BLOCK * (2 + MAX_N) * MAX_N];
+        for (int i = 0; i < nt; i++) {
+            widen_row(streams, (t0 + i) * flat, flat, is_bf16, x + i * ldx);
+            inv_rms[i] = 1.0f / sqrtf(dot_f32(x + i * ldx, x + i * ldx, flat) / (float)flat + norm_eps);
+        }
+        for (int i = 0; i < nt; i += 4)
+            project(x + i * ldx, ldx, flat, nt - i < 4 ? nt - i : 4, fn, width, inv_rms + i, mixed + i * width);
+        gates_block(mixed, base, scale, t0, nt, n, iters, eps, pre, post, comb);
+        for (int i = 0; i < nt; i++) {
+            const int64_t t = t0 + i;
+            for (int64_t c = 0; c < d; c++) row[c] = 0.0f;
+            for (int j = 0; j < n; j++) {
+                const float *xj = x + i * ldx + j * d, w = pre[t * n + j];
+                for (int64_t c = 0; c < d; c++) row[c] += w * xj[c];
+            }
+            if (norm_weight != NULL) {
+                for (int64_t c = 0; c < d; c++) row[c] = rounded(row[c], is_bf16);
+                block_norm(row, d, norm_weight, block_eps, is_bf16);
+            }
+            narrow_row(row, d, is_bf16, out, t * d);
         }
     }
-    hc_gates(mixed, base, scale, tokens, n, iters, eps, pre, post, comb);
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t t = 0; t < tokens; t++) {
-        float *row = rows + t * d;
-        for (int64_t c = 0; c < d; c++) row[c] = 0.0f;
-        for (int j = 0; j < n; j++) {
-            const float *xj = x + t * flat + j * d, w = pre[t * n + j];
-            for (int64_t c = 0; c < d; c++) row[c] += w * xj[c];
-        }
-        if (norm_weight != NULL) {
-            for (int64_t c = 0; c < d; c++) row[c] = rounded(row[c], is_bf16);
-            block_norm(row, d, norm_weight, block_eps, is_bf16);
-        }
-        narrow_row(row, d, is_bf16, out, t * d);
-    }
-    free(mixed);
-    free(x);
-    free(rows);
+    free(scratch);
     return 0;
 }
 
