@@ -27,7 +27,6 @@ BUILD_FLAGS = native.NATIVE_ISA + native.OPENMP + ("-O3",)
 NATIVE_ACTIVATIONS = ("silu", "swish")  # the conv activation the kernel computes
 NATIVE_DTYPES = (torch.bfloat16, torch.float32)
 NATIVE_MAX_DIM = 1024  # MAX_DIM in kda_io.c
-NATIVE_MAX_WIDTH = 8  # MAX_WIDTH in kda_io.c
 
 
 def forget_decay(f: torch.Tensor, dt_bias: torch.Tensor, a_log: torch.Tensor, lower_bound: float | None,
@@ -73,8 +72,8 @@ def conv_inputs_fit(mixed: torch.Tensor, f: torch.Tensor, beta_logits: torch.Ten
     """Whether `conv_inputs` can run the conv and gates of these tokens natively."""
     return (activation_name in NATIVE_ACTIVATIONS and dim <= NATIVE_MAX_DIM and isinstance(conv_table, torch.Tensor)
             and conv_table.dtype in NATIVE_DTYPES and conv_table.is_contiguous() and conv_table.device.type == "cpu"
-            and conv_table.shape[1] < NATIVE_MAX_WIDTH and f.dtype == beta_logits.dtype == mixed.dtype
-            and _on_cpu_in(mixed.dtype, mixed, f, beta_logits) and _kernel() is not None)
+            and f.dtype == beta_logits.dtype == mixed.dtype and _on_cpu_in(mixed.dtype, mixed, f, beta_logits)
+            and _kernel() is not None)
 
 
 def conv_inputs(mixed: torch.Tensor, conv_table: torch.Tensor, slots: torch.Tensor, has_context: torch.Tensor,
@@ -92,12 +91,14 @@ def conv_inputs(mixed: torch.Tensor, conv_table: torch.Tensor, slots: torch.Tens
     beta = torch.empty(tokens, heads)
     mixed, f, beta_logits, slots = (t if t.is_contiguous() else t.contiguous() for t in (mixed, f, beta_logits, slots))
     dt_bias, a_log = (t if t.dtype == torch.float32 and t.is_contiguous() else t.float().contiguous() for t in (dt_bias, a_log))
-    _kernel().kda_conv_inputs(
+    status = _kernel().kda_conv_inputs(
         mixed.data_ptr(), conv_table.data_ptr(), slots.data_ptr(), has_context.data_ptr(), runs.data_ptr(),
         conv_taps.data_ptr(), f.data_ptr(), dt_bias.data_ptr(), a_log.data_ptr(), beta_logits.data_ptr(), slots.shape[0],
         heads, dim, conv_taps.shape[0], dim**-0.5, lower_bound is not None, lower_bound or 0.0,
         mixed.dtype == torch.bfloat16, conv_table.dtype == torch.bfloat16, q.data_ptr(), k.data_ptr(), v.data_ptr(),
         g.data_ptr(), beta.data_ptr(), torch.get_num_threads())
+    if status != 0:
+        raise MemoryError(f"kda conv: no scratch memory for {tokens} tokens")
     return q, k, v, g, beta
 
 

@@ -23,14 +23,15 @@
  * value is rounded to bf16, within one bf16 step of a value on a rounding boundary).
  */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "bf16.h"
 #include "vmath.h"
 
 #define MAX_DIM 1024 /* head dim; NATIVE_MAX_DIM in kda_io.py */
-#define MAX_WIDTH 8 /* conv width; NATIVE_MAX_WIDTH in kda_io.py */
 
 static inline float load(const void *base, int64_t i, int bf16) {
     return bf16 ? bf16_to_f32(((const uint16_t *)base)[i]) : ((const float *)base)[i];
@@ -47,36 +48,6 @@ static inline float model_round(float x, int bf16) { return bf16 ? round_bf16(x)
 
 static inline float sigmoid(float x) { return 1.0f / (1.0f + vexp(-x)); }
 
-/* The conv of channels [c0, c0 + n) over one request's tokens, rows first .. first + count of
- * mixed: each token's output into out (rows `ld` apart), and the request's state in the table
- * replaced by its last K-1 inputs (read as zeros where it has no context yet). weight_t
- * [K, C]: tap-major, so each tap is a contiguous run of channels. The table only ever holds
- * values of the model dtype (conv inputs), so copying them through fp32 is exact. */
-static void conv_run(const void *mixed, void *table, int64_t slot, int has_context, int64_t first, int64_t count,
-                     const float *weight_t, int64_t c0, int n, int64_t channels, int width, int bf16, int state_bf16,
-                     float *out, int64_t ld) {
-    float window[MAX_WIDTH][MAX_DIM]; /* a ring: token t's taps j = 0..K-1 are window[(t + j) % K] */
-    const int rows = width - 1;
-    void *state = (char *)table + slot * rows * channels * (state_bf16 ? 2 : 4);
-    for (int j = 0; j < rows; j++) {
-        if (has_context)
-            widen_row(state, j * channels + c0, n, state_bf16, window[j]);
-        else
-            memset(window[j], 0, (size_t)n * sizeof(float));
-    }
-    for (int64_t t = 0; t < count; t++) {
-        widen_row(mixed, (first + t) * channels + c0, n, bf16, window[(t + rows) % width]);
-        float *restrict o = out + t * ld;
-        for (int i = 0; i < n; i++) o[i] = 0.0f;
-        for (int j = 0; j <= rows; j++) {
-            const float *restrict w = weight_t + j * channels + c0, *restrict tap = window[(t + j) % width];
-            for (int i = 0; i < n; i++) o[i] += tap[i] * w[i];
-        }
-        for (int i = 0; i < n; i++) o[i] = model_round(o[i] * sigmoid(o[i]), bf16);
-    }
-    for (int j = 0; j < rows; j++) narrow_row(window[(count + j) % width], n, state_bf16, state, j * channels + c0);
-}
-
 static void l2_normalise(float *x, int n, float scale) {
     float sum = 0.0f;
     for (int i = 0; i < n; i++) sum += x[i] * x[i];
@@ -84,39 +55,101 @@ static void l2_normalise(float *x, int n, float scale) {
     for (int i = 0; i < n; i++) x[i] = x[i] / norm * scale;
 }
 
+/* Input `offset` (< 0: before the token's run) of request b, as values of the model dtype:
+ * a mixed row, a conv-state row, or NULL for zeros (no context yet). *in_bf16 says its dtype. */
+static const void *conv_source(const void *mixed, const void *state, int has_context, int64_t token, int64_t pos,
+                               int64_t offset, int rows, int64_t channels, int bf16, int state_bf16, int *in_bf16) {
+    if (pos + offset >= 0) {
+        *in_bf16 = bf16;
+        return (const char *)mixed + (token + offset) * channels * (bf16 ? 2 : 4);
+    }
+    *in_bf16 = state_bf16;
+    return has_context ? (const char *)state + (rows + pos + offset) * channels * (state_bf16 ? 2 : 4) : NULL;
+}
+
 /* Any mix of decodes and prompt chunks: request b's tokens are rows runs[b][0] ..
  * runs[b][0] + runs[b][1] of mixed, f and beta_logits (and of q, k, v, g, beta), its conv state
- * in the table at slots[b], read as zeros unless has_context[b]. Tasks are (request, head). */
+ * in the table at slots[b], read as zeros unless has_context[b]. The conv reads only inputs, so
+ * tokens are independent: tasks are tokens, each taking whole rows (all heads) in one pass;
+ * then each request's state becomes its last K-1 inputs. Returns 0, -1 for a size above the
+ * limits, -2 without scratch memory. */
 int kda_conv_inputs(const void *mixed, void *conv_table, const int64_t *slots, const uint8_t *has_context,
                     const int64_t *runs, const float *conv_weight_t, const void *f, const float *dt_bias,
                     const float *a_log, const void *beta_logits, int64_t requests, int heads, int dim, int width,
                     float q_scale, int has_lower_bound, float lower_bound, int bf16, int state_bf16, float *q,
                     float *k, float *v, float *g, float *beta, int threads) {
-    if (dim > MAX_DIM || width > MAX_WIDTH || width < 1) return -1;
-    const int64_t hd = (int64_t)heads * dim, channels = 3 * hd;
-#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
-    for (int64_t bh = 0; bh < requests * heads; bh++) {
-        const int64_t b = bh / heads, h = bh % heads, first = runs[2 * b], count = runs[2 * b + 1];
-        const int64_t at = first * hd + h * dim;
-        float *outs[3] = {q + at, k + at, v + at};
-        for (int part = 0; part < 3; part++)
-            conv_run(mixed, conv_table, slots[b], has_context[b], first, count, conv_weight_t, part * hd + h * dim, dim,
-                     channels, width, bf16, state_bf16, outs[part], hd);
-        const float rate = expf(a_log[h]);
-        for (int64_t t = first; t < first + count; t++) {
-            const int64_t row = t * hd + h * dim;
-            l2_normalise(q + row, dim, q_scale);
-            l2_normalise(k + row, dim, 1.0f);
-            float *restrict gh = g + row;
-            widen_row(f, row, dim, bf16, gh);
+    if (dim > MAX_DIM || width < 1) return -1;
+    if (threads < 1) threads = 1;
+    const int rows = width - 1;
+    const int64_t hd = (int64_t)heads * dim, channels = 3 * hd, state_row = channels * (state_bf16 ? 2 : 4);
+    int64_t tokens = 0;
+    for (int64_t b = 0; b < requests; b++)
+        if (runs[2 * b] + runs[2 * b + 1] > tokens) tokens = runs[2 * b] + runs[2 * b + 1];
+    int64_t *owner = malloc((size_t)(tokens > 0 ? tokens : 1) * sizeof(int64_t));
+    float *scratch = malloc((size_t)(threads * 2 * channels) * sizeof(float)); /* per thread: a tap, the sums */
+    if (owner == NULL || scratch == NULL) {
+        free(owner);
+        free(scratch);
+        return -2;
+    }
+    for (int64_t t = 0; t < tokens; t++) owner[t] = -1;
+    for (int64_t b = 0; b < requests; b++)
+        for (int64_t t = runs[2 * b]; t < runs[2 * b] + runs[2 * b + 1]; t++) owner[t] = b;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t token = 0; token < tokens; token++) {
+        const int64_t b = owner[token];
+        if (b < 0) continue; /* a row no run covers */
+        const int64_t pos = token - runs[2 * b];
+        float *tap = scratch + (int64_t)omp_get_thread_num() * 2 * channels, *acc = tap + channels;
+        const void *state = (const char *)conv_table + slots[b] * rows * state_row;
+        for (int64_t c = 0; c < channels; c++) acc[c] = 0.0f;
+        for (int j = 0; j <= rows; j++) {
+            int in_bf16;
+            const void *src = conv_source(mixed, state, has_context[b], token, pos, j - rows, rows, channels, bf16,
+                                          state_bf16, &in_bf16);
+            if (src == NULL) continue; /* zeros: adding 0 * w changes no sum */
+            widen_row(src, 0, channels, in_bf16, tap);
+            const float *restrict w = conv_weight_t + j * channels;
+            for (int64_t c = 0; c < channels; c++) acc[c] += tap[c] * w[c];
+        }
+        for (int64_t c = 0; c < channels; c++) acc[c] = model_round(acc[c] * sigmoid(acc[c]), bf16);
+        const int64_t row = token * hd;
+        memcpy(q + row, acc, (size_t)hd * sizeof(float));
+        memcpy(k + row, acc + hd, (size_t)hd * sizeof(float));
+        memcpy(v + row, acc + 2 * hd, (size_t)hd * sizeof(float));
+        widen_row(f, row, hd, bf16, g + row);
+        for (int h = 0; h < heads; h++) {
+            l2_normalise(q + row + h * dim, dim, q_scale);
+            l2_normalise(k + row + h * dim, dim, 1.0f);
+            const float rate = expf(a_log[h]);
+            float *restrict gh = g + row + h * dim;
             for (int d = 0; d < dim; d++) gh[d] += dt_bias[h * dim + d];
             if (has_lower_bound)
                 for (int d = 0; d < dim; d++) gh[d] = lower_bound * sigmoid(rate * gh[d]);
             else
                 for (int d = 0; d < dim; d++) gh[d] = -rate * (gh[d] > 20.0f ? gh[d] : log1pf(expf(gh[d])));
-            beta[t * heads + h] = model_round(sigmoid(load(beta_logits, t * heads + h, bf16)), bf16);
+            beta[token * heads + h] = model_round(sigmoid(load(beta_logits, token * heads + h, bf16)), bf16);
         }
     }
+    /* each request's state: its last K-1 inputs (older state rows first where the run is shorter) */
+    for (int64_t b = 0; b < requests; b++) {
+        const int64_t first = runs[2 * b], count = runs[2 * b + 1];
+        char *state = (char *)conv_table + slots[b] * rows * state_row;
+        for (int j = 0; j < rows; j++) {
+            if (count + j < rows) { /* an old state row, moved up: a later row, so in-place order is safe */
+                if (has_context[b])
+                    memmove(state + j * state_row, state + (j + count) * state_row, (size_t)state_row);
+                else
+                    memset(state + j * state_row, 0, (size_t)state_row);
+            } else {
+                float *tap = scratch;
+                widen_row(mixed, (first + count - rows + j) * channels, channels, bf16, tap);
+                narrow_row(tap, channels, state_bf16, state, j * channels);
+            }
+        }
+    }
+    free(owner);
+    free(scratch);
     return 0;
 }
 
