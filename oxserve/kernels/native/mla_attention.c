@@ -14,7 +14,7 @@
  * `threads` threads. Returns 0, or -2 without scratch memory.
  *
  * Each selected latent is read from the cache and widened once, into rows [n][C] (for the
- * weighted sum, vectorised over C) and their transpose [C][n] (for the scores, vectorised over
+ * weighted sum, vectorised over C), then transposed to [C][n] (for the scores, vectorised over
  * positions: each score sums its C products in order, with no per-score horizontal add).
  */
 #include <immintrin.h>
@@ -53,9 +53,52 @@ static inline void rows4_by_16(const float *a, int64_t a_stride, const float *b,
     _mm512_storeu_ps(out + 3 * out_stride, s3);
 }
 #define BLOCK_HEADS 4
+
+/* The 16 x 16 block r[i][j] -> r[j][i], in registers: pairs, then quads, then 128-bit lanes. */
+static inline void transpose16(__m512 r[16]) {
+    __m512 t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
+        r[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
+        r[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
+        r[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
+    }
+    for (int g = 0; g < 16; g += 8)
+        for (int i = 0; i < 4; i++) {
+            t[g + i] = _mm512_shuffle_f32x4(r[g + i], r[g + i + 4], 0x88);
+            t[g + i + 4] = _mm512_shuffle_f32x4(r[g + i], r[g + i + 4], 0xdd);
+        }
+    for (int i = 0; i < 8; i++) {
+        r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+        r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xdd);
+    }
+}
 #else
 #define BLOCK_HEADS 0 /* no vector blocks: the plain loops do everything */
 #endif
+
+/* lat_t [C][n] = the transpose of lat [n][C]: 16 x 16 blocks in registers where the CPU has
+ * AVX-512 (the scalar copy cost as much as the scores it feeds), the edges one by one. */
+static void transpose(const float *lat, int64_t n, int64_t dim, float *lat_t) {
+    int64_t k0 = 0;
+#ifdef __AVX512F__
+    for (; k0 + LANES <= n; k0 += LANES)
+        for (int64_t c0 = 0; c0 + LANES <= dim; c0 += LANES) {
+            __m512 r[16];
+            for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_ps(lat + (k0 + i) * dim + c0);
+            transpose16(r);
+            for (int i = 0; i < 16; i++) _mm512_storeu_ps(lat_t + (c0 + i) * n + k0, r[i]);
+        }
+    for (int64_t k = 0; k < k0; k++) /* the columns past the last whole block, of the whole blocks' rows */
+        for (int64_t c = dim / LANES * LANES; c < dim; c++) lat_t[c * n + k] = lat[k * dim + c];
+#endif
+    for (int64_t k = k0; k < n; k++)
+        for (int64_t c = 0; c < dim; c++) lat_t[c * n + k] = lat[k * dim + c];
+}
 
 /* out[h][j] = sum_i a[h][i] b[i][j], summed in order of i, for h < heads and j < cols: a
  * [heads][count], b [count][cols], out [heads][cols]. Scores: a = the queries, b = the
@@ -106,8 +149,8 @@ int mla_latent_attention(const void *q, const void *latent, const int64_t *posit
                 for (int64_t at = 0; at < row_bytes; at += 64)
                     __builtin_prefetch((const char *)latent + rows[k + PREFETCH] * row_bytes + at);
             widen_row(latent, rows[k] * dim, dim, bf16, lat + k * dim);
-            for (int64_t c = 0; c < dim; c++) lat_t[c * n + k] = lat[k * dim + c];
         }
+        transpose(lat, n, dim, lat_t);
         head_products(qf, heads, dim, lat_t, n, score); /* score[h][k] = q[h] . latent k */
         for (int h = 0; h < heads; h++) {
             float *restrict s = score + h * n;
