@@ -131,8 +131,12 @@ class Indexer(nn.Module):
             # never past its own blocks.
             grid = torch.minimum(pool_ids, (visible_pools - 1).clamp(min=0).unsqueeze(1))
             keys = cache.pool_keys_at(batch.pool_rows(request.unsqueeze(1).expand_as(grid), grid, self.kpool)).float()
-        # [N, H, Dk] x [N|1, P, Dk] -> [N, H, P]; relu per head, then the weighted head sum.
-        scores = F.relu(torch.matmul(q, keys.transpose(1, 2)) * scale)
+        # [N, H, Dk] x [N|1, P, Dk] -> [N, H, P]; relu per head, then the weighted head sum. A
+        # prefill chunk's queries share one request's keys: one GEMM, not N broadcast products.
+        if isinstance(request, int):
+            scores = F.relu((q.reshape(-1, q.shape[-1]) @ keys[0].T).view(*q.shape[:2], -1) * scale)
+        else:
+            scores = F.relu(torch.matmul(q, keys.transpose(1, 2)) * scale)
         head_sums = (head_weights.unsqueeze(1) @ scores).squeeze(1)
         visible = pool_ids.unsqueeze(0) < visible_pools.unsqueeze(1)
         pool_scores = self.tp.reduce(head_sums).masked_fill(~visible, float("-inf"))
