@@ -5,9 +5,9 @@
     expand:   new streams = post (x) block_output + comb^T @ streams
 
 `hc_gates` runs the native C kernel on CPU (one call instead of ~120 tiny ops) and
-`hc_gates_torch` elsewhere. On CPU (bf16 or fp32) `hc_expand` runs whole in one native call,
-and `hc_collapse` too for decode-sized batches (larger ones take the torch version around the
-native gates); the collapse includes the block's input RMSNorm when given one. The
+`hc_gates_torch` elsewhere. On CPU (bf16 or fp32) `hc_collapse` and `hc_expand` each run whole
+in one native call, at any batch size; the collapse includes the block's input RMSNorm when
+given one. The
 torch versions are what the kernels are tested against.
 """
 
@@ -23,11 +23,9 @@ from oxserve.kernels import native
 from oxserve.kernels.norm import rms_norm
 
 NATIVE_MAX_N = 16  # MAX_N in hc_gates.c
-# Past this many tokens the collapse's projection runs faster as torch's fp32 GEMM (oneDNN/MKL)
-# than in the native kernel's dot products: interleaved, 2 threads, N=4, D=256, bf16, torch
-# time / native time = 2.3, 1.35, 1.23, 0.88, 0.79 at 32, 64, 128, 256, 2048 tokens. The
-# native expand is the faster one at every size (3.0 at 32 tokens, 1.5-1.7 at 2048).
-NATIVE_COLLAPSE_MAX_TOKENS = 128
+# The native collapse and expand against torch's (the collapse's projection there an fp32 GEMM),
+# interleaved, 2 threads, N=4, D=256, bf16, torch time / native time: collapse 3.6, 2.0, 1.6,
+# 1.2, 1.1, 1.1 at 32, 128, 256, 512, 2048, 4096 tokens; expand 3.0 at 32, 1.5-1.7 at 2048.
 BlockNorm = tuple[torch.Tensor, float]  # the RMSNorm after a collapse: (weight, eps)
 BUILD_FLAGS = native.NATIVE_ISA + native.OPENMP + ("-O3",)  # vector sums; no FMA contraction under -std=c11
 
@@ -140,8 +138,7 @@ def hc_collapse(
     streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int, eps: float,
     norm_eps: float, block_norm: BlockNorm | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    fits = (_native_fits(streams, streams.shape[1]) and streams.shape[0] <= NATIVE_COLLAPSE_MAX_TOKENS
-            and (block_norm is None or block_norm[0].dtype == streams.dtype))
+    fits = _native_fits(streams, streams.shape[1]) and (block_norm is None or block_norm[0].dtype == streams.dtype)
     kernel = hc_collapse_native if fits else hc_collapse_torch
     return kernel(streams, fn, base, scale, iters, eps, norm_eps, block_norm)
 

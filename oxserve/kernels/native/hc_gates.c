@@ -14,6 +14,7 @@
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "bf16.h"
 
@@ -101,7 +102,7 @@ int hc_gates(const float *mixed, const float *base, const float *scale, int64_t 
 /* A row of `count` values (bf16 or fp32) into fp32, and back (rounded to bf16 when asked). */
 static inline float rounded(float v, int is_bf16) { return is_bf16 ? round_bf16(v) : v; }
 
-#define SUMS 32 /* independent partial sums, so the adds do not wait on each other (in registers in dot_rows2) */
+#define SUMS 32 /* independent partial sums, so the adds do not wait on each other */
 
 static float dot_f32(const float *a, const float *b, int64_t count) {
     float part[SUMS] = {0};
@@ -122,56 +123,51 @@ typedef float vf_u __attribute__((vector_size(64), aligned(4)));
  * rest of this file keeps torch's separate roundings). */
 #define CONTRACTED __attribute__((optimize("fp-contract=fast")))
 
-/* `rows` rows of a (stride `stride`) dotted with b0 and with b1, each in SUMS partial sums
- * (lane l of the two vectors holds partial sum l, then l + 16) added in order, then the
- * count % SUMS tail: b0 and b1 are read once for all rows, the 4 x 2 x 2 sums stay in
- * registers, and every row count gives a row the same sums. */
-static inline __attribute__((always_inline)) CONTRACTED void dot_rows2(const float *a, int64_t stride, const int rows,
-                                                           const float *b0, const float *b1, int64_t count,
-                                                           float out0[4], float out1[4]) {
-    vf s0[4][2] = {{{0}}}, s1[4][2] = {{{0}}};
+#define OUTS 4 /* projection outputs a pass: each loaded x vector serves OUTS outputs, each fn vector 4 rows */
+#define VL 16   /* floats in a vf */
+
+/* sums[r][o] = a_r . b_o for `rows` (<= 4) rows of a (`stride` apart) and the OUTS rows b_o
+ * (`ldb` apart), each sum kept as VL partial sums (lane l takes inputs k = l mod VL) added in
+ * lane order, then the count % VL tail: the 4 x OUTS sums stay in registers, and every row
+ * count gives a row the same sums. */
+static inline __attribute__((always_inline)) CONTRACTED void dot_rows(const float *a, int64_t stride, const int rows,
+                                                                     const float *b, int64_t ldb, int64_t count,
+                                                                     float sums[4][OUTS]) {
+    vf s[4][OUTS] = {{{0}}};
     int64_t k = 0;
-    for (; k + SUMS <= count; k += SUMS) {
-        const vf w00 = *(const vf_u *)(b0 + k), w01 = *(const vf_u *)(b0 + k + 16);
-        const vf w10 = *(const vf_u *)(b1 + k), w11 = *(const vf_u *)(b1 + k + 16);
+    for (; k + VL <= count; k += VL) {
+        vf w[OUTS];
+        for (int o = 0; o < OUTS; o++) w[o] = *(const vf_u *)(b + o * ldb + k);
         for (int r = 0; r < rows; r++) {
-            const vf x0 = *(const vf_u *)(a + r * stride + k), x1 = *(const vf_u *)(a + r * stride + k + 16);
-            s0[r][0] += x0 * w00, s0[r][1] += x1 * w01;
-            s1[r][0] += x0 * w10, s1[r][1] += x1 * w11;
+            const vf x = *(const vf_u *)(a + r * stride + k);
+            for (int o = 0; o < OUTS; o++) s[r][o] += x * w[o];
         }
     }
-    for (int r = 0; r < rows; r++) {
-        float sum0 = 0.0f, sum1 = 0.0f;
-        for (int l = 0; l < SUMS; l++) {
-            sum0 += s0[r][l / 16][l % 16];
-            sum1 += s1[r][l / 16][l % 16];
+    for (int r = 0; r < rows; r++)
+        for (int o = 0; o < OUTS; o++) {
+            float sum = 0.0f;
+            for (int l = 0; l < VL; l++) sum += s[r][o][l];
+            for (int64_t i = k; i < count; i++) sum += a[r * stride + i] * b[o * ldb + i];
+            sums[r][o] = sum;
         }
-        for (int64_t i = k; i < count; i++) {
-            sum0 += a[r * stride + i] * b0[i];
-            sum1 += a[r * stride + i] * b1[i];
-        }
-        out0[r] = sum0;
-        out1[r] = sum1;
-    }
 }
 
-/* mixed[i][j] = (x_i . fn_j) * inv_rms[i] for nt <= 4 rows x_i of `flat` values (`ldx` apart) and all
- * `width` outputs, the same sums for any nt: a token's gates never depend on its block. */
+/* mixed[i][j] = (x_i . fn_j) * inv_rms[i] for nt <= 4 rows x_i of `flat` values (`ldx` apart) and
+ * all `width` outputs, the same sums for any nt: a token's gates never depend on its block. fn
+ * is padded to a multiple of OUTS rows by the caller (`fn_rows`). */
 static CONTRACTED void project(const float *x, int64_t ldx, int64_t flat, int nt, const float *fn, int width,
                                const float *inv_rms, float *mixed) {
-    float o0[4], o1[4];
-    for (int j = 0; j < width; j += 2) {
-        const float *f1 = fn + (int64_t)(j + 1 < width ? j + 1 : j) * flat; /* odd width: the last twice */
+    float sums[4][OUTS];
+    for (int j = 0; j < width; j += OUTS) {
+        const float *b = fn + (int64_t)j * flat;
         switch (nt) { /* a constant row count per case: registers, not memory */
-        case 1: dot_rows2(x, ldx, 1, fn + j * flat, f1, flat, o0, o1); break;
-        case 2: dot_rows2(x, ldx, 2, fn + j * flat, f1, flat, o0, o1); break;
-        case 3: dot_rows2(x, ldx, 3, fn + j * flat, f1, flat, o0, o1); break;
-        default: dot_rows2(x, ldx, 4, fn + j * flat, f1, flat, o0, o1); break;
+        case 1: dot_rows(x, ldx, 1, b, flat, flat, sums); break;
+        case 2: dot_rows(x, ldx, 2, b, flat, flat, sums); break;
+        case 3: dot_rows(x, ldx, 3, b, flat, flat, sums); break;
+        default: dot_rows(x, ldx, 4, b, flat, flat, sums); break;
         }
-        for (int i = 0; i < nt; i++) {
-            mixed[i * width + j] = o0[i] * inv_rms[i];
-            if (j + 1 < width) mixed[i * width + j + 1] = o1[i] * inv_rms[i];
-        }
+        for (int i = 0; i < nt; i++)
+            for (int o = 0; o < OUTS && j + o < width; o++) mixed[i * width + j + o] = sums[i][o] * inv_rms[i];
     }
 }
 
@@ -205,8 +201,18 @@ int hc_collapse(const void *streams, int is_bf16, int64_t tokens, int n, int64_t
     if (threads < 1) threads = 1;
     const int width = (2 + n) * n;
     const int64_t flat = (int64_t)n * d, ldx = flat + 16, per_thread = BLOCK * ldx + d; /* ldx: rows off 4 KiB strides */
+    const int fn_rows = (width + OUTS - 1) / OUTS * OUTS; /* project reads whole groups of OUTS rows */
     float *scratch = malloc((size_t)(threads * per_thread) * sizeof(float));
-    if (scratch == NULL) return -2;
+    float *padded = fn_rows > width ? calloc((size_t)(fn_rows * flat), sizeof(float)) : NULL;
+    if (scratch == NULL || (fn_rows > width && padded == NULL)) {
+        free(scratch);
+        free(padded);
+        return -2;
+    }
+    if (padded != NULL) {
+        memcpy(padded, fn, (size_t)(width * flat) * sizeof(float));
+        fn = padded;
+    }
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t t0 = 0; t0 < tokens; t0 += BLOCK) {
         const int nt = tokens - t0 < BLOCK ? (int)(tokens - t0) : BLOCK;
@@ -234,6 +240,7 @@ int hc_collapse(const void *streams, int is_bf16, int64_t tokens, int n, int64_t
         }
     }
     free(scratch);
+    free(padded);
     return 0;
 }
 

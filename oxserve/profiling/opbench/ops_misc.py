@@ -120,8 +120,8 @@ def _expand_cases(cfg, shapes, dtype, device):
     ]
 
 
-# engine: one native call on CPU for decode-sized batches; native-gates: torch around the native
-# gates (the engine's larger batches); torch: all torch
+# engine: one native call on CPU at any batch size; native-gates: torch around the native gates;
+# torch: all torch
 register_op(Op("hc.collapse", _collapse_cases, reference_collapse, close_for("streams"),
                {"engine": collapse_candidate,
                 "native-gates": lambda cfg, i: collapse_candidate(cfg, i, hc_collapse_torch),
