@@ -4,7 +4,8 @@ Pools group a request's tokens from its first token on: pool j = positions [jP, 
 A complete pool gets one compressed key (softmax-weighted mean of its tokens' keys,
 weights from a learned gate + per-offset bias), computed once when its last token arrives
 and kept in the pool cache. A query at position t scores the pools that end at or before
-t, keeps the best min(index_topk / P, #pools), expands them to their P positions and, when
+t, keeps the best min(index_topk / P, #pools) (all of them, unscored, while a step's requests
+have no more pools than that), expands them to their P positions and, when
 `index_kpool_always_select_tail`, adds the tokens of its own incomplete pool (the tail):
 
     positions:  0 1 2 3 | 4 5 6 7 | 8 9 10 11 | 12 13      query t = 13, P = 4
@@ -70,6 +71,11 @@ class Indexer(nn.Module):
 
     def forward(self, x: torch.Tensor, q_resid: torch.Tensor, batch: ForwardBatch, cache: MLACache) -> torch.Tensor:
         self._write_keys(x, batch, cache)
+        longest = max(batch.seq_lens)
+        if longest // self.kpool <= self.max_pools:  # top-k would keep every pool: no scores needed
+            pools = torch.arange(longest // self.kpool, device=x.device).expand(x.shape[0], -1)
+            pos = batch.positions
+            return expand_selection(pools, (pos + 1) // self.kpool, pos, self.kpool, self.with_tail)
         q = self.wq_b(q_resid).view(x.shape[0], self.n_heads, self.head_dim).float()
         head_weights = self.weights_proj(x).float() * self.head_weight_scale
         pos = batch.positions
