@@ -21,7 +21,10 @@ from oxserve.model.forced import forced_logits
 from oxserve.model.linear import Linear
 from oxserve.model.loader import load_model
 from oxserve.quantization.quality import agreement
-from oxserve.quantization.w8a8 import W8A8Experts, W8A8Linear, quantize_w8a8_on_load
+from oxserve.quantization.w8a8 import PackedInt8, W8A8Experts, W8A8Linear, quantize_w8a8_on_load
+
+
+VNNI = int8.panels_available()
 
 
 def test_the_native_int8_kernel_builds_here():
@@ -51,6 +54,50 @@ def test_kernel_equals_reference_bit_for_bit(rows, k, n, experts, seed, threads)
     finally:
         torch.set_num_threads(old)
     assert torch.equal(out, w8a8_grouped_reference(x, offsets, wq, sw))
+
+
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(0, 40), k=st.integers(1, 300), n=st.integers(1, 70), experts=st.integers(1, 6),
+       seed=st.integers(0, 2**31), threads=st.sampled_from([1, 2]), smooth=st.booleans())
+def test_vnni_panels_equal_reference_bit_for_bit(rows, k, n, experts, seed, threads, smooth):
+    """The panel kernel's shifted-byte sums are the same integers: the same outputs exactly,
+    with and without SmoothQuant factors; packing round-trips."""
+    x, offsets, wq, sw = _grouped_case(rows, k, n, experts, seed)
+    inv = torch.rand(experts, k, generator=torch.Generator().manual_seed(seed)) + 0.5 if smooth else None
+    panels, colsum = int8.pack_panels(wq)
+    assert torch.equal(int8.unpack_panels(panels, n, k), wq)
+    if not VNNI:  # a CPU without AVX512-VNNI refuses, clearly (W8A8 modules keep the int16 kernel's rows)
+        with pytest.raises(RuntimeError, match="AVX512-VNNI"):
+            int8.w8a8_panels(x, offsets, panels, colsum, sw, inv)
+        return
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = int8.w8a8_panels(x, offsets, panels, colsum, sw, inv)
+    finally:
+        torch.set_num_threads(old)
+    assert torch.equal(out, w8a8_grouped_reference(x, offsets, wq, sw, inv))
+
+
+def test_vnni_panels_are_taken_exactly_where_the_cpu_has_them_and_sum_extremes_exactly():
+    """Panels where the CPU has AVX512-VNNI (the W8A8 modules keep them, not rows); every
+    product at its largest: u8 255 x s8 -128 over 8192 inputs stays an exact int32 sum."""
+    flags = open("/proc/cpuinfo").read().split()
+    assert VNNI == ("avx512_vnni" in flags and "avx512bw" in flags)
+    packed = PackedInt8.from_weight(torch.randn(2, 40, 64))
+    assert (packed.panels is not None) == VNNI and (packed.rows is None) == VNNI
+    if not VNNI:
+        return
+    k, n = 8192, 40
+    x = torch.full((3, k), -5.0)
+    x[1] = 7.0
+    x[2, ::2] = 3.0
+    wq = torch.full((1, n, k), -128, dtype=torch.int8)
+    wq[0, 1] = 127
+    sw = torch.ones(1, n)
+    out = int8.w8a8_panels(x, torch.tensor([3], dtype=torch.int32), *int8.pack_panels(wq), sw)
+    assert torch.equal(out, w8a8_grouped_reference(x, torch.tensor([3], dtype=torch.int32), wq, sw))
+    assert out[0, 0] == pytest.approx(128 * 127 * k * 5 / 127, rel=1e-6)
 
 
 def test_portable_build_without_vector_instructions_agrees():

@@ -12,6 +12,10 @@ with the native kernel (`native/w8a8.c`); `w8a8_grouped_reference` is the plain 
 version it is tested against, bit for bit, and what runs where no C compiler is found.
 On this project's AVX2 CPUs `torch._int_mm` runs 15-110x slower than the fp32 product it
 would replace (docs/bench/w8a8_matmul.py), so it is not used on CPU.
+
+Where the CPU has AVX512-VNNI, `w8a8_panels` computes the same integers (so the same outputs,
+bit for bit) with `vpdpbusd` on weights packed once by `pack_panels`: 16 output channels by 4
+inputs per vector, each loaded once for 8 rows (`native/w8a8.c`).
 """
 
 from __future__ import annotations
@@ -74,10 +78,10 @@ BUILD_FLAGS = native.NATIVE_ISA + native.OPENMP + ("-O3",)
 
 
 def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
-    lib.w8a8_grouped.restype = ctypes.c_int
-    lib.w8a8_grouped.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
-                                 ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
-                                 ctypes.c_void_p, ctypes.c_int]
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.w8a8_grouped.restype = lib.w8a8_panels_grouped.restype = ctypes.c_int
+    lib.w8a8_grouped.argtypes = [p, i64, i64, p, i64, p, p, p, i64, i64, p, ctypes.c_int]
+    lib.w8a8_panels_grouped.argtypes = [p, i64, i64, p, i64, p, p, p, p, i64, i64, i64, p, ctypes.c_int]
     return lib
 
 
@@ -95,6 +99,57 @@ def column_multiple() -> int:
     """The padding of K that packed weights need (the native kernel's step)."""
     lib = _kernel()
     return lib.w8a8_kstep() if lib is not None else 1
+
+
+# ---- packed panels (AVX512-VNNI) -----------------------------------------------------------
+
+PANEL_WIDTH = 16  # output channels per panel
+MAX_PANEL_K = 65536  # MAX_PANEL_K in w8a8.c: shifted-byte sums stay exact in int32
+
+
+def panels_available() -> bool:
+    lib = _kernel()
+    return lib is not None and lib.w8a8_panels_available() == 1
+
+
+def pack_panels(wq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 [E, N, K] -> (panels [E, Np/16, Kp/4, 16, 4], colsum [E, Np] int32): N padded with
+    zero rows to a multiple of 32, K with zero columns to a multiple of 4 (`native/w8a8.c`)."""
+    e, n, k = wq.shape
+    n_pad, k_pad = -(-n // (2 * PANEL_WIDTH)) * 2 * PANEL_WIDTH, -(-k // 4) * 4
+    w = F.pad(wq, (0, k_pad - k, 0, n_pad - n))
+    panels = w.reshape(e, n_pad // PANEL_WIDTH, PANEL_WIDTH, k_pad // 4, 4).permute(0, 1, 3, 2, 4).contiguous()
+    return panels, w.sum(-1, dtype=torch.int32).contiguous()
+
+
+def unpack_panels(panels: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """The inverse of `pack_panels`: [E, n, k] int8."""
+    e, blocks, quads, width, four = panels.shape
+    return panels.permute(0, 1, 3, 2, 4).reshape(e, blocks * width, quads * four)[:, :n, :k]
+
+
+def w8a8_panels(x: torch.Tensor, offsets: torch.Tensor, panels: torch.Tensor, colsum: torch.Tensor, sw: torch.Tensor,
+                inv_smooth: torch.Tensor | None = None) -> torch.Tensor:
+    """As `w8a8_grouped_reference` (bit for bit) on `pack_panels`' weights, where
+    `panels_available()`: x [P, K] float sorted by expert, sw [E, N] -> [P, N] fp32."""
+    if not panels_available():
+        raise RuntimeError("w8a8 panels need a CPU with AVX512-VNNI and a C compiler")
+    x, sw = x.float().contiguous(), sw.float().contiguous()
+    offsets = offsets.to(torch.int32).contiguous()
+    (experts, n), (p, k) = sw.shape, x.shape
+    k_pad, n_pad = panels.shape[2] * 4, panels.shape[1] * PANEL_WIDTH
+    if inv_smooth is not None:
+        inv_smooth = inv_smooth.float().contiguous()
+    if k_pad < k or k_pad > MAX_PANEL_K or offsets.numel() != experts or colsum.shape != (experts, n_pad):
+        raise ValueError(f"w8a8: panels {tuple(panels.shape)} / scales {tuple(sw.shape)} do not fit x {tuple(x.shape)}")
+    out = torch.empty(p, n, dtype=torch.float32)
+    ptr = native.pointer
+    status = _kernel().w8a8_panels_grouped(
+        ptr(x), p, k, ptr(offsets), experts, ptr(panels), ptr(colsum), ptr(sw),
+        None if inv_smooth is None else ptr(inv_smooth), n, n_pad, k_pad, ptr(out), torch.get_num_threads())
+    if status != 0:
+        raise MemoryError(f"w8a8: no scratch memory for {p} x {k_pad} activations")
+    return out
 
 
 def w8a8_grouped(

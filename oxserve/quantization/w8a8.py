@@ -17,10 +17,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from oxserve.kernels.int8 import (
+    MAX_PANEL_K,
     column_multiple,
+    pack_panels,
     pad_columns,
+    panels_available,
     quantize_weight,
+    unpack_panels,
     w8a8_grouped,
+    w8a8_panels,
 )
 from oxserve.kernels.moe import clamped_glu, looped_experts
 from oxserve.model.linear import (
@@ -61,14 +66,20 @@ def int8_loader(part_rows: tuple[int, ...] | None = None) -> WeightLoader:
 
 
 class PackedInt8:
-    """int8 weights [E, N, Kp] (K zero-padded for the kernel), scales [E, N] and, when the
-    weights were smoothed, the factors [E, K] the activations are multiplied by first."""
+    """int8 weights [E, N, K], scales [E, N] and, when the weights were smoothed, the factors
+    [E, K] the activations are multiplied by first. Kept as the VNNI kernel's panels where the
+    CPU has AVX512-VNNI, else as rows with K zero-padded for the int16 kernel."""
 
     def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, in_features: int, inv_smooth: torch.Tensor | None = None):
-        self.qweight = pad_columns(qweight, column_multiple())
         self.scale = scale.float().contiguous()
         self.in_features = in_features
         self.inv_smooth = inv_smooth
+        self.panels: tuple[torch.Tensor, torch.Tensor] | None = None  # (panels, weight sums)
+        self.rows: torch.Tensor | None = None
+        if panels_available() and in_features <= MAX_PANEL_K:
+            self.panels = pack_panels(qweight[..., :in_features].contiguous())
+        else:
+            self.rows = pad_columns(qweight, column_multiple())
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor, smooth: torch.Tensor | None = None) -> PackedInt8:
@@ -78,7 +89,16 @@ class PackedInt8:
         q, scale = quantize_weight(weight)
         return cls(q, scale, weight.shape[-1], None if smooth is None else (1.0 / smooth).float())
 
+    @property
+    def qweight(self) -> torch.Tensor:
+        """The int8 weights, [E, N, K] (K padded where the int16 kernel keeps them)."""
+        if self.panels is not None:
+            return unpack_panels(self.panels[0], self.scale.shape[-1], self.in_features)
+        return self.rows
+
     def matmul(self, rows: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        if self.panels is not None and rows.device.type == "cpu":
+            return w8a8_panels(rows, offsets, *self.panels, self.scale, self.inv_smooth)
         return w8a8_grouped(rows, offsets, self.qweight, self.scale, self.inv_smooth)
 
     def dequantized(self) -> torch.Tensor:

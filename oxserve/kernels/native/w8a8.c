@@ -138,3 +138,131 @@ int w8a8_grouped(const float *x, int64_t P, int64_t K, const int32_t *offsets, i
     free(sx);
     return 0;
 }
+
+/* ---- packed panels on AVX512-VNNI --------------------------------------------------------
+ *
+ * `vpdpbusd` multiplies unsigned bytes by signed bytes, four pairs summed into each int32 lane
+ * without saturation. Activations are signed, so they are stored shifted, u = q + 128 in
+ * [1, 255], and the shift is taken back exactly with each output channel's weight sum:
+ *
+ *     sum_k q[k] w[n, k] = sum_k u[k] w[n, k] - 128 * colsum[n],   colsum[n] = sum_k w[n, k]
+ *
+ * (|sum_k u w| <= 255 * 128 * K fits int32 for K <= MAX_PANEL_K). Weights are packed once at
+ * load like the bf16 panels, 16 output channels by 4 inputs per 64-byte vector:
+ *
+ *     W [N, K] -> packed [Np/16][Kp/4][16][4]:  packed[b][p][n][t] = W[16 b + n][4 p + t]
+ *
+ * N padded with zero rows to Np (a multiple of 32: panels go in pairs), K with zero columns to
+ * Kp (a multiple of 4). Each weight vector is loaded once for PANEL_ROWS rows, and the sums
+ * are the same integers as the int16 kernel's, so the outputs are bit for bit the same. */
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define PANEL 16
+#define PANEL_ROWS 8 /* rows a pass: 16 accumulators, two weight vectors and a broadcast in registers */
+#define MAX_PANEL_K 65536
+
+int w8a8_panels_available(void) { return 1; }
+
+/* As w8a8_quantize_rows, into shifted bytes q + 128 (128 in the padding: q = 0). */
+static void quantize_rows_u8(const float *x, int64_t M, int64_t K, int64_t Kp, const float *inv_smooth, uint8_t *xq,
+                             float *sx) {
+    for (int64_t m = 0; m < M; m++) {
+        const float *row = x + m * K;
+        float amax = 0.0f;
+        for (int64_t k = 0; k < K; k++) amax = fmaxf(amax, fabsf(inv_smooth ? row[k] * inv_smooth[k] : row[k]));
+        const float s = amax > 0.0f ? amax / 127.0f : 1.0f;
+        sx[m] = s;
+        uint8_t *q = xq + m * Kp;
+        for (int64_t k = 0; k < K; k++) {
+            const float r = nearbyintf((inv_smooth ? row[k] * inv_smooth[k] : row[k]) / s);
+            q[k] = (uint8_t)((int)(r > 127.0f ? 127.0f : (r < -127.0f ? -127.0f : r)) + 128);
+        }
+        for (int64_t k = K; k < Kp; k++) q[k] = 128;
+    }
+}
+
+/* `rows` (a constant after inlining) rows of shifted bytes against two panels. */
+static inline __attribute__((always_inline)) void panel_rows(const uint8_t *x, int64_t Kp, const int8_t *w0,
+                                                             const int8_t *w1, const int rows, __m512i *acc0,
+                                                             __m512i *acc1) {
+    __m512i c0[PANEL_ROWS], c1[PANEL_ROWS];
+    for (int r = 0; r < rows; r++) c0[r] = c1[r] = _mm512_setzero_si512();
+    for (int64_t p = 0; p < Kp / 4; p++) {
+        const __m512i b0 = _mm512_loadu_si512(w0 + p * 4 * PANEL), b1 = _mm512_loadu_si512(w1 + p * 4 * PANEL);
+        for (int r = 0; r < rows; r++) {
+            int32_t quad;
+            memcpy(&quad, x + r * Kp + 4 * p, sizeof quad);
+            const __m512i a = _mm512_set1_epi32(quad);
+            c0[r] = _mm512_dpbusd_epi32(c0[r], a, b0);
+            c1[r] = _mm512_dpbusd_epi32(c1[r], a, b1);
+        }
+    }
+    for (int r = 0; r < rows; r++) {
+        acc0[r] = c0[r];
+        acc1[r] = c1[r];
+    }
+}
+
+/* y[m, n] = (float)(sum - 128 colsum[n]) * sx[m] * sw[n] for the 16 channels from n0, n < N. */
+static void store_panel(__m512i sum, const int32_t *colsum, const float *sw, float sx, int64_t n0, int64_t N,
+                        float *y) {
+    const int64_t valid = N - n0 < PANEL ? (N - n0 > 0 ? N - n0 : 0) : PANEL;
+    const __mmask16 keep = (__mmask16)((1u << valid) - 1u);
+    const __m512i exact = _mm512_sub_epi32(sum, _mm512_slli_epi32(_mm512_loadu_si512(colsum + n0), 7));
+    const __m512 scaled = _mm512_mul_ps(_mm512_cvtepi32_ps(exact), _mm512_set1_ps(sx));
+    _mm512_mask_storeu_ps(y + n0, keep, _mm512_mul_ps(scaled, _mm512_maskz_loadu_ps(keep, sw + n0)));
+}
+
+/* As w8a8_grouped, on weights packed as above: panels [E][Np/16][Kp/4][16][4], colsum [E, Np]
+ * int32, sw [E, N]. Tasks are (expert, pair of panels). Returns 0, -1 without scratch memory,
+ * -3 for K above MAX_PANEL_K. */
+int w8a8_panels_grouped(const float *x, int64_t P, int64_t K, const int32_t *offsets, int64_t E, const int8_t *panels,
+                        const int32_t *colsum, const float *sw, const float *inv_smooth, int64_t N, int64_t Np,
+                        int64_t Kp, float *y, int nthreads) {
+    if (Kp > MAX_PANEL_K) return -3;
+    if (P == 0) return 0;
+    uint8_t *xq = malloc((size_t)(P * Kp));
+    float *sx = malloc((size_t)P * sizeof(float));
+    if (xq == NULL || sx == NULL) { free(xq); free(sx); return -1; }
+    for (int64_t e = 0, start = 0; e < E; start = offsets[e], e++)
+        quantize_rows_u8(x + start * K, offsets[e] - start, K, Kp, inv_smooth ? inv_smooth + e * K : NULL,
+                         xq + start * Kp, sx + start);
+    const int64_t pairs = Np / (2 * PANEL), panel_bytes = Kp * PANEL;
+    #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
+    for (int64_t task = 0; task < E * pairs; task++) {
+        const int64_t e = task / pairs, b = 2 * (task % pairs);
+        const int8_t *w0 = panels + (e * (Np / PANEL) + b) * panel_bytes, *w1 = w0 + panel_bytes;
+        __m512i acc0[PANEL_ROWS], acc1[PANEL_ROWS];
+        for (int64_t m0 = e == 0 ? 0 : offsets[e - 1], end = offsets[e]; m0 < end; m0 += PANEL_ROWS) {
+            const uint8_t *xm = xq + m0 * Kp;
+            switch (end - m0 < PANEL_ROWS ? end - m0 : PANEL_ROWS) { /* a constant row count per case */
+            case 1: panel_rows(xm, Kp, w0, w1, 1, acc0, acc1); break;
+            case 2: panel_rows(xm, Kp, w0, w1, 2, acc0, acc1); break;
+            case 3: panel_rows(xm, Kp, w0, w1, 3, acc0, acc1); break;
+            case 4: panel_rows(xm, Kp, w0, w1, 4, acc0, acc1); break;
+            case 5: panel_rows(xm, Kp, w0, w1, 5, acc0, acc1); break;
+            case 6: panel_rows(xm, Kp, w0, w1, 6, acc0, acc1); break;
+            case 7: panel_rows(xm, Kp, w0, w1, 7, acc0, acc1); break;
+            default: panel_rows(xm, Kp, w0, w1, 8, acc0, acc1); break;
+            }
+            for (int64_t r = 0; r < PANEL_ROWS && m0 + r < end; r++) {
+                float *row = y + (m0 + r) * N;
+                store_panel(acc0[r], colsum + e * Np, sw + e * N, sx[m0 + r], b * PANEL, N, row);
+                store_panel(acc1[r], colsum + e * Np, sw + e * N, sx[m0 + r], (b + 1) * PANEL, N, row);
+            }
+        }
+    }
+    free(xq);
+    free(sx);
+    return 0;
+}
+#else
+int w8a8_panels_available(void) { return 0; }
+
+int w8a8_panels_grouped(const float *x, int64_t P, int64_t K, const int32_t *offsets, int64_t E, const int8_t *panels,
+                        const int32_t *colsum, const float *sw, const float *inv_smooth, int64_t N, int64_t Np,
+                        int64_t Kp, float *y, int nthreads) {
+    (void)x, (void)P, (void)K, (void)offsets, (void)E, (void)panels, (void)colsum, (void)sw, (void)inv_smooth;
+    (void)N, (void)Np, (void)Kp, (void)y, (void)nthreads;
+    return -2; /* built without AVX512-VNNI */
+}
+#endif
