@@ -162,22 +162,34 @@ int w8a8_grouped(const float *x, int64_t P, int64_t K, const int32_t *offsets, i
 
 int w8a8_panels_available(void) { return 1; }
 
-/* As w8a8_quantize_rows, into shifted bytes q + 128 (128 in the padding: q = 0). */
-static void quantize_rows_u8(const float *x, int64_t M, int64_t K, int64_t Kp, const float *inv_smooth, uint8_t *xq,
-                             float *sx) {
-    for (int64_t m = 0; m < M; m++) {
-        const float *row = x + m * K;
-        float amax = 0.0f;
-        for (int64_t k = 0; k < K; k++) amax = fmaxf(amax, fabsf(inv_smooth ? row[k] * inv_smooth[k] : row[k]));
-        const float s = amax > 0.0f ? amax / 127.0f : 1.0f;
-        sx[m] = s;
-        uint8_t *q = xq + m * Kp;
-        for (int64_t k = 0; k < K; k++) {
-            const float r = nearbyintf((inv_smooth ? row[k] * inv_smooth[k] : row[k]) / s);
-            q[k] = (uint8_t)((int)(r > 127.0f ? 127.0f : (r < -127.0f ? -127.0f : r)) + 128);
-        }
-        for (int64_t k = K; k < Kp; k++) q[k] = 128;
+/* As w8a8_quantize_rows, into shifted bytes q + 128 (128 in the padding: q = 0), 16 inputs a
+ * vector: the same IEEE divisions and round-half-even, so the same bytes. */
+static void quantize_row_u8(const float *row, int64_t K, int64_t Kp, const float *inv_smooth, uint8_t *q, float *sx) {
+    __m512 top = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16) {
+        __m512 v = _mm512_loadu_ps(row + k);
+        if (inv_smooth) v = _mm512_mul_ps(v, _mm512_loadu_ps(inv_smooth + k));
+        top = _mm512_max_ps(_mm512_abs_ps(v), top);
     }
+    float amax = _mm512_reduce_max_ps(top);
+    for (int64_t i = k; i < K; i++) amax = fmaxf(amax, fabsf(inv_smooth ? row[i] * inv_smooth[i] : row[i]));
+    const float s = amax > 0.0f ? amax / 127.0f : 1.0f;
+    *sx = s;
+    const __m512 scale = _mm512_set1_ps(s), lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
+    for (k = 0; k + 16 <= K; k += 16) {
+        __m512 v = _mm512_loadu_ps(row + k);
+        if (inv_smooth) v = _mm512_mul_ps(v, _mm512_loadu_ps(inv_smooth + k));
+        const __m512 r = _mm512_roundscale_ps(_mm512_div_ps(v, scale), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        const __m512i shifted = _mm512_add_epi32(_mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(r, lo), hi)),
+                                                 _mm512_set1_epi32(128));
+        _mm_storeu_si128((__m128i *)(q + k), _mm512_cvtepi32_epi8(shifted));
+    }
+    for (; k < K; k++) {
+        const float r = nearbyintf((inv_smooth ? row[k] * inv_smooth[k] : row[k]) / s);
+        q[k] = (uint8_t)((int)(r > 127.0f ? 127.0f : (r < -127.0f ? -127.0f : r)) + 128);
+    }
+    for (k = K; k < Kp; k++) q[k] = 128;
 }
 
 /* `rows` (a constant after inlining) rows of shifted bytes against two panels. */
@@ -223,9 +235,12 @@ int w8a8_panels_grouped(const float *x, int64_t P, int64_t K, const int32_t *off
     uint8_t *xq = malloc((size_t)(P * Kp));
     float *sx = malloc((size_t)P * sizeof(float));
     if (xq == NULL || sx == NULL) { free(xq); free(sx); return -1; }
-    for (int64_t e = 0, start = 0; e < E; start = offsets[e], e++)
-        quantize_rows_u8(x + start * K, offsets[e] - start, K, Kp, inv_smooth ? inv_smooth + e * K : NULL,
-                         xq + start * Kp, sx + start);
+    #pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t m = 0; m < P; m++) {
+        int64_t e = 0; /* the row's expert: its smoothing factors */
+        while (offsets[e] <= m) e++;
+        quantize_row_u8(x + m * K, K, Kp, inv_smooth ? inv_smooth + e * K : NULL, xq + m * Kp, sx + m);
+    }
     const int64_t pairs = Np / (2 * PANEL), panel_bytes = Kp * PANEL;
     #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
     for (int64_t task = 0; task < E * pairs; task++) {
