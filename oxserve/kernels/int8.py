@@ -82,6 +82,9 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.w8a8_grouped.restype = lib.w8a8_panels_grouped.restype = ctypes.c_int
     lib.w8a8_grouped.argtypes = [p, i64, i64, p, i64, p, p, p, i64, i64, p, ctypes.c_int]
     lib.w8a8_panels_grouped.argtypes = [p, i64, i64, p, i64, p, p, p, p, i64, i64, i64, p, ctypes.c_int]
+    lib.w8a8_panels_routed.restype = ctypes.c_int
+    lib.w8a8_panels_routed.argtypes = [p, ctypes.c_int, i64, i64, p, p, i64, i64, i64, ctypes.c_float,
+                                       p, p, p, p, i64, i64, p, p, p, p, i64, i64, p, ctypes.c_int]
     return lib
 
 
@@ -149,6 +152,36 @@ def w8a8_panels(x: torch.Tensor, offsets: torch.Tensor, panels: torch.Tensor, co
         None if inv_smooth is None else ptr(inv_smooth), n, n_pad, k_pad, ptr(out), torch.get_num_threads())
     if status != 0:
         raise MemoryError(f"w8a8: no scratch memory for {p} x {k_pad} activations")
+    return out
+
+
+# (panels, weight sums, scales [E, N], smoothing factors [E, K] or None): one packed stack
+PanelStack = tuple[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"]
+
+
+def w8a8_panels_routed(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, gate_up: PanelStack,
+                       down: PanelStack, limit: float) -> torch.Tensor:
+    """The routed experts in one native call (`native/w8a8.c`): x [T, H] (bf16 or fp32), the
+    router's weights and expert ids [T, k] -> [T, H] in x's dtype; gate_up packed from [E, 2I, H],
+    down from [E, H, I]. The pairs' products are `w8a8_panels`'; the GLU between them is
+    computed in fp32 as `clamped_glu` does it, times the routing weight."""
+    if not panels_available():
+        raise RuntimeError("w8a8 panels need a CPU with AVX512-VNNI and a C compiler")
+    rows, ids, weights = x.contiguous(), experts.to(torch.int64).contiguous(), weights.float().contiguous()
+    (tokens, hidden), num_experts, inter = rows.shape, gate_up[2].shape[0], gate_up[2].shape[1] // 2
+    out = torch.empty_like(rows)
+    ptr = native.pointer
+
+    def stack(s: PanelStack) -> list:
+        panels, colsum, scale, smooth = s
+        return [ptr(panels), ptr(colsum), ptr(scale), None if smooth is None else ptr(smooth), panels.shape[1] * PANEL_WIDTH,
+                panels.shape[2] * 4]
+
+    status = _kernel().w8a8_panels_routed(
+        ptr(rows), int(rows.dtype == torch.bfloat16), tokens, hidden, ptr(ids), ptr(weights), ids.shape[1], num_experts,
+        inter, limit, *stack(gate_up), *stack(down), ptr(out), torch.get_num_threads())
+    if status != 0:
+        raise MemoryError(f"w8a8 routed experts: no scratch memory for {ids.numel()} rows")
     return out
 
 

@@ -18,6 +18,7 @@ from torch import nn
 
 from oxserve.kernels.int8 import (
     MAX_PANEL_K,
+    PanelStack,
     column_multiple,
     pack_panels,
     pad_columns,
@@ -26,6 +27,7 @@ from oxserve.kernels.int8 import (
     unpack_panels,
     w8a8_grouped,
     w8a8_panels,
+    w8a8_panels_routed,
 )
 from oxserve.kernels.moe import clamped_glu, looped_experts
 from oxserve.model.linear import (
@@ -95,6 +97,10 @@ class PackedInt8:
         if self.panels is not None:
             return unpack_panels(self.panels[0], self.scale.shape[-1], self.in_features)
         return self.rows
+
+    def panel_stack(self) -> PanelStack:
+        """What `w8a8_panels_routed` takes (where `panels` is set)."""
+        return (*self.panels, self.scale, self.inv_smooth)
 
     def matmul(self, rows: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         if self.panels is not None and rows.device.type == "cpu":
@@ -207,6 +213,16 @@ class W8A8Experts(Experts):
         for param in (self.gate_up_proj, self.down_proj):
             param.data = param.data.new_empty(0)
         self.inputs = None
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
+                shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """On VNNI panels, routing, both products and the GLU in one native call; else the
+        parent's routing around `run_sorted`."""
+        if (shared is None and not self.sliced and self.gate_up is not None and self.gate_up.panels is not None
+                and self.down.panels is not None and x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float32)):
+            return w8a8_panels_routed(x, weights, experts, self.gate_up.panel_stack(), self.down.panel_stack(),
+                                      self.swiglu_limit)
+        return super().forward(x, weights, experts, shared)
 
     def run_sorted(self, rows: torch.Tensor, row_weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         if self.gate_up is None or self.down is None:

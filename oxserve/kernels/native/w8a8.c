@@ -156,6 +156,11 @@ int w8a8_grouped(const float *x, int64_t P, int64_t K, const int32_t *offsets, i
  * Kp (a multiple of 4). Each weight vector is loaded once for PANEL_ROWS rows, and the sums
  * are the same integers as the int16 kernel's, so the outputs are bit for bit the same. */
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#include "bf16.h"
+#include "vmath.h"
+
+#define H_CHUNK 256 /* output channels a token's sum keeps at once */
+
 #define PANEL 16
 #define PANEL_ROWS 8 /* rows a pass: 16 accumulators, two weight vectors and a broadcast in registers */
 #define MAX_PANEL_K 65536
@@ -224,6 +229,76 @@ static void store_panel(__m512i sum, const int32_t *colsum, const float *sw, flo
     _mm512_mask_storeu_ps(y + n0, keep, _mm512_mul_ps(scaled, _mm512_maskz_loadu_ps(keep, sw + n0)));
 }
 
+/* One expert's weights: panels [Np/16][Kp/4][16][4], their channel sums [Np], scales [N], and
+ * smoothing factors [K] for its inputs (NULL: none). */
+typedef struct {
+    const int8_t *panels;
+    const int32_t *colsum;
+    const float *sw, *inv_smooth;
+    int64_t N, Np, K, Kp;
+} Int8Weights;
+
+static Int8Weights expert_weights(const int8_t *panels, const int32_t *colsum, const float *sw, const float *inv_smooth,
+                                  int64_t e, int64_t N, int64_t Np, int64_t K, int64_t Kp) {
+    Int8Weights w = {panels + e * Np * Kp, colsum + e * Np, sw + e * N, inv_smooth ? inv_smooth + e * K : NULL,
+                     N, Np, K, Kp};
+    return w;
+}
+
+/* Rows [start, end) of shifted bytes xq (row scales sx) times one pair of panels (from channel
+ * 32 b2), into y's fp32 rows (`ldy` apart). */
+static void pair_products(const uint8_t *xq, const float *sx, int64_t start, int64_t end, const Int8Weights *w,
+                          int64_t b2, float *y, int64_t ldy) {
+    const int8_t *w0 = w->panels + b2 * 2 * PANEL * w->Kp, *w1 = w0 + PANEL * w->Kp;
+    __m512i acc0[PANEL_ROWS], acc1[PANEL_ROWS];
+    for (int64_t m0 = start; m0 < end; m0 += PANEL_ROWS) {
+        const uint8_t *xm = xq + m0 * w->Kp;
+        const int64_t Kp = w->Kp;
+        switch (end - m0 < PANEL_ROWS ? end - m0 : PANEL_ROWS) { /* a constant row count per case */
+        case 1: panel_rows(xm, Kp, w0, w1, 1, acc0, acc1); break;
+        case 2: panel_rows(xm, Kp, w0, w1, 2, acc0, acc1); break;
+        case 3: panel_rows(xm, Kp, w0, w1, 3, acc0, acc1); break;
+        case 4: panel_rows(xm, Kp, w0, w1, 4, acc0, acc1); break;
+        case 5: panel_rows(xm, Kp, w0, w1, 5, acc0, acc1); break;
+        case 6: panel_rows(xm, Kp, w0, w1, 6, acc0, acc1); break;
+        case 7: panel_rows(xm, Kp, w0, w1, 7, acc0, acc1); break;
+        default: panel_rows(xm, Kp, w0, w1, 8, acc0, acc1); break;
+        }
+        for (int64_t r = 0; r < PANEL_ROWS && m0 + r < end; r++) {
+            float *row = y + (m0 + r) * ldy;
+            store_panel(acc0[r], w->colsum, w->sw, sx[m0 + r], 2 * b2 * PANEL, w->N, row);
+            store_panel(acc1[r], w->colsum, w->sw, sx[m0 + r], (2 * b2 + 1) * PANEL, w->N, row);
+        }
+    }
+}
+
+static inline int64_t expert_of(const int32_t *offsets, int64_t m) {
+    int64_t e = 0;
+    while (offsets[e] <= m) e++;
+    return e;
+}
+
+/* The quantized rows of x [P, K] (sorted by expert, each with its expert's smoothing) and
+ * their products with every expert's weights, into y [P, N]. */
+static void grouped_products(const float *x, int64_t P, const int32_t *offsets, int64_t E, const int8_t *panels,
+                             const int32_t *colsum, const float *sw, const float *inv_smooth, int64_t N, int64_t Np,
+                             int64_t K, int64_t Kp, uint8_t *xq, float *sx, float *y, int nthreads) {
+    #pragma omp parallel num_threads(nthreads)
+    {
+        #pragma omp for schedule(static)
+        for (int64_t m = 0; m < P; m++)
+            quantize_row_u8(x + m * K, K, Kp, inv_smooth ? inv_smooth + expert_of(offsets, m) * K : NULL, xq + m * Kp,
+                            sx + m);
+        const int64_t pairs = Np / (2 * PANEL);
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < E * pairs; task++) {
+            const int64_t e = task / pairs;
+            const Int8Weights w = expert_weights(panels, colsum, sw, inv_smooth, e, N, Np, K, Kp);
+            pair_products(xq, sx, e == 0 ? 0 : offsets[e - 1], offsets[e], &w, task % pairs, y, N);
+        }
+    }
+}
+
 /* As w8a8_grouped, on weights packed as above: panels [E][Np/16][Kp/4][16][4], colsum [E, Np]
  * int32, sw [E, N]. Tasks are (expert, pair of panels). Returns 0, -1 without scratch memory,
  * -3 for K above MAX_PANEL_K. */
@@ -235,49 +310,93 @@ int w8a8_panels_grouped(const float *x, int64_t P, int64_t K, const int32_t *off
     uint8_t *xq = malloc((size_t)(P * Kp));
     float *sx = malloc((size_t)P * sizeof(float));
     if (xq == NULL || sx == NULL) { free(xq); free(sx); return -1; }
-    #pragma omp parallel for schedule(static) num_threads(nthreads)
-    for (int64_t m = 0; m < P; m++) {
-        int64_t e = 0; /* the row's expert: its smoothing factors */
-        while (offsets[e] <= m) e++;
-        quantize_row_u8(x + m * K, K, Kp, inv_smooth ? inv_smooth + e * K : NULL, xq + m * Kp, sx + m);
-    }
-    const int64_t pairs = Np / (2 * PANEL), panel_bytes = Kp * PANEL;
-    #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
-    for (int64_t task = 0; task < E * pairs; task++) {
-        const int64_t e = task / pairs, b = 2 * (task % pairs);
-        const int8_t *w0 = panels + (e * (Np / PANEL) + b) * panel_bytes, *w1 = w0 + panel_bytes;
-        __m512i acc0[PANEL_ROWS], acc1[PANEL_ROWS];
-        for (int64_t m0 = e == 0 ? 0 : offsets[e - 1], end = offsets[e]; m0 < end; m0 += PANEL_ROWS) {
-            const uint8_t *xm = xq + m0 * Kp;
-            switch (end - m0 < PANEL_ROWS ? end - m0 : PANEL_ROWS) { /* a constant row count per case */
-            case 1: panel_rows(xm, Kp, w0, w1, 1, acc0, acc1); break;
-            case 2: panel_rows(xm, Kp, w0, w1, 2, acc0, acc1); break;
-            case 3: panel_rows(xm, Kp, w0, w1, 3, acc0, acc1); break;
-            case 4: panel_rows(xm, Kp, w0, w1, 4, acc0, acc1); break;
-            case 5: panel_rows(xm, Kp, w0, w1, 5, acc0, acc1); break;
-            case 6: panel_rows(xm, Kp, w0, w1, 6, acc0, acc1); break;
-            case 7: panel_rows(xm, Kp, w0, w1, 7, acc0, acc1); break;
-            default: panel_rows(xm, Kp, w0, w1, 8, acc0, acc1); break;
-            }
-            for (int64_t r = 0; r < PANEL_ROWS && m0 + r < end; r++) {
-                float *row = y + (m0 + r) * N;
-                store_panel(acc0[r], colsum + e * Np, sw + e * N, sx[m0 + r], b * PANEL, N, row);
-                store_panel(acc1[r], colsum + e * Np, sw + e * N, sx[m0 + r], (b + 1) * PANEL, N, row);
-            }
-        }
-    }
+    grouped_products(x, P, offsets, E, panels, colsum, sw, inv_smooth, N, Np, K, Kp, xq, sx, y, nthreads);
     free(xq);
     free(sx);
     return 0;
 }
+
+/* Routed experts in one call: the (token, slot) pairs of ids [T, k] sorted by expert (stable),
+ * their rows of x [T, H] (bf16 when x_bf16, else fp32) gathered, gate|up products (N = 2I,
+ * K = H), act = silu(min(gate, limit)) * clamp(up, +-limit) * the pair's weight in fp32, down
+ * products (N = H, K = I), each pair's output rounded to x's dtype, then each token's outputs
+ * summed in fp32 in expert order and rounded once into y [T, H]. Returns 0, -1 without
+ * scratch memory, -3 for a width above MAX_PANEL_K. */
+int w8a8_panels_routed(const void *x, int x_bf16, int64_t T, int64_t H, const int64_t *ids, const float *weights,
+                       int64_t k, int64_t E, int64_t I, float limit,
+                       const int8_t *gu_panels, const int32_t *gu_colsum, const float *gu_sw, const float *gu_smooth,
+                       int64_t gu_Np, int64_t gu_Kp,
+                       const int8_t *d_panels, const int32_t *d_colsum, const float *d_sw, const float *d_smooth,
+                       int64_t d_Np, int64_t d_Kp, void *y, int nthreads) {
+    if (gu_Kp > MAX_PANEL_K || d_Kp > MAX_PANEL_K) return -3;
+    const int64_t P = T * k, rows = P > 0 ? P : 1, wide = gu_Kp > d_Kp ? gu_Kp : d_Kp;
+    int32_t *offsets = calloc((size_t)E, sizeof(int32_t));
+    int64_t *slot_of = malloc((size_t)rows * sizeof(int64_t));
+    float *in = malloc((size_t)(rows * (H > I ? H : I)) * sizeof(float)); /* gathered rows, then act */
+    float *h = malloc((size_t)(rows * 2 * I) * sizeof(float));             /* gate|up, then the outputs */
+    float *sx = malloc((size_t)rows * sizeof(float)), *row_weight = malloc((size_t)rows * sizeof(float));
+    uint8_t *xq = malloc((size_t)(rows * wide));
+    int status = -1;
+    if (!offsets || !slot_of || !in || !h || !sx || !row_weight || !xq) goto done;
+    for (int64_t p = 0; p < P; p++) offsets[ids[p]]++;
+    for (int64_t e = 0, start = 0; e < E; e++) { /* counting sort: starts, then (once placed) ends */
+        const int32_t count = offsets[e];
+        offsets[e] = (int32_t)start;
+        start += count;
+    }
+    for (int64_t p = 0; p < P; p++) slot_of[p] = offsets[ids[p]]++;
+    #pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t p = 0; p < P; p++) {
+        widen_row(x, (p / k) * H, H, x_bf16, in + slot_of[p] * H);
+        row_weight[slot_of[p]] = weights[p];
+    }
+    grouped_products(in, P, offsets, E, gu_panels, gu_colsum, gu_sw, gu_smooth, 2 * I, gu_Np, H, gu_Kp, xq, sx, h,
+                     nthreads);
+    #pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t m = 0; m < P; m++) {
+        const float *gate = h + m * 2 * I, *up = gate + I;
+        float *act = in + m * I;
+        for (int64_t c = 0; c < I; c++) {
+            const float g = gate[c] < limit ? gate[c] : limit;
+            const float u = up[c] < -limit ? -limit : (up[c] > limit ? limit : up[c]);
+            act[c] = g / (1.0f + vexp(-g)) * u * row_weight[m];
+        }
+    }
+    grouped_products(in, P, offsets, E, d_panels, d_colsum, d_sw, d_smooth, H, d_Np, I, d_Kp, xq, sx, h, nthreads);
+    #pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t t = 0; t < T; t++) {
+        float sum[H_CHUNK];
+        for (int64_t c0 = 0; c0 < H; c0 += H_CHUNK) {
+            const int64_t n = H - c0 < H_CHUNK ? H - c0 : H_CHUNK;
+            for (int64_t c = 0; c < n; c++) sum[c] = 0.0f;
+            int64_t done_below = -1; /* the token's pairs in sorted (expert) order */
+            for (int64_t j = 0; j < k; j++) {
+                int64_t next = -1;
+                for (int64_t i = 0; i < k; i++) {
+                    const int64_t s = slot_of[t * k + i];
+                    if (s > done_below && (next < 0 || s < next)) next = s;
+                }
+                const float *out = h + next * H + c0;
+                for (int64_t c = 0; c < n; c++) sum[c] += x_bf16 ? round_bf16(out[c]) : out[c];
+                done_below = next;
+            }
+            narrow_row(sum, n, x_bf16, y, t * H + c0);
+        }
+    }
+    status = 0;
+done:
+    free(offsets);
+    free(slot_of);
+    free(in);
+    free(h);
+    free(sx);
+    free(row_weight);
+    free(xq);
+    return status;
+}
 #else
 int w8a8_panels_available(void) { return 0; }
 
-int w8a8_panels_grouped(const float *x, int64_t P, int64_t K, const int32_t *offsets, int64_t E, const int8_t *panels,
-                        const int32_t *colsum, const float *sw, const float *inv_smooth, int64_t N, int64_t Np,
-                        int64_t Kp, float *y, int nthreads) {
-    (void)x, (void)P, (void)K, (void)offsets, (void)E, (void)panels, (void)colsum, (void)sw, (void)inv_smooth;
-    (void)N, (void)Np, (void)Kp, (void)y, (void)nthreads;
-    return -2; /* built without AVX512-VNNI */
-}
+int w8a8_panels_grouped(void) { return -2; }  /* built without AVX512-VNNI: never called (panels_available) */
+int w8a8_panels_routed(void) { return -2; }
 #endif
