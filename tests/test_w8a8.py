@@ -148,6 +148,21 @@ def test_w8a8_linear_equals_dequantized_product():
     assert module.weight.numel() == 0  # the dense copy is freed
 
 
+def test_w8a8_linear_reads_and_writes_bf16_as_the_fp32_product_rounded():
+    """bf16 in and out (the kernel converts itself on VNNI CPUs): the fp32 product of the same
+    values, rounded once to bf16."""
+    torch.manual_seed(3)
+    linear = Linear(72, (40,))
+    linear.weight.data = torch.randn(40, 72).bfloat16()
+    module = W8A8Linear(linear)
+    module.after_load()
+    x = torch.randn(3, 7, 72).bfloat16()
+    expected = w8a8_grouped_reference(x.reshape(21, 72), torch.tensor([21]), module.packed.qweight[..., :72],
+                                      module.packed.scale).to(torch.bfloat16).view(3, 7, 40)
+    got = module(x)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, expected)
+
+
 def test_w8a8_experts_equal_the_looped_reference(tiny_model_dir):
     dense = load_model(tiny_model_dir, dtype=torch.float32).model
     quant = load_model(tiny_model_dir, dtype=torch.float32, transform=quantize_w8a8_on_load).model

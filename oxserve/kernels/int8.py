@@ -82,6 +82,8 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.w8a8_grouped.restype = lib.w8a8_panels_grouped.restype = ctypes.c_int
     lib.w8a8_grouped.argtypes = [p, i64, i64, p, i64, p, p, p, i64, i64, p, ctypes.c_int]
     lib.w8a8_panels_grouped.argtypes = [p, i64, i64, p, i64, p, p, p, p, i64, i64, i64, p, ctypes.c_int]
+    lib.w8a8_panels_linear.restype = ctypes.c_int
+    lib.w8a8_panels_linear.argtypes = [p, ctypes.c_int, i64, i64, p, p, p, p, i64, i64, i64, p, ctypes.c_int, ctypes.c_int]
     lib.w8a8_panels_routed.restype = ctypes.c_int
     lib.w8a8_panels_routed.argtypes = [p, ctypes.c_int, i64, i64, p, p, i64, i64, i64, ctypes.c_float,
                                        p, p, p, p, i64, i64, p, p, p, p, i64, i64, p, ctypes.c_int]
@@ -152,6 +154,26 @@ def w8a8_panels(x: torch.Tensor, offsets: torch.Tensor, panels: torch.Tensor, co
         None if inv_smooth is None else ptr(inv_smooth), n, n_pad, k_pad, ptr(out), torch.get_num_threads())
     if status != 0:
         raise MemoryError(f"w8a8: no scratch memory for {p} x {k_pad} activations")
+    return out
+
+
+def w8a8_panels_linear(x: torch.Tensor, panels: torch.Tensor, colsum: torch.Tensor, sw: torch.Tensor,
+                       inv_smooth: torch.Tensor | None = None) -> torch.Tensor:
+    """`w8a8_panels` for one weight (E = 1) on x [M, K] in bf16 or fp32, returning x's dtype:
+    the kernel reads and writes the model dtype itself (a decode step makes ~50 of these calls)."""
+    rows = x if x.is_contiguous() else x.contiguous()
+    (m, k), n = rows.shape, sw.shape[-1]
+    k_pad = panels.shape[2] * 4
+    if k_pad < k or rows.dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"w8a8: panels {tuple(panels.shape)} do not fit x {tuple(x.shape)} ({x.dtype})")
+    out = torch.empty(m, n, dtype=rows.dtype)
+    bf16 = rows.dtype == torch.bfloat16
+    status = _kernel().w8a8_panels_linear(
+        rows.data_ptr(), bf16, m, k, panels.data_ptr(), colsum.data_ptr(), sw.data_ptr(),
+        None if inv_smooth is None else inv_smooth.data_ptr(), n, panels.shape[1] * PANEL_WIDTH, k_pad, out.data_ptr(),
+        bf16, torch.get_num_threads())
+    if status != 0:
+        raise MemoryError(f"w8a8: no scratch memory for {m} x {k_pad} activations")
     return out
 
 

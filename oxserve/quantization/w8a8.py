@@ -27,6 +27,7 @@ from oxserve.kernels.int8 import (
     unpack_panels,
     w8a8_grouped,
     w8a8_panels,
+    w8a8_panels_linear,
     w8a8_panels_routed,
 )
 from oxserve.kernels.moe import clamped_glu, looped_experts
@@ -163,8 +164,11 @@ class W8A8Linear(nn.Module):
             self.inputs.observe(0, x)
             return F.linear(x, self.weight)
         rows = x.reshape(-1, self.in_features)
-        offsets = torch.tensor([rows.shape[0]], dtype=torch.int32)
-        return self.packed.matmul(rows, offsets).to(x.dtype).view(*x.shape[:-1], self.out_features)
+        if self.packed.panels is not None and x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float32):
+            out = w8a8_panels_linear(rows, *self.packed.panels, self.packed.scale[0], self.packed.inv_smooth)
+        else:
+            out = self.packed.matmul(rows, torch.tensor([rows.shape[0]], dtype=torch.int32)).to(x.dtype)
+        return out.view(*x.shape[:-1], self.out_features)
 
     def dense_weight(self) -> torch.Tensor:
         if self.packed is None:

@@ -316,6 +316,32 @@ int w8a8_panels_grouped(const float *x, int64_t P, int64_t K, const int32_t *off
     return 0;
 }
 
+/* A plain linear layer (one expert) on x [M, K] and into y [M, N], each bf16 when its flag
+ * says so, else fp32: no conversions around the call. Returns as w8a8_panels_grouped. */
+int w8a8_panels_linear(const void *x, int x_bf16, int64_t M, int64_t K, const int8_t *panels, const int32_t *colsum,
+                       const float *sw, const float *inv_smooth, int64_t N, int64_t Np, int64_t Kp, void *y,
+                       int y_bf16, int nthreads) {
+    if (Kp > MAX_PANEL_K) return -3;
+    if (M == 0) return 0;
+    float *xf = x_bf16 ? malloc((size_t)(M * K) * sizeof(float)) : (float *)x;
+    float *yf = y_bf16 ? malloc((size_t)(M * N) * sizeof(float)) : (float *)y;
+    uint8_t *xq = malloc((size_t)(M * Kp));
+    float *sx = malloc((size_t)M * sizeof(float));
+    int status = -1;
+    if (xf == NULL || yf == NULL || xq == NULL || sx == NULL) goto done;
+    if (x_bf16) widen_row(x, 0, M * K, 1, xf);
+    const int32_t rows = (int32_t)M;
+    grouped_products(xf, M, &rows, 1, panels, colsum, sw, inv_smooth, N, Np, K, Kp, xq, sx, yf, nthreads);
+    if (y_bf16) narrow_row(yf, M * N, 1, y, 0);
+    status = 0;
+done:
+    if (x_bf16) free(xf);
+    if (y_bf16) free(yf);
+    free(xq);
+    free(sx);
+    return status;
+}
+
 /* Routed experts in one call: the (token, slot) pairs of ids [T, k] sorted by expert (stable),
  * their rows of x [T, H] (bf16 when x_bf16, else fp32) gathered, gate|up products (N = 2I,
  * K = H), act = silu(min(gate, limit)) * clamp(up, +-limit) * the pair's weight in fp32, down
@@ -399,4 +425,5 @@ int w8a8_panels_available(void) { return 0; }
 
 int w8a8_panels_grouped(void) { return -2; }  /* built without AVX512-VNNI: never called (panels_available) */
 int w8a8_panels_routed(void) { return -2; }
+int w8a8_panels_linear(void) { return -2; }
 #endif
