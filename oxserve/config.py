@@ -138,9 +138,10 @@ class SchedulerConfig:
         "then arrival, and preemption takes the least urgent", choices=("fcfs", "priority"),
     )
     max_stall: float = opt(
-        4.0,
+        2.0,
         "stall-free batching: a step that carries prefill next to decodes may cost at most this many times a "
-        "decode-only step (its prefill tokens are bounded from measured step costs); 0 turns it off",
+        "decode-only step (its prefill tokens are bounded from measured step costs), unless prompts queue up "
+        "faster than that lets them through (then each step takes 1/16 of the backlog); 0 turns it off",
     )
     speculative_config: str | None = opt(
         None, 'speculative decoding, as vLLM spells it: JSON {"method": "ngram", "num_speculative_tokens": k, '

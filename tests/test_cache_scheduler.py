@@ -258,8 +258,9 @@ def test_a_request_aborted_during_the_step_takes_no_tokens():
 
 
 def test_stall_free_pacing_bounds_the_prefill_that_rides_with_decodes():
-    """Measured costs: a mixed step stays within max_stall decode steps, prompts still advance,
-    and a step with no decodes takes the whole token budget."""
+    """Measured costs, prompts arriving one at a time (no backlog the bound could not clear
+    in CLEAR_STEPS steps): a mixed step stays within max_stall decode steps, prompts still
+    advance, and a step with no decodes takes the whole token budget."""
     cache = CacheManager(num_blocks=256, block_size=16, num_slots=8)
     scheduler = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=2048, max_stall=2.0), cache)
     first = _request(0, 1000, 200)
@@ -271,7 +272,7 @@ def test_stall_free_pacing_bounds_the_prefill_that_rides_with_decodes():
         scheduler.observe_step(out, _step_seconds(out))
         scheduler.update_from_output(out, _sample_all(out))
         if i % 10 == 0:
-            scheduler.add(_request(i, 700, 200))
+            scheduler.add(_request(i, 400, 200))
         out = scheduler.schedule()
         steps.append(out)
     decode_only = [_step_seconds(o) for o in steps if o.num_decode_tokens == o.num_tokens]
@@ -282,6 +283,35 @@ def test_stall_free_pacing_bounds_the_prefill_that_rides_with_decodes():
         assert o.num_tokens - o.num_decode_tokens >= 16
     # Prompts advance oldest first, in paced chunks.
     assert scheduler.requests["r10"].output_token_ids and scheduler.requests["r20"].num_computed_tokens > 0
+
+
+def test_stall_free_pacing_lets_a_backlog_through_faster_than_the_stall_bound():
+    """Prompts queueing faster than the stall bound lets them through: holding them back only
+    keeps requests from decoding, so each step may take 1 / CLEAR_STEPS of the backlog."""
+    from oxserve.engine.pacing import CLEAR_STEPS
+
+    cache = CacheManager(num_blocks=2048, block_size=16, num_slots=32)
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=4096, max_stall=2.0), cache)
+    scheduler.add(_request(0, 600, 400))
+    out = scheduler.schedule()
+    for _ in range(6):  # the costs are measured: decodes alone, then carrying the first prompts
+        scheduler.observe_step(out, _step_seconds(out))
+        scheduler.update_from_output(out, _sample_all(out))
+        scheduler.add(_request(len(scheduler.requests), 300, 400))
+        out = scheduler.schedule()
+    backlog = 10 * 700
+    for i in range(10):
+        scheduler.add(_request(100 + i, 700, 400))
+    steps = 0
+    while any(r.num_uncomputed > 1 or r in scheduler.waiting for r in scheduler.requests.values()):
+        scheduler.observe_step(out, _step_seconds(out))
+        scheduler.update_from_output(out, _sample_all(out))
+        out = scheduler.schedule()
+        steps += 1
+        assert steps < 200
+    # at the stall bound alone (about 48 tokens a step) it would have taken ~150 steps; a
+    # fixed share of what is left: CLEAR_STEPS * ln(backlog / (CLEAR_STEPS * 48)), then the bound
+    assert CLEAR_STEPS < steps < backlog / 48 / 2
 
 
 def test_pacer_budget_from_measured_costs():

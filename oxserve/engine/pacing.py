@@ -15,6 +15,13 @@ Both costs are measured from the engine's own step times, as exponentially weigh
   steady arrivals every step may carry some prefill, so decode-only steps alone could not
   follow a growing batch.
 
+The bound is for a machine with headroom. When prompts queue up faster than it lets them
+through (a backlog of prefill tokens, waiting or part-computed), holding them back no longer
+smooths anything: it keeps fewer requests decoding and costs throughput, and with most steps
+carrying prefill the stall becomes the typical step rather than the tail. So a step may also
+take 1 / `CLEAR_STEPS` of the backlog: at low load the stall bound decides, under saturation
+the backlog does (a backlog B then drains at a share of itself a step, then at the bound).
+
 The budget is rounded down to whole `MIN_CHUNK`s and never falls below one, so a prompt
 always advances. Until both costs are known, and in steps without decodes, only
 `max_num_batched_tokens` bounds the prefill.
@@ -25,6 +32,7 @@ from __future__ import annotations
 MIN_CHUNK = 16
 BIG_PREFILL = 256
 SMOOTHING = 0.25  # weight of the newest measurement
+CLEAR_STEPS = 16  # a step may take 1/CLEAR_STEPS of the prefill backlog, whatever the stall bound
 
 
 class StepPacer:
@@ -44,11 +52,12 @@ class StepPacer:
             prefill_part = prefill_tokens * (self.prefill_token_s or 0.0)
             self.decode_step_s = _mix(self.decode_step_s, max(seconds - prefill_part, 0.0))
 
-    def prefill_budget(self, decodes: int) -> int | None:
-        """Most prefill tokens for a step with `decodes` decode requests (None: no bound)."""
+    def prefill_budget(self, decodes: int, backlog: int = 0) -> int | None:
+        """Most prefill tokens for a step with `decodes` decode requests while `backlog` prompt
+        tokens wait to be computed (None: no bound)."""
         if not decodes or self.decode_step_s is None or not self.prefill_token_s:
             return None
-        tokens = (self.max_stall - 1) * self.decode_step_s / self.prefill_token_s
+        tokens = max((self.max_stall - 1) * self.decode_step_s / self.prefill_token_s, backlog / CLEAR_STEPS)
         return max(MIN_CHUNK, int(tokens) // MIN_CHUNK * MIN_CHUNK)
 
 

@@ -126,7 +126,7 @@ class Scheduler:
         # token whatever the chunking or preemption history.
         step_cap = 1 if self.config.deterministic else budget
         decodes = sum(1 for r in self.running if r.num_uncomputed == 1)
-        paced = None if self.config.deterministic else self.pacer.prefill_budget(decodes)
+        paced = None if self.config.deterministic else self.pacer.prefill_budget(decodes, self._prefill_backlog())
         prefill_left = budget if paced is None else paced
         chosen: list[tuple[Request, int]] = []
         preempted = False
@@ -195,6 +195,11 @@ class Scheduler:
             budget -= n
             prefill_left -= n
         return chosen, preempted
+
+    def _prefill_backlog(self) -> int:
+        """Prompt tokens still to compute: of running prompts and of the waiting queue."""
+        running = sum(r.num_uncomputed for r in self.running if r.num_uncomputed > 1)
+        return running + sum(r.num_tokens - r.num_computed_tokens for r in self.waiting)
 
     def _admit_imported(self, request: Request) -> None:
         """Blocks and a slot for the imported prompt and its first output token, which the
