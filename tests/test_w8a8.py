@@ -42,6 +42,16 @@ def _grouped_case(rows: int, k: int, n: int, experts: int, seed: int, scale: flo
     return x, cuts.to(torch.int32), wq, sw
 
 
+def _extreme_case(k: int, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows whose quantized values reach +-127 against -128 weights (one channel +127)."""
+    x = torch.full((3, k), -5.0)
+    x[1] = 7.0
+    x[2, ::2] = 3.0
+    wq = torch.full((1, n, k), -128, dtype=torch.int8)
+    wq[0, 1] = 127
+    return x, wq, torch.ones(1, n)
+
+
 @settings(max_examples=40, deadline=None)
 @given(rows=st.integers(0, 40), k=st.integers(1, 300), n=st.integers(1, 70), experts=st.integers(1, 6),
        seed=st.integers(0, 2**31), threads=st.sampled_from([1, 2]))
@@ -88,13 +98,8 @@ def test_vnni_panels_are_taken_exactly_where_the_cpu_has_them_and_sum_extremes_e
     assert (packed.panels is not None) == VNNI and (packed.rows is None) == VNNI
     if not VNNI:
         return
-    k, n = 8192, 40
-    x = torch.full((3, k), -5.0)
-    x[1] = 7.0
-    x[2, ::2] = 3.0
-    wq = torch.full((1, n, k), -128, dtype=torch.int8)
-    wq[0, 1] = 127
-    sw = torch.ones(1, n)
+    k = 8192
+    x, wq, sw = _extreme_case(k, 40)
     out = int8.w8a8_panels(x, torch.tensor([3], dtype=torch.int32), *int8.pack_panels(wq), sw)
     assert torch.equal(out, w8a8_grouped_reference(x, torch.tensor([3], dtype=torch.int32), wq, sw))
     assert out[0, 0] == pytest.approx(128 * 127 * k * 5 / 127, rel=1e-6)
@@ -111,13 +116,8 @@ def test_portable_build_without_vector_instructions_agrees():
 def test_extreme_values_accumulate_exactly():
     """Every product at its largest (-128 weights, activations at +-127 after quantization):
     the int32 sums are the exact integers, no int16 saturation anywhere."""
-    k, n = 4096, 8
-    x = torch.full((3, k), -5.0)
-    x[1] = 7.0
-    x[2, ::2] = 3.0
-    wq = torch.full((1, n, k), -128, dtype=torch.int8)
-    wq[0, 1] = 127
-    sw = torch.ones(1, n)
+    k = 4096
+    x, wq, sw = _extreme_case(k, 8)
     out = w8a8_grouped(x, torch.tensor([3], dtype=torch.int32), pad_columns(wq, column_multiple()), sw)
     xq, sx = quantize_rows(x)
     assert xq.abs().max() == 127

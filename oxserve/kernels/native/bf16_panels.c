@@ -33,6 +33,7 @@
 #include <unistd.h>
 
 #include "bf16.h"
+#include "pairs.h"
 
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
@@ -303,15 +304,7 @@ int panels_routed(const uint16_t *x, int64_t T, int64_t H, const int64_t *ids, c
     float *acc = malloc((size_t)((nthreads > 0 ? nthreads : 1) * H) * sizeof(float)); /* a token's sum, per thread */
     int status = -1;
     if (offsets == NULL || slot_of == NULL || rows == NULL || out == NULL || row_weight == NULL || acc == NULL) goto done;
-    /* counting sort: offsets[e] first holds where expert e's rows start, and after the pairs are
-     * placed (in order: stable) where they end, which is what panels_experts takes */
-    for (int64_t p = 0; p < P; p++) offsets[ids[p]]++;
-    for (int64_t e = 0, start = 0; e < E; e++) {
-        const int32_t count = offsets[e];
-        offsets[e] = (int32_t)start;
-        start += count;
-    }
-    for (int64_t p = 0; p < P; p++) slot_of[p] = offsets[ids[p]]++;
+    sort_pairs(ids, P, E, offsets, slot_of);
     #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t p = 0; p < P; p++) {
         memcpy(rows + slot_of[p] * H, x + (p / k) * H, (size_t)H * sizeof(uint16_t));
@@ -322,16 +315,10 @@ int panels_routed(const uint16_t *x, int64_t T, int64_t H, const int64_t *ids, c
     for (int64_t t = 0; t < T; t++) {
         float *sum = acc + (int64_t)omp_get_thread_num() * H;
         memset(sum, 0, (size_t)H * sizeof(float));
-        int64_t done_below = -1; /* the token's pairs in sorted (expert) order */
-        for (int64_t n = 0; n < k; n++) {
-            int64_t next = -1;
-            for (int64_t j = 0; j < k; j++) {
-                const int64_t s = slot_of[t * k + j];
-                if (s > done_below && (next < 0 || s < next)) next = s;
-            }
-            const uint16_t *src = out + next * H;
+        for (int64_t n = 0, pair = -1; n < k; n++) {
+            pair = next_pair(slot_of + t * k, k, pair);
+            const uint16_t *src = out + pair * H;
             for (int64_t c = 0; c < H; c++) sum[c] += bf16_to_f32(src[c]);
-            done_below = next;
         }
         if (shared != NULL) /* routed + shared, both rounded to bf16 first, as torch adds them */
             for (int64_t c = 0; c < H; c++)

@@ -157,6 +157,7 @@ int w8a8_grouped(const float *x, int64_t P, int64_t K, const int32_t *offsets, i
  * are the same integers as the int16 kernel's, so the outputs are bit for bit the same. */
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #include "bf16.h"
+#include "pairs.h"
 #include "vmath.h"
 
 #define H_CHUNK 256 /* output channels a token's sum keeps at once */
@@ -364,13 +365,7 @@ int w8a8_panels_routed(const void *x, int x_bf16, int64_t T, int64_t H, const in
     uint8_t *xq = malloc((size_t)(rows * wide));
     int status = -1;
     if (!offsets || !slot_of || !in || !h || !sx || !row_weight || !xq) goto done;
-    for (int64_t p = 0; p < P; p++) offsets[ids[p]]++;
-    for (int64_t e = 0, start = 0; e < E; e++) { /* counting sort: starts, then (once placed) ends */
-        const int32_t count = offsets[e];
-        offsets[e] = (int32_t)start;
-        start += count;
-    }
-    for (int64_t p = 0; p < P; p++) slot_of[p] = offsets[ids[p]]++;
+    sort_pairs(ids, P, E, offsets, slot_of);
     #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t p = 0; p < P; p++) {
         widen_row(x, (p / k) * H, H, x_bf16, in + slot_of[p] * H);
@@ -395,16 +390,10 @@ int w8a8_panels_routed(const void *x, int x_bf16, int64_t T, int64_t H, const in
         for (int64_t c0 = 0; c0 < H; c0 += H_CHUNK) {
             const int64_t n = H - c0 < H_CHUNK ? H - c0 : H_CHUNK;
             for (int64_t c = 0; c < n; c++) sum[c] = 0.0f;
-            int64_t done_below = -1; /* the token's pairs in sorted (expert) order */
-            for (int64_t j = 0; j < k; j++) {
-                int64_t next = -1;
-                for (int64_t i = 0; i < k; i++) {
-                    const int64_t s = slot_of[t * k + i];
-                    if (s > done_below && (next < 0 || s < next)) next = s;
-                }
-                const float *out = h + next * H + c0;
+            for (int64_t j = 0, pair = -1; j < k; j++) {
+                pair = next_pair(slot_of + t * k, k, pair);
+                const float *out = h + pair * H + c0;
                 for (int64_t c = 0; c < n; c++) sum[c] += x_bf16 ? round_bf16(out[c]) : out[c];
-                done_below = next;
             }
             narrow_row(sum, n, x_bf16, y, t * H + c0);
         }
