@@ -1,7 +1,7 @@
 """Colocated vs split vs the router's own choice, on one prefill and one decode instance of
 this machine (one thread each), under `oxserve bench serve`.
 
-    python docs/bench/epd_modes.py --workload images|text [--reps 2] [--out FILE.json]
+    python docs/bench/epd_modes.py --workload images|text [--reps 2] [--request-rate 1.0] [--out FILE.json]
 
 The instances start once; for each repetition the three router modes run in a shuffled order,
 each behind a fresh router (`oxserve serve --role router --disaggregate MODE`); within a
@@ -30,10 +30,9 @@ from oxserve.bench.soak_server import wait_until_serving
 WORKLOADS = {
     # Two 448x448 images (2 x 256 placeholder tokens) and ~100 words per chat, 64 tokens out.
     "images": ["--endpoint", "chat", "--random-images", "2", "--random-image-size", "448x448", "--random-input-len", "100",
-               "--random-output-len", "64", "--num-prompts", "40", "--request-rate", "1.0"],
+               "--random-output-len", "64", "--num-prompts", "40"],
     # Text only: 1,024-token prompts, 64 tokens out.
-    "text": ["--endpoint", "completions", "--random-input-len", "1024", "--random-output-len", "64", "--num-prompts", "40",
-             "--request-rate", "1.0"],
+    "text": ["--endpoint", "completions", "--random-input-len", "1024", "--random-output-len", "64", "--num-prompts", "40"],
 }  # fmt: skip
 SLO = ["ttft:3000", "tpot:100"]
 MODES = ("never", "always", "auto")
@@ -59,6 +58,7 @@ def main() -> None:
     parser.add_argument("--workload", choices=sorted(WORKLOADS), required=True)
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--request-rate", type=float, default=1.0, help="Poisson arrivals, requests/s (default 1)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     logs = Path(tempfile.mkdtemp(prefix="epd-bench-"))
@@ -84,7 +84,7 @@ def main() -> None:
                     seed = 1000 * rep
                     bench = subprocess.run(
                         [sys.executable, "-m", "oxserve.cli", "bench", "serve", "--base-url", f"http://127.0.0.1:{r_port}",
-                         *WORKLOADS[args.workload], "--seed", str(seed), "--goodput", *SLO, "--json", "--disable-tqdm"],
+                         *WORKLOADS[args.workload], "--request-rate", str(args.request_rate), "--seed", str(seed), "--goodput", *SLO, "--json", "--disable-tqdm"],
                         capture_output=True, text=True, check=True)  # fmt: skip
                     result = json.loads(bench.stdout.strip().splitlines()[-1])
                     stats = httpx.get(f"http://127.0.0.1:{r_port}/router/stats").json()
