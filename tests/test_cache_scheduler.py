@@ -314,6 +314,17 @@ def test_stall_free_pacing_lets_a_backlog_through_faster_than_the_stall_bound():
     assert CLEAR_STEPS < steps < backlog / 48 / 2
 
 
+def test_the_prefill_backlog_counts_prompts_to_compute_not_imported_ones():
+    """A decode instance's imported requests bring their prompts' caches: they are no backlog."""
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64),
+                          CacheManager(num_blocks=64, block_size=4, num_slots=4))
+    local, imported = _request(0, 30, 5), _request(1, 50, 5)
+    imported.imported_tokens = 50
+    scheduler.add(local)
+    scheduler.add(imported)
+    assert scheduler._prefill_backlog() == 30
+
+
 def test_pacer_budget_from_measured_costs():
     from oxserve.engine.pacing import MIN_CHUNK, StepPacer
 

@@ -182,25 +182,27 @@ def test_w8a8_experts_equal_the_looped_reference(tiny_model_dir):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("smooth", [False, True])
-def test_w8a8_routed_in_one_call_equals_the_routing_around_run_sorted(dtype, smooth):
+@pytest.mark.parametrize("hidden,inter", [(72, 40), (256, 16)])
+def test_w8a8_routed_in_one_call_equals_the_routing_around_run_sorted(dtype, smooth, hidden, inter):
     """Routing, both products and the GLU in one native call (VNNI CPUs) give what the parent's
     torch routing around `run_sorted` gives: the same integers, and a GLU whose exp may differ
-    from torch's in the last bit (then one int8 step moves, rarely)."""
+    from torch's in the last bit (then one int8 step moves, rarely). Hidden wider than twice
+    the expert width too (as under tensor parallelism, or in real models)."""
     from oxserve.model.config import TextModelConfig
     from oxserve.model.moe import Experts
     from tiny_models import TINY_TEXT_CONFIG
 
-    overrides = dict(n_routed_experts=6, moe_intermediate_size=40, hidden_size=72, num_experts_per_tok=3)
+    overrides = dict(n_routed_experts=6, moe_intermediate_size=inter, hidden_size=hidden, num_experts_per_tok=3)
     layer = Experts(TextModelConfig.from_hf_dict({**TINY_TEXT_CONFIG, **overrides}))
     gen = torch.Generator().manual_seed(int(smooth))
     for p in layer.parameters():
         p.data = (torch.randn(p.shape, generator=gen) * 0.1).to(dtype)
     module = W8A8Experts(layer, deferred=smooth)
     if smooth:  # SmoothQuant factors on both stacks
-        module.quantize(torch.rand(6, 72, generator=gen) + 0.5, torch.rand(6, 40, generator=gen) + 0.5)
+        module.quantize(torch.rand(6, hidden, generator=gen) + 0.5, torch.rand(6, inter, generator=gen) + 0.5)
     else:
         module.after_load()
-    x = (torch.randn(23, 72, generator=gen) * 2).to(dtype)
+    x = (torch.randn(23, hidden, generator=gen) * 2).to(dtype)
     experts = torch.stack([torch.randperm(6, generator=gen)[:3] for _ in range(23)])
     weights = torch.rand(23, 3, generator=gen)
     routed = Experts.forward(module, x, weights, experts)  # the parent's routing, around run_sorted

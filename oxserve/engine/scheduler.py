@@ -197,9 +197,10 @@ class Scheduler:
         return chosen, preempted
 
     def _prefill_backlog(self) -> int:
-        """Prompt tokens still to compute: of running prompts and of the waiting queue."""
+        """Prompt tokens still to compute: of running prompts and of the waiting queue (whose
+        imported requests bring their prompts' caches with them: nothing to compute)."""
         running = sum(r.num_uncomputed for r in self.running if r.num_uncomputed > 1)
-        return running + sum(r.num_tokens - r.num_computed_tokens for r in self.waiting)
+        return running + sum(r.num_tokens - r.num_computed_tokens for r in self.waiting if not r.imported_tokens)
 
     def _admit_imported(self, request: Request) -> None:
         """Blocks and a slot for the imported prompt and its first output token, which the

@@ -111,6 +111,7 @@ def writeback_run(states: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor
     `slots`, each zeroed first where `fresh` [R] (bool) says the request has no context.
     Needs `writeback_run_fits(states)`. Returns o [T, H, Dv] (fp32)."""
     q, k, v, g, beta = _inputs(q, k, v, g, beta)
+    slots = slots.to(torch.int64).contiguous()  # held here, as every tensor below: C gets addresses only
     lib = _native(states, None, q, k, v, g, beta)
     if lib is None:
         raise ValueError("writeback_run: needs the native kernel and contiguous fp32 CPU tensors")
@@ -121,8 +122,10 @@ def writeback_run(states: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor
     out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
     fresh = fresh.to(device="cpu", dtype=torch.uint8).contiguous()
     decay = g.exp()  # held here: the kernel gets its address only
-    lib.kda_writeback_run(*_ptrs(q, k, v, decay, beta, states, slots.contiguous(), *host, fresh), len(lens), q.shape[1],
-                          q.shape[2], v.shape[-1], native.pointer(out), torch.get_num_threads())
+    status = lib.kda_writeback_run(*_ptrs(q, k, v, decay, beta, states, slots, *host, fresh), len(lens), q.shape[1],
+                                   q.shape[2], v.shape[-1], native.pointer(out), torch.get_num_threads())
+    if status != 0:
+        raise ValueError(f"writeback_run: head dims {q.shape[2]}, {v.shape[-1]} are above the kernel's {_max_dim()}")
     return out
 
 

@@ -360,7 +360,7 @@ int w8a8_panels_routed(const void *x, int x_bf16, int64_t T, int64_t H, const in
     int32_t *offsets = calloc((size_t)E, sizeof(int32_t));
     int64_t *slot_of = malloc((size_t)rows * sizeof(int64_t));
     float *in = malloc((size_t)(rows * (H > I ? H : I)) * sizeof(float)); /* gathered rows, then act */
-    float *h = malloc((size_t)(rows * 2 * I) * sizeof(float));             /* gate|up, then the outputs */
+    float *h = malloc((size_t)(rows * (2 * I > H ? 2 * I : H)) * sizeof(float)); /* gate|up, then the outputs */
     float *sx = malloc((size_t)rows * sizeof(float)), *row_weight = malloc((size_t)rows * sizeof(float));
     uint8_t *xq = malloc((size_t)(rows * wide));
     int status = -1;
