@@ -42,3 +42,42 @@ def test_tables_from_tensors_equal_tables_from_lists():
     a, b = (make_forward_batch(r, cfg, block_size, num_blocks, "cpu") for r in (plain, held))
     assert torch.equal(a.block_tables, b.block_tables) and torch.equal(a.cache_rows, b.cache_rows)
     assert torch.equal(a.pools.member_rows, b.pools.member_rows) and torch.equal(a.pools.pool_rows, b.pools.pool_rows)
+
+
+def test_decode_steps_keep_their_shapes_while_contexts_grow():
+    """What a captured decode step relies on: tables as wide as a power of two, a power-of-two
+    bound on sequence lengths, and one pool compressed per decode, complete or not (a partial
+    pool from the tokens it has so far, last one repeated; a prompt chunk's pools only when
+    complete)."""
+    cfg = TextModelConfig.from_file(Path(default_model()) / "config.json")
+    kpool, block_size, num_blocks = cfg.index_kpool, 16, 500
+    rng = random.Random()
+    contexts = [rng.randrange(1, 300) for _ in range(rng.randrange(1, 6))]
+    tables = [rng.sample(range(num_blocks), c // block_size + 1) for c in contexts]
+    chunk = (rng.randrange(0, 40), rng.randrange(2, 30))  # a prompt chunk after the decodes
+    chunk_table = rng.sample(range(num_blocks), (sum(chunk) - 1) // block_size + 1)
+    requests = [BatchRequest(c, 1, t, i, True) for i, (c, t) in enumerate(zip(contexts, tables))]
+    batch = make_forward_batch(requests + [BatchRequest(*chunk, chunk_table, 9, True)], cfg, block_size, num_blocks, "cpu")
+    width = max(len(t) for t in tables + [chunk_table])
+    assert batch.block_tables.shape[1] == 1 << (width - 1).bit_length()
+    longest = max([c + 1 for c in contexts] + [sum(chunk)])
+    assert batch.seq_len_bound == 1 << (longest - 1).bit_length()
+
+    def row(table, p):
+        return table[p // block_size] * block_size + p % block_size
+
+    def pool_row(table, p):
+        per_block = block_size // kpool
+        return table[p // kpool // per_block] * per_block + p // kpool % per_block
+
+    want_members, want_pools = [], []
+    for c, t in zip(contexts, tables):  # the decode writes position c
+        first = c - c % kpool
+        want_members.append([row(t, min(p, c)) for p in range(first, first + kpool)])
+        want_pools.append(pool_row(t, c))
+    start, n = chunk
+    for last in range(start, start + n):
+        if last % kpool == kpool - 1:
+            want_members.append([row(chunk_table, p) for p in range(last + 1 - kpool, last + 1)])
+            want_pools.append(pool_row(chunk_table, last))
+    assert batch.pools.member_rows.tolist() == want_members and batch.pools.pool_rows.tolist() == want_pools

@@ -38,7 +38,7 @@ def _torch_attention(q, positions, request, blocks, latent, scale):
         query_lens=[1] * tokens, context_lens=[0] * tokens, num_decodes=tokens, positions=torch.zeros(tokens, dtype=torch.long),
         request_index=request, cache_rows=torch.zeros(tokens, dtype=torch.long), block_tables=blocks,
         state_slots=request, has_initial_state=torch.ones(tokens, dtype=torch.bool), block_size=BLOCK,
-        logits_indices=request,
+        seq_len_bound=1, logits_indices=request,
     )
     return attn._attend(q, positions, request, batch, MLACache(latent))
 

@@ -81,4 +81,5 @@ def _kernel() -> ctypes.CDLL | None:
     lib.dsa_index_scores.argtypes = [p, p, p, p, p, i64, i64, p, i32, i64, i32, i64, i64, ctypes.c_float, ctypes.c_float,
                                      p, i32]
     lib.dsa_expand_selection.argtypes = [p, i64, i64, p, p, i64, i32, p]
+    lib.dsa_expand_selection.restype = None
     return lib

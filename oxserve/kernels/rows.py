@@ -19,6 +19,7 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.rms_norm_bf16.argtypes = [p, i64, i64, p, ctypes.c_float, p, ctypes.c_int]
     lib.argmax_rows.argtypes = [p, i64, i64, i64, p, ctypes.c_int]
+    lib.rms_norm_bf16.restype = lib.argmax_rows.restype = None  # void: ctypes would read a stray register
     return lib
 
 

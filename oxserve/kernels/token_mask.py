@@ -34,6 +34,7 @@ def apply_token_bitmask_native(logits: torch.Tensor, rows: list[int], bitmask: t
     if not all(0 <= r < logits.shape[0] for r in rows):
         raise ValueError(f"rows {rows} are outside the logits' {logits.shape[0]} rows")
     lib = native.load("token_mask", BUILD_FLAGS)
+    lib.apply_token_bitmask.restype = None
     index, bitmask = torch.tensor(rows, dtype=torch.int64), bitmask.contiguous()
     lib.apply_token_bitmask(native.pointer(logits), ctypes.c_int64(logits.stride(0)), native.pointer(index),
                             ctypes.c_int64(len(rows)), native.pointer(bitmask), ctypes.c_int64(bitmask.shape[1]),

@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch.nn.utils.rnn import pad_sequence
 
 from oxserve.cache.replay import ReplayBook, RingCounts
@@ -96,6 +97,10 @@ class ForwardBatch:
     state_slots: torch.Tensor  # [R] long, KDA state slot of each request
     has_initial_state: torch.Tensor  # [R] bool, the request has cached context (else states start at zero)
     block_size: int
+    # The longest sequence of the step (cached + new tokens) rounded up to a power of two: what
+    # decode work is sized by (the indexer's pool scores), so that a step's shapes stay the same
+    # while its contexts grow (a captured step replays them: `oxserve.engine.capture`).
+    seq_len_bound: int
     # [S + P] long, token rows whose logits are wanted: each request's sampling row(s) in
     # batch order, then each request's scored_positions in batch order.
     logits_indices: torch.Tensor
@@ -197,6 +202,8 @@ def make_forward_batch(
     else:
         width = max(len(req.block_ids) for req in requests)
         block_tables = as_long([req.block_ids + [num_blocks] * (width - len(req.block_ids)) for req in requests])
+    # Tables as wide as a power of two: their width changes a few times in a request's life.
+    block_tables = F.pad(block_tables, (0, power_of_two(block_tables.shape[1]) - block_tables.shape[1]), value=num_blocks)
 
     query_lens = [req.num_new_tokens for req in requests]
     batch = ForwardBatch(
@@ -210,6 +217,7 @@ def make_forward_batch(
         state_slots=as_long([req.state_slot for req in requests]),
         has_initial_state=torch.tensor([req.num_computed_tokens > 0 for req in requests], device=device),
         block_size=block_size,
+        seq_len_bound=power_of_two(max(req.num_computed_tokens + req.num_new_tokens for req in requests)),
         logits_indices=as_long(logits_indices),
         num_verifies=num_verifies,
     )
@@ -230,15 +238,29 @@ def make_forward_batch(
     return batch
 
 
+def power_of_two(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1)."""
+    return 1 << max(0, n - 1).bit_length()
+
+
 def _pool_completions(requests: list[BatchRequest], kpool, block_size, device) -> PoolCompletions:
+    """The pools each request's new tokens complete; a decode also gets its own pool when it
+    does not complete one, from the tokens it has so far (a partial key, overwritten when the
+    pool completes, never read before: queries see complete pools only), so that a decode step
+    always compresses one pool per request (its shapes do not change from step to step)."""
     members: list[list[int]] = []
     pool_rows: list[int] = []
     pools_per_block = block_size // kpool
     for req in requests:
         table = req.block_ids
         start, end = req.num_computed_tokens, req.num_computed_tokens + req.num_new_tokens
-        for last in range(start + (kpool - 1 - start) % kpool, end, kpool):  # positions that end a pool
-            members.append([table[p // block_size] * block_size + p % block_size for p in range(last + 1 - kpool, last + 1)])
+        ends = range(start + (kpool - 1 - start) % kpool, end, kpool)  # positions that end a pool
+        if start > 0 and req.num_new_tokens == 1 and not ends:
+            ends = [start]
+        for last in ends:
+            first = last - last % kpool
+            members.append([table[p // block_size] * block_size + p % block_size
+                            for p in (min(q, last) for q in range(first, first + kpool))])  # fmt: skip
             pool = last // kpool
             pool_rows.append(table[pool // pools_per_block] * pools_per_block + pool % pools_per_block)
     return PoolCompletions(

@@ -71,15 +71,14 @@ class Indexer(nn.Module):
 
     def forward(self, x: torch.Tensor, q_resid: torch.Tensor, batch: ForwardBatch, cache: MLACache) -> torch.Tensor:
         self._write_keys(x, batch, cache)
-        longest = max(batch.seq_lens)
-        if longest // self.kpool <= self.max_pools:  # top-k would keep every pool: no scores needed
-            pools = torch.arange(longest // self.kpool, device=x.device).expand(x.shape[0], -1)
+        bound = batch.seq_len_bound  # >= every sequence of the step: pools past a query's own are hidden
+        if bound // self.kpool <= self.max_pools:  # top-k would keep every pool: no scores needed
+            pools = torch.arange(bound // self.kpool, device=x.device).expand(x.shape[0], -1)
             pos = batch.positions
             return expand_selection(pools, (pos + 1) // self.kpool, pos, self.kpool, self.with_tail)
         q = self.wq_b(q_resid).view(x.shape[0], self.n_heads, self.head_dim).float()
         head_weights = self.weights_proj(x).float() * self.head_weight_scale
         pos = batch.positions
-        seq_lens = batch.seq_lens
         parts = []
         starts = batch.query_start
         # Decodes and verifies (a few queries per request) in one call, each row with its own
@@ -88,10 +87,10 @@ class Indexer(nn.Module):
         if nb:
             rows = starts[nb]
             parts.append(self._select(q[:rows], head_weights[:rows], pos[:rows], batch, batch.request_index[:rows],
-                                      max(seq_lens[:nb]), cache))  # fmt: skip
-        for r in range(nb, batch.num_requests):
+                                      batch.seq_len_bound, cache))  # fmt: skip
+        for r in range(nb, batch.num_requests):  # prefill chunks: a host-side loop, in steps never captured
             s, e = starts[r], starts[r + 1]
-            parts.append(self._select(q[s:e], head_weights[s:e], pos[s:e], batch, r, seq_lens[r], cache))
+            parts.append(self._select(q[s:e], head_weights[s:e], pos[s:e], batch, r, batch.seq_lens[r], cache))
         if len(parts) == 1:
             return parts[0]
         width = max(p.shape[1] for p in parts)

@@ -104,7 +104,9 @@ class Experts(nn.Module):
             pairs = ((flat >= 0) & (flat < self.num_experts)).nonzero().squeeze(1)
             flat, pair_weights = flat[pairs], pair_weights[pairs]
         order = flat.argsort(stable=True)
-        offsets = torch.bincount(flat, minlength=self.num_experts).cumsum(0).to(torch.int32)
+        # pairs per expert (bincount's counts; its output size would depend on the values for a captured step)
+        counts = torch.zeros(self.num_experts, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+        offsets = counts.cumsum(0).to(torch.int32)
         token_of = (order if pairs is None else pairs[order]) // top_k
         rows, row_weight = x.index_select(0, token_of), pair_weights.index_select(0, order)[:, None]
         out = self.run_sorted(rows, row_weight, offsets)

@@ -14,7 +14,7 @@ import torch
 
 from oxserve.cache.layers import MLACache
 from oxserve.kernels.mla_attention import latent_attention
-from oxserve.model.batch import ForwardBatch
+from oxserve.model.batch import ForwardBatch, power_of_two
 from oxserve.model.indexer import Indexer
 from oxserve.model.mla import QUERY_BLOCK, MLAttention
 from oxserve.profiling.opbench.checks import close_for, precision_of, randint, randn, randperm
@@ -41,7 +41,7 @@ def _decode_batch(i: dict, block_size: int) -> ForwardBatch:
         query_lens=[1] * batch, context_lens=(i["contexts"] - 1).tolist(), num_decodes=batch,
         positions=i["contexts"] - 1, request_index=i["request"], cache_rows=torch.ones(batch, dtype=torch.long, device=device),
         block_tables=i["block_tables"], state_slots=i["request"], has_initial_state=torch.ones(batch, dtype=torch.bool, device=device),
-        block_size=block_size, logits_indices=i["request"],
+        block_size=block_size, seq_len_bound=power_of_two(int(i["contexts"].max())), logits_indices=i["request"],
     )
 
 
