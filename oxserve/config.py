@@ -45,6 +45,13 @@ class ModelConfig:
         0.5, "w8a8: SmoothQuant migration strength, used for modules whose inputs on calibration text (4 x 128 "
         "tokens of the shipped corpus) show outlier channels; 0: no calibration, no smoothing",
     )
+    enforce_eager: bool = opt(
+        False, "run every step eagerly: no captured decode steps (by default the first decode step of each shape "
+        "is recorded, kernel calls and torch ops, and later ones replay the recording without the Python between)",
+    )
+    compile_sizes: str | None = opt(
+        None, "batch sizes whose decode steps are captured and replayed, comma-separated (default: every size)",
+    )
 
     limit_mm_per_prompt: str = opt(
         '{"image": 8, "video": 1}', 'images and videos one prompt may carry, as JSON {"image": N, "video": M} (as '
@@ -65,6 +72,19 @@ class ModelConfig:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        self.capture_sizes()
+
+    def capture_sizes(self) -> frozenset[int] | None:
+        """The batch sizes `compile_sizes` names (None: all); ValueError when malformed."""
+        if self.compile_sizes is None:
+            return None
+        try:
+            sizes = frozenset(int(part) for part in self.compile_sizes.split(",") if part.strip())
+        except ValueError:
+            raise ValueError(f"compile_sizes must be comma-separated batch sizes, got {self.compile_sizes!r}") from None
+        if not sizes or min(sizes) < 1:
+            raise ValueError(f"compile_sizes must name batch sizes >= 1, got {self.compile_sizes!r}")
+        return sizes
 
 
     def mm_limits(self) -> dict[str, int]:

@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
         result["decode_step_ms_by_context"] = decode_steps_by_context(config, contexts)
         for row in result["decode_step_ms_by_context"]:
             print(f"context {row['context']:>6}: decode step {row['step_ms']:.2f} ms, "
-                  f"of which MLA attention+indexer {row['attention_ms']:.2f} ms; batch-1 floor "
+                  f"MLA attention+indexer {row['attention_ms']:.2f} ms (in eager steps); batch-1 floor "
                   f"{row.get('floor_step_ms', float('nan')):.2f} ms, {100 * row.get('fraction_of_floor', float('nan')):.1f}% of it",
                   file=sys.stderr)
     if args.json:
@@ -179,7 +179,9 @@ def decode_floor(engine: LLMEngine, batch: int, context: int, measured_decode_to
 
 
 def decode_steps_by_context(config, contexts: list[int], steps: int = 16) -> list[dict]:
-    """Single-request decode step time at each context, and the MLA attention share of it."""
+    """Single-request decode step time at each context (as served: captured steps unless
+    `--enforce-eager`), then the MLA attention share of it from `steps` more steps traced op by
+    op (eagerly: tracing needs the Python that a replay skips)."""
     rows = []
     for context in contexts:
         engine = LLMEngine(config)
@@ -188,16 +190,18 @@ def decode_steps_by_context(config, contexts: list[int], steps: int = 16) -> lis
             continue
         g = torch.Generator().manual_seed(context)
         engine.add_request("ctx", torch.randint(32, 1000, (context,), generator=g).tolist(),
-                           SamplingParams(max_tokens=steps + 1, ignore_eos=True))
+                           SamplingParams(max_tokens=2 * steps + 1, ignore_eos=True))
         while not any(out.outputs[0].token_ids for out in engine.step()):  # until the prompt is in
             pass
         times, attention = [], []
-        while engine.has_unfinished_requests():
-            tracer = Tracer(engine.device)
-            engine.runner.tracer = tracer
+        for _ in range(steps):
             t = time.perf_counter()
             engine.step()
             times.append((time.perf_counter() - t) * 1e3)
+        while engine.has_unfinished_requests():
+            tracer = Tracer(engine.device)
+            engine.runner.tracer = tracer
+            engine.step()
             attention.append(sum(s.dur_us for s in tracer.spans if s.name.endswith((".mla.attention", ".mla.indexer"))) / 1e3)
         step_ms = statistics.median(times)
         floor = decode_floor(engine, 1, context, 1e3 / step_ms)

@@ -181,7 +181,8 @@ class LLMEngine:
                                loaded.model)  # fmt: skip
         self.runner = ModelRunner(loaded.model, layout, cache_specs, self.device, deterministic=config.scheduler.deterministic,
                                   grammars=self.grammars, num_checkpoints=num_checkpoints, workers=self.workers,
-                                  mtp_drafts=mtp, embedder=embedder)  # fmt: skip
+                                  mtp_drafts=mtp, embedder=embedder, capture=not config.model.enforce_eager,
+                                  capture_sizes=config.model.capture_sizes())  # fmt: skip
         self.proposer = make_proposer(self.speculative, self.runner) if self.speculative else None
         self._drafting_s = 0.0  # the last proposal's time, charged to the step that verifies it
         self.role_token_ids = self.tokenizer.role_token_ids() if self.tokenizer is not None else frozenset()

@@ -30,6 +30,7 @@ from oxserve.engine.interface import (
     SchedulerOutput,
 )
 from oxserve.disagg.snapshot import CacheSnapshot, export_caches, import_caches
+from oxserve.engine.capture import CapturedDecode, has_forward_hooks
 from oxserve.engine.mtp_drafter import MTPDrafter
 from oxserve.engine.prompt_logprobs import score_prompt_tokens
 from oxserve.engine.sampler import SamplingRow, make_generator, sample
@@ -72,6 +73,8 @@ class ModelRunner:
         workers: WorkerGroup | None = None,
         mtp_drafts: bool = False,
         embedder: MultiModalEmbedder | None = None,
+        capture: bool = False,
+        capture_sizes: frozenset[int] | None = None,
     ):
         self.model = model
         self.workers = workers  # tensor parallelism, on rank 0: the other ranks
@@ -91,6 +94,8 @@ class ModelRunner:
         self.masks = BatchMasks(grammars.vocab_size) if grammars is not None else None
         self.embedder = embedder  # images and video: their embeddings for placeholder rows
         self.imports: dict[str, CacheSnapshot] = {}  # disaggregation: caches waiting for their request's first step
+        # Decode steps replayed from recordings (one process only: parallel ranks run eagerly)
+        self.captured = CapturedDecode(self._decode_logits, capture_sizes) if capture and workers is None else None
 
     def drop(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
@@ -146,7 +151,10 @@ class ModelRunner:
         scheduled = sorted(out.scheduled, key=_batch_order)
         if self.deterministic:
             # One request per forward pass: kernels see the same shapes whoever else is running.
-            passes = [self._forward([s]) for s in scheduled]
+            passes = []
+            for s in scheduled:  # logits copied out: the next replay of a captured step overwrites its own
+                p_logits, p_scored = self._forward([s])
+                passes.append((None if p_logits is None else p_logits.clone(), p_scored))
             logits = None if passes[0][0] is None else torch.cat([p_logits for p_logits, _ in passes])
             prompt_logprobs = {rid: scored for _, p_scored in passes for rid, scored in p_scored.items()}
         else:
@@ -259,6 +267,8 @@ class ModelRunner:
         mm_embeds = self._mm_embeddings(scheduled)
         batch.tracer = self.tracer
         with span(self.tracer, "forward", track="engine", **step_conditions(batch)):
+            if self._replayable(batch, scheduled, mm_embeds):
+                return self.captured.run(input_ids, batch), {}
             if self.drafter is None:
                 hidden = self.model(input_ids, batch, self.caches, mm_embeds=mm_embeds)
             else:  # the drafter reads every row's hidden state after sampling
@@ -270,6 +280,15 @@ class ModelRunner:
             return logits, {}
         with span(self.tracer, "prompt_logprobs", track="engine"):
             return logits, self._score_prompts(scheduled, hidden[num_sampling_rows:])
+
+    def _replayable(self, batch, scheduled: list[ScheduledRequest], mm_embeds) -> bool:
+        """A plain decode step (`CapturedDecode.wants`) whose logits are all its sampling rows,
+        on a model without Python hooks (fault injection, tests), which a replay would skip."""
+        return (self.captured is not None and self.drafter is None and mm_embeds is None and self.captured.wants(batch)
+                and not any(s.prompt_logprob_positions for s in scheduled) and not has_forward_hooks(self.model))  # fmt: skip
+
+    def _decode_logits(self, input_ids: torch.Tensor, batch) -> torch.Tensor:
+        return self.model.compute_logits(self.model(input_ids, batch, self.caches))
 
     @torch.inference_mode()
     def export_caches(self, request_id: str, num_tokens: int) -> dict[str, torch.Tensor]:

@@ -6,6 +6,10 @@ named by a hash of source, the package's headers, flags and (for `-march=native`
 rebuilds it and parallel processes share one build. Plain C with no torch headers: it builds in well under a second, and is called
 through ctypes on tensors' data pointers. Where no compiler is found, `load` returns None
 and callers run their torch version (which is also what the kernels are tested against).
+
+Inside `recording(record)`, every call of every loaded kernel also reaches `record(function,
+args, result)` after it runs: how a decode step is captured for replay (`oxserve.engine.capture`).
+Outside one, calls go straight to ctypes at no extra cost.
 """
 
 from __future__ import annotations
@@ -18,7 +22,9 @@ import os
 import shutil
 import subprocess
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any, Callable, Iterator
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +75,68 @@ def load(name: str, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
             if result.returncode != 0:
                 raise RuntimeError(f"compiling native kernel {name} failed:\n{result.stderr}")
             os.replace(built, target)  # atomic: a concurrent build just replaces an identical file
-    return ctypes.CDLL(str(target))
+    library = NativeLibrary(str(target))
+    _LIBRARIES.append(library)
+    return library
+
+
+Record = Callable[[Any, tuple, Any], None]  # (ctypes function, its arguments, what it returned)
+_LIBRARIES: list["NativeLibrary"] = []  # every library `load` returned
+_recording: list[Record] = []  # the active recording's callback, if any
+
+
+class RecordedCall:
+    """A kernel function standing in for itself while a recording is on: runs, then reports."""
+
+    __slots__ = ("function", "record")
+
+    def __init__(self, function, record: Record):
+        object.__setattr__(self, "function", function)
+        object.__setattr__(self, "record", record)
+
+    def __call__(self, *args):
+        result = self.function(*args)
+        self.record(self.function, args, result)
+        return result
+
+    def __getattr__(self, name: str):
+        return getattr(self.function, name)
+
+    def __setattr__(self, name: str, value) -> None:  # argtypes / restype set while recording
+        setattr(self.function, name, value)
+
+
+class NativeLibrary(ctypes.CDLL):
+    """A kernel library: ctypes caches each function on the instance at first use, and while
+    a recording is on, a function first used then is cached as its recording stand-in."""
+
+    def __getattr__(self, name: str):
+        function = super().__getattr__(name)
+        if _recording:
+            stand_in = RecordedCall(function, _recording[-1])
+            setattr(self, name, stand_in)
+            return stand_in
+        return function
+
+
+@contextmanager
+def recording(record: Record) -> Iterator[None]:
+    """Report every kernel call made inside to `record` (one recording at a time)."""
+    if _recording:
+        raise RuntimeError("a native recording is already on")
+    _recording.append(record)
+    for library in _LIBRARIES:
+        for name, value in list(vars(library).items()):
+            if isinstance(value, ctypes._CFuncPtr):
+                setattr(library, name, RecordedCall(value, record))
+    try:
+        yield
+    finally:
+        _recording.clear()
+        for library in _LIBRARIES:
+            for name, value in list(vars(library).items()):
+                if isinstance(value, RecordedCall):
+                    setattr(library, name, value.function)
 
 
 def pointer(tensor) -> ctypes.c_void_p:

@@ -1,0 +1,253 @@
+"""Captured decode steps: a decode step recorded once, then replayed without its Python.
+
+A decode step of a small batch costs what its Python costs: ~130 kernel calls, each behind
+module calls, views and allocations (a batch-1 step of the default model is ~4 ms, its
+bytes 0.5 ms). This is the CPU counterpart of vLLM's CUDA graphs. The first decode step of
+a given shape runs eagerly under a recording that keeps, in order, every native kernel call
+(`kernels.native.recording`: the function and its arguments, pointers included) and every
+torch op (`TorchDispatchMode`: the op, its arguments, its outputs), and keeps alive every
+tensor those pointers and arguments name. The next step of the same shape copies its inputs
+(token ids, the `ForwardBatch` tensors) into the recorded step's own input tensors and runs
+the recorded calls in a loop: the same kernels on the same memory, with no module, wrapper
+or allocation in between. Results are bit-identical to the eager step's (tested).
+
+What makes a replay valid, and how it is kept so:
+- the shape key (`step_key`) holds everything host-side the model branches on: every
+  non-tensor field of the batch (the number of requests, query lengths, `seq_len_bound`,
+  ...) and every tensor's shape; a step whose key differs is captured anew;
+- per-step host values that the key leaves out (the context lengths) are watched while
+  capturing: a model that reads them is refused a recording for that shape (its steps run
+  eagerly, still right);
+- so is one that reads tensor values at host level or draws random numbers (`.item()`,
+  `bool(t)`, `tolist()`, `nonzero`, masks: torch's `data_dependent_output`,
+  `dynamic_output_shape` and `nondeterministic_seeded` tags, and the ops `bool` and
+  `tolist` dispatch without them) -- which also keeps Python hooks on the model (the fault
+  injection's) running in every step;
+- a kernel call that returns something other than what it returned while recording (a
+  failure status) fails the replay loudly.
+
+Unlike a CUDA graph, capturing costs one ordinary step (it is one), so every batch size is
+captured as it first occurs, nothing is padded, and nothing needs a disk cache; a bounded
+number of recordings is kept (least recently used first out), since each holds its step's
+intermediate tensors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+from collections import OrderedDict
+from typing import Any, Callable
+
+import torch
+from torch.nn.modules import module as torch_module
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from oxserve.kernels import native
+from oxserve.model.batch import ForwardBatch
+
+log = logging.getLogger(__name__)
+
+aten = torch.ops.aten
+# Host-side values that change from step to step and that the model must not read in a
+# captured step (their tensors carry them): left out of the key, unreadable while capturing.
+PER_STEP_FIELDS = ("context_lens",)
+NOT_REPLAYABLE_TAGS = (torch.Tag.data_dependent_output, torch.Tag.dynamic_output_shape,
+                       torch.Tag.nondeterministic_seeded)  # fmt: skip
+# Host reads without those tags: `bool(t)`, and what `tolist()` / `numpy()` call before reading.
+HOST_READS = frozenset({aten.is_nonzero.default, aten.resolve_conj.default, aten.resolve_neg.default})
+# Allocations: a replay reuses the recorded tensor, whose contents the next op writes.
+ALLOCATIONS = frozenset({aten.empty.memory_format, aten.empty_like.default, aten.new_empty.default,
+                         aten.empty_strided.default, aten.new_empty_strided.default})  # fmt: skip
+DEFAULT_MAX_RECORDINGS = 32
+
+
+class PerStepValue(list):
+    """A per-step host value of the batch being captured: still readable (the step runs for
+    real), but reading it tells the recording that a replay would repeat a stale value."""
+
+    def __init__(self, name: str, values: list, refuse: Callable[[str], None]):
+        super().__init__(values)
+        self.name, self.refuse = name, refuse
+
+    def _read(method):  # noqa: N805 -- wraps list's own methods
+        def read(self, *args):
+            self.refuse(f"the model read ForwardBatch.{self.name}")
+            return method(self, *args)
+
+        return read
+
+    __iter__, __getitem__, __len__ = _read(list.__iter__), _read(list.__getitem__), _read(list.__len__)
+
+
+class StepRecording:
+    """What one eager step did, as calls to repeat in order on the same tensors."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[Callable, tuple, Any]] = []  # (callable, arguments, what it must return)
+        self.keep: list[Any] = []  # every tensor the step made or read: the memory its calls name
+        self.input_ids: torch.Tensor | None = None
+        self.batch: ForwardBatch | None = None
+        self.batch_tensors: list[torch.Tensor] = []  # the batch's tensors, which each replay refills
+        self.output: torch.Tensor | None = None
+        self.refusal: str | None = None  # why a replay could not repeat this step (None: it can)
+
+    def refuse(self, why: str) -> None:
+        self.refusal = self.refusal or why
+
+    def native_call(self, function, args: tuple, result) -> None:
+        self.calls.append((function, args, result))
+
+    def torch_op(self, func, args: tuple, kwargs: dict, out) -> None:
+        try:
+            self._torch_op(func, args, kwargs, out)
+        except Exception as e:  # noqa: BLE001 -- a recording's own failure must not fail the step it records
+            self.refuse(f"recording {func} failed: {e!r}")
+
+    def _torch_op(self, func, args: tuple, kwargs: dict, out) -> None:
+        tensors_in = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        if func in HOST_READS or (any(tag in func.tags for tag in NOT_REPLAYABLE_TAGS)
+                                  and not _integer_indexing(func, tensors_in)):  # fmt: skip
+            self.refuse(f"{func} depends on tensor values at host level")
+        tensors_out = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        self.keep += tensors_in + tensors_out
+        if func in ALLOCATIONS:
+            return
+        if func._schema.is_mutable:  # in place, or into out=: the same call again
+            self.calls.append((_run_in_place, (func, args, kwargs), None))
+            return
+        storages = {_storage(t) for t in tensors_in}
+        fresh = [t for t in tensors_out if _storage(t) not in storages]
+        if fresh:  # a new result (not a view of an input): recompute it into the recorded tensor
+            self.calls.append((_run_into, (func, args, kwargs, tuple(tensors_out)), None))
+
+    def replay(self) -> torch.Tensor:
+        for function, args, expected in self.calls:
+            result = function(*args)
+            if result != expected:
+                raise RuntimeError(f"captured step: {getattr(function, '__name__', function)} returned {result}, "
+                                   f"{expected} when recorded")  # fmt: skip
+        return self.output
+
+
+def _storage(t: torch.Tensor) -> int | None:
+    """Where a tensor's memory starts (None for oneDNN's opaque packed weights, never an output)."""
+    return None if t.is_mkldnn else t.untyped_storage().data_ptr()
+
+
+def _integer_indexing(func, tensors_in: list[torch.Tensor]) -> bool:
+    """Indexing by integer tensors: its shape follows the indices' shapes (a boolean mask's would not)."""
+    return func in (aten.index.Tensor, aten.index_put_.default) and all(
+        t.dtype not in (torch.bool, torch.uint8) for t in tensors_in[1:])
+
+
+def _run_in_place(func, args, kwargs) -> None:
+    func(*args, **kwargs)
+
+
+def _run_into(func, args, kwargs, outs: tuple[torch.Tensor, ...]) -> None:
+    values = func(*args, **kwargs)
+    if len(outs) == 1 and isinstance(values, torch.Tensor):
+        outs[0].copy_(values)
+        return
+    for out, value in zip(outs, tree_leaves(values)):
+        out.copy_(value)
+
+
+class _TorchOps(TorchDispatchMode):
+    def __init__(self, recording: StepRecording):
+        super().__init__()
+        self.recording = recording
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        self.recording.torch_op(func, args, kwargs, out)
+        return out
+
+
+def step_key(input_ids: torch.Tensor, batch: ForwardBatch) -> tuple[tuple, list[torch.Tensor]]:
+    """(everything host-side the model may branch on: the batch's non-tensor values and its
+    tensors' shapes and dtypes; the batch's tensors in a fixed order, nested layouts included)."""
+    key: list = [tuple(input_ids.shape)]
+    tensors: list[torch.Tensor] = []
+    _walk(batch, key, tensors)
+    return tuple(key), tensors
+
+
+def _walk(value, key: list, tensors: list[torch.Tensor]) -> None:
+    for name in _fields(type(value)):
+        item = getattr(value, name)
+        if isinstance(item, torch.Tensor):
+            key.append((item.shape, item.dtype))
+            tensors.append(item)
+        elif dataclasses.is_dataclass(item):
+            _walk(item, key, tensors)
+        else:
+            key.append(tuple(item) if isinstance(item, list) else item)
+
+
+@functools.cache
+def _fields(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(cls) if f.name not in PER_STEP_FIELDS and f.name != "tracer")
+
+
+def has_forward_hooks(model: torch.nn.Module) -> bool:
+    """Hooks on the model itself or on every module (submodules' own are not looked for)."""
+    return bool(model._forward_pre_hooks or model._forward_hooks or torch_module._global_forward_pre_hooks
+                or torch_module._global_forward_hooks)  # fmt: skip
+
+
+class CapturedDecode:
+    """Decode steps replayed from recordings, by shape key; `forward(input_ids, batch)` is
+    the eager step, returning the logits. `sizes`: the batch sizes to capture (None: all)."""
+
+    def __init__(self, forward: Callable[[torch.Tensor, ForwardBatch], torch.Tensor],
+                 sizes: frozenset[int] | None = None, max_recordings: int = DEFAULT_MAX_RECORDINGS):  # fmt: skip
+        self.forward = forward
+        self.sizes = sizes
+        self.max_recordings = max_recordings
+        self.recordings: OrderedDict[tuple, StepRecording] = OrderedDict()
+        self.refused: dict[tuple, str] = {}  # keys whose capture failed, and why: they run eagerly
+        self.replays = self.captures = 0
+
+    def wants(self, batch: ForwardBatch) -> bool:
+        """A plain decode step (one new token per request) of a batch size that is captured."""
+        return (batch.num_decodes == batch.num_requests and batch.rings is None and batch.tracer is None
+                and (self.sizes is None or batch.num_requests in self.sizes))  # fmt: skip
+
+    def run(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """The logits of this decode step (a tensor the next replay of its shape overwrites)."""
+        key, tensors = step_key(input_ids, batch)
+        recording = self.recordings.get(key)
+        if recording is not None:
+            self.recordings.move_to_end(key)
+            recording.input_ids.copy_(input_ids)
+            for mine, new in zip(recording.batch_tensors, tensors):
+                mine.copy_(new)
+            self.replays += 1
+            return recording.replay()
+        if key in self.refused:
+            return self.forward(input_ids, batch)
+        return self._capture(key, input_ids, batch)
+
+    def _capture(self, key: tuple, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """Run the step eagerly under a recording; keep the recording if a replay can repeat it."""
+        recording = StepRecording()
+        per_step = {name: PerStepValue(name, getattr(batch, name), recording.refuse) for name in PER_STEP_FIELDS}
+        recording.input_ids, recording.batch = input_ids, dataclasses.replace(batch, **per_step)
+        recording.batch_tensors = step_key(input_ids, recording.batch)[1]
+        with native.recording(recording.native_call), _TorchOps(recording):
+            recording.output = self.forward(input_ids, recording.batch)
+        if recording.refusal is not None:
+            log.warning("oxserve: decode steps of shape %d x %d run eagerly: %s", batch.num_requests,
+                        batch.num_tokens, recording.refusal)  # fmt: skip
+            self.refused[key] = recording.refusal
+            return recording.output
+        self.captures += 1
+        self.recordings[key] = recording
+        if len(self.recordings) > self.max_recordings:
+            self.recordings.popitem(last=False)
+        return recording.output

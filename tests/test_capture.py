@@ -1,0 +1,133 @@
+"""Captured decode steps (`oxserve.engine.capture`): a replay gives the eager step's results
+bit for bit, on any shape, and a step a replay could not repeat runs eagerly."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from oxserve import LLM, SamplingParams
+from oxserve.engine.capture import CapturedDecode, StepRecording
+from oxserve.kernels import rows as row_kernels
+from oxserve.model.batch import BatchRequest, make_forward_batch
+from oxserve.default_model import default_model
+from oxserve.model.config import TextModelConfig
+from tiny_models import TINY_SHAPE
+
+
+def _run(model: str | None, dtype: str, eager: bool, prompts, params, **options):
+    llm = LLM(model=model, dtype=dtype, enforce_eager=eager, max_num_seqs=4, **options)
+    try:
+        outs = llm.generate(prompts, params)
+        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs], llm.engine.runner.captured
+    finally:
+        llm.close()
+
+
+def _workload(seed: int, vocab: int, longest: int):
+    """Prompts of random lengths and outputs of random lengths: the batch shrinks as requests
+    finish, contexts cross blocks, indexer pools and the indexer's top-k."""
+    rng = random.Random(seed)
+    prompts = [{"prompt_token_ids": [rng.randrange(32, vocab) for _ in range(rng.randrange(1, longest))]} for _ in range(6)]
+    params = [SamplingParams(max_tokens=rng.randrange(20, 90), ignore_eos=True, logprobs=2, seed=rng.randrange(1 << 30),
+                             temperature=rng.choice([0.0, 0.8]), top_p=rng.choice([1.0, 0.9])) for _ in prompts]
+    return prompts, params
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_replayed_decode_steps_equal_eager_ones_bit_for_bit(tiny_model_dir, dtype):
+    prompts, params = _workload(random.randrange(1 << 30), TINY_SHAPE["vocab_size"], 120)
+    eager, none = _run(str(tiny_model_dir), dtype, True, prompts, params, max_model_len=256)
+    replayed, captured = _run(str(tiny_model_dir), dtype, False, prompts, params, max_model_len=256)
+    assert none is None
+    assert captured.refused == {}
+    assert captured.captures >= 3 and captured.replays > 5 * captured.captures  # batch sizes and context bounds
+    assert replayed == eager  # tokens and logprobs, exactly
+
+
+def test_the_default_model_replays_its_decode_steps_exactly():
+    """The shipped model in bf16, where every product runs on the panel kernels."""
+    prompts = ["The quick brown fox", "Once upon a time " * 30, "a b c " * 90]
+    params = SamplingParams(max_tokens=150, temperature=0.0, ignore_eos=True, logprobs=1)
+    eager, _ = _run(None, "bfloat16", True, prompts, params)
+    replayed, captured = _run(None, "bfloat16", False, prompts, params)
+    assert captured.refused == {} and captured.replays > 100
+    assert replayed == eager
+
+
+def test_compile_sizes_choose_the_batch_sizes_captured(tiny_model_dir):
+    prompts = [{"prompt_token_ids": [40 + i] * (5 + 7 * i)} for i in range(3)]
+    params = [SamplingParams(max_tokens=10 + 10 * i, temperature=0.0, ignore_eos=True) for i in range(3)]
+    eager, _ = _run(str(tiny_model_dir), "bfloat16", True, prompts, params, max_model_len=256)
+    replayed, captured = _run(str(tiny_model_dir), "bfloat16", False, prompts, params, max_model_len=256,
+                              compile_sizes="2")  # fmt: skip
+    assert replayed == eager
+    assert captured.replays > 0 and {key[0] for key in captured.recordings} == {(2,)}  # input_ids [2]
+
+
+@pytest.mark.parametrize("sizes", ["", "0,2", "two"])
+def test_bad_compile_sizes_are_refused(sizes):
+    with pytest.raises(ValueError, match="compile_sizes"):
+        LLM(compile_sizes=sizes)
+
+
+def _decode_batch(contexts: list[int], block_size: int = 16):
+    requests = [BatchRequest(c, 1, list(range(i * 8, i * 8 + 8)), i, True) for i, c in enumerate(contexts)]
+    cfg = TextModelConfig.from_file(Path(default_model()) / "config.json")
+    return make_forward_batch(requests, cfg, block_size, 64, "cpu")
+
+
+def test_a_replay_recomputes_torch_ops_and_native_calls_on_new_inputs():
+    """A toy step mixing a native kernel, torch ops, a view and an in-place write to state kept
+    between steps: each replay equals the eager step on that step's inputs."""
+    weight = torch.randn(32, dtype=torch.bfloat16)
+    state = torch.zeros(8, 32, dtype=torch.bfloat16)
+
+    def step(input_ids, batch, state):
+        x = torch.nn.functional.embedding(input_ids, table).to(torch.bfloat16)
+        normed = row_kernels.rms_norm_native(x, weight, 1e-6)  # native on CPU bf16
+        state.index_copy_(0, batch.state_slots, normed)
+        return (normed.float() * batch.positions[:, None] + state.sum(0)).view(-1)
+
+    table = torch.randn(100, 32)
+    eager_state, replay_state = state.clone(), state.clone()
+    captured = CapturedDecode(lambda ids, b: step(ids, b, replay_state))
+    for contexts in ([3, 9], [4, 10], [5, 11], [12, 2]):  # one shape: sequences up to 16
+        batch = _decode_batch(contexts)
+        ids = torch.randint(0, 100, (2,))
+        expected = step(ids, batch, eager_state)
+        assert torch.equal(captured.run(ids, batch), expected)
+        assert torch.equal(replay_state, eager_state)
+    assert captured.captures == 1 and captured.replays == 3 and captured.refused == {}
+
+
+def test_a_step_that_reads_context_lengths_or_tensor_values_runs_eagerly():
+    bodies = (lambda ids, b: ids * sum(b.context_lens), lambda ids, b: ids * int(ids.sum().item()),
+              lambda ids, b: ids + 1 if bool((ids == 2).any()) else ids, lambda ids, b: ids[ids > 1])
+    for body in bodies:
+        calls = []
+        captured = CapturedDecode(lambda ids, b: calls.append(1) or body(ids, b))
+        for contexts in ([3, 9], [4, 10], [5, 11]):
+            batch, ids = _decode_batch(contexts), torch.tensor([1, 2])
+            assert torch.equal(captured.run(ids, batch), body(ids, batch))  # right on every step
+        assert len(calls) == 3 and captured.recordings == {} and len(captured.refused) == 1
+
+
+def test_a_kernel_that_fails_in_a_replay_fails_the_step_loudly():
+    recording = StepRecording()
+    recording.calls.append((lambda: -2, (), 0))  # returned 0 when recorded
+    with pytest.raises(RuntimeError, match="returned -2"):
+        recording.replay()
+
+
+def test_deterministic_mode_replays_each_request_alone(tiny_model_dir):
+    """One forward pass per request: every pass's logits survive the passes after it (a replay
+    reuses its recording's logits tensor)."""
+    prompts, params = _workload(random.randrange(1 << 30), TINY_SHAPE["vocab_size"], 60)
+    eager, _ = _run(str(tiny_model_dir), "bfloat16", True, prompts, params, max_model_len=256, deterministic=True)
+    replayed, captured = _run(str(tiny_model_dir), "bfloat16", False, prompts, params, max_model_len=256,
+                              deterministic=True)  # fmt: skip
+    assert captured.replays > 0 and replayed == eager
