@@ -59,9 +59,9 @@ def test_decode_steps_keep_their_shapes_while_contexts_grow():
     requests = [BatchRequest(c, 1, t, i, True) for i, (c, t) in enumerate(zip(contexts, tables))]
     batch = make_forward_batch(requests + [BatchRequest(*chunk, chunk_table, 9, True)], cfg, block_size, num_blocks, "cpu")
     width = max(len(t) for t in tables + [chunk_table])
-    assert batch.block_tables.shape[1] == 1 << (width - 1).bit_length()
     longest = max([c + 1 for c in contexts] + [sum(chunk)])
     assert batch.seq_len_bound == 1 << (longest - 1).bit_length()
+    assert batch.block_tables.shape[1] == max(1 << (width - 1).bit_length(), -(-batch.seq_len_bound // block_size))
 
     def row(table, p):
         return table[p // block_size] * block_size + p % block_size

@@ -59,6 +59,12 @@ def run(args: argparse.Namespace) -> int:
     ours = run_oxserve(engine, prompts, args.output_len)
     result: dict = {"oxserve": ours.as_dict(), "workload": vars_subset(args)}
     print(_row("oxserve", ours), file=sys.stderr)
+    captured = engine.runner.captured
+    if captured is not None:  # its recording steps are in the decode time above
+        result["captured_steps"] = {"recorded": captured.captures, "replayed": captured.replays,
+                                    "recording_ms": round(captured.capture_s * 1e3, 1), "eager": len(captured.refused)}
+        print(f"captured decode steps: {captured.captures} shapes recorded in {captured.capture_s * 1e3:.0f} ms of "
+              f"steps, {captured.replays} steps replayed, {len(captured.refused)} shapes eager", file=sys.stderr)
     if not args.skip_hf:
         hf = run_hf(engine, prompts, args.output_len, config.model.dtype, config.model.device)
         result["hf"] = hf.as_dict()

@@ -37,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import time
 from collections import OrderedDict
 from typing import Any, Callable
 
@@ -107,15 +108,15 @@ class StepRecording:
             self.refuse(f"recording {func} failed: {e!r}")
 
     def _torch_op(self, func, args: tuple, kwargs: dict, out) -> None:
-        tensors_in = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        if func in HOST_READS or (any(tag in func.tags for tag in NOT_REPLAYABLE_TAGS)
-                                  and not _integer_indexing(func, tensors_in)):  # fmt: skip
+        tensors_in = _tensors(args) + _tensors(kwargs.values())
+        reads_host, kind = _kind(func)
+        if reads_host and not _integer_indexing(func, tensors_in):
             self.refuse(f"{func} depends on tensor values at host level")
-        tensors_out = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        tensors_out = [out] if isinstance(out, torch.Tensor) else _tensors(out) if isinstance(out, (tuple, list)) else []
         self.keep += tensors_in + tensors_out
-        if func in ALLOCATIONS:
+        if kind is ALLOCATION:
             return
-        if func._schema.is_mutable:  # in place, or into out=: the same call again
+        if kind is IN_PLACE:  # or into out=: the same call again
             self.calls.append((_run_in_place, (func, args, kwargs), None))
             return
         storages = {_storage(t) for t in tensors_in}
@@ -130,6 +131,30 @@ class StepRecording:
                 raise RuntimeError(f"captured step: {getattr(function, '__name__', function)} returned {result}, "
                                    f"{expected} when recorded")  # fmt: skip
         return self.output
+
+
+ALLOCATION, IN_PLACE, FUNCTIONAL = "allocation", "in place", "functional"
+
+
+@functools.cache
+def _kind(func) -> tuple[bool, str]:
+    """(whether the op may read tensor values at host level, how a replay repeats it); cached:
+    a capture meets each op many times."""
+    reads_host = func in HOST_READS or any(tag in func.tags for tag in NOT_REPLAYABLE_TAGS)
+    if func in ALLOCATIONS:
+        return reads_host, ALLOCATION
+    return reads_host, IN_PLACE if func._schema.is_mutable else FUNCTIONAL
+
+
+def _tensors(values) -> list[torch.Tensor]:
+    """The tensors among `values`, and in lists among them (an op's arguments are no deeper)."""
+    found = []
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            found.append(value)
+        elif isinstance(value, (list, tuple)):
+            found += [v for v in value if isinstance(v, torch.Tensor)]
+    return found
 
 
 def _storage(t: torch.Tensor) -> int | None:
@@ -212,6 +237,9 @@ class CapturedDecode:
         self.recordings: OrderedDict[tuple, StepRecording] = OrderedDict()
         self.refused: dict[tuple, str] = {}  # keys whose capture failed, and why: they run eagerly
         self.replays = self.captures = 0
+        self.capture_s = 0.0  # time in steps that recorded (each an eager step plus the recording's cost)
+        with _TorchOps(StepRecording()):  # torch's first dispatch mode imports torch._dynamo (~1 s): at start-up
+            torch.empty(0)
 
     def wants(self, batch: ForwardBatch) -> bool:
         """A plain decode step (one new token per request) of a batch size that is captured."""
@@ -235,12 +263,14 @@ class CapturedDecode:
 
     def _capture(self, key: tuple, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """Run the step eagerly under a recording; keep the recording if a replay can repeat it."""
+        start = time.perf_counter()
         recording = StepRecording()
         per_step = {name: PerStepValue(name, getattr(batch, name), recording.refuse) for name in PER_STEP_FIELDS}
         recording.input_ids, recording.batch = input_ids, dataclasses.replace(batch, **per_step)
         recording.batch_tensors = step_key(input_ids, recording.batch)[1]
         with native.recording(recording.native_call), _TorchOps(recording):
             recording.output = self.forward(input_ids, recording.batch)
+        self.capture_s += time.perf_counter() - start
         if recording.refusal is not None:
             log.warning("oxserve: decode steps of shape %d x %d run eagerly: %s", batch.num_requests,
                         batch.num_tokens, recording.refusal)  # fmt: skip

@@ -202,8 +202,11 @@ def make_forward_batch(
     else:
         width = max(len(req.block_ids) for req in requests)
         block_tables = as_long([req.block_ids + [num_blocks] * (width - len(req.block_ids)) for req in requests])
-    # Tables as wide as a power of two: their width changes a few times in a request's life.
-    block_tables = F.pad(block_tables, (0, power_of_two(block_tables.shape[1]) - block_tables.shape[1]), value=num_blocks)
+    # Tables as wide as the blocks of seq_len_bound tokens (or a power of two past that): their
+    # width changes when the bound does, a few times in a request's life.
+    seq_len_bound = power_of_two(max(req.num_computed_tokens + req.num_new_tokens for req in requests))
+    width = max(power_of_two(block_tables.shape[1]), -(-seq_len_bound // block_size))
+    block_tables = F.pad(block_tables, (0, width - block_tables.shape[1]), value=num_blocks)
 
     query_lens = [req.num_new_tokens for req in requests]
     batch = ForwardBatch(
@@ -217,7 +220,7 @@ def make_forward_batch(
         state_slots=as_long([req.state_slot for req in requests]),
         has_initial_state=torch.tensor([req.num_computed_tokens > 0 for req in requests], device=device),
         block_size=block_size,
-        seq_len_bound=power_of_two(max(req.num_computed_tokens + req.num_new_tokens for req in requests)),
+        seq_len_bound=seq_len_bound,
         logits_indices=as_long(logits_indices),
         num_verifies=num_verifies,
     )
