@@ -26,10 +26,11 @@ What makes a replay valid, and how it is kept so:
 - a kernel call that returns something other than what it returned while recording (a
   failure status) fails the replay loudly.
 
-Unlike a CUDA graph, capturing costs one ordinary step (it is one), so every batch size is
-captured as it first occurs, nothing is padded, and nothing needs a disk cache; a bounded
-number of recordings is kept (least recently used first out), since each holds its step's
-intermediate tensors.
+Unlike a CUDA graph, a recording costs about two ordinary steps (it is one, plus the
+dispatch mode's few microseconds an op), so every batch size is recorded the second time it
+occurs (a shape met once, in a ramp or a tail, only runs eagerly), nothing is padded, and
+nothing needs a disk cache; a bounded number of recordings is kept (least recently used
+first out), since each holds its step's intermediate tensors.
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ HOST_READS = frozenset({aten.is_nonzero.default, aten.resolve_conj.default, aten
 ALLOCATIONS = frozenset({aten.empty.memory_format, aten.empty_like.default, aten.new_empty.default,
                          aten.empty_strided.default, aten.new_empty_strided.default})  # fmt: skip
 DEFAULT_MAX_RECORDINGS = 32
+SEEN_SHAPES = 1024  # shapes met once, remembered (least recently met forgotten first)
 
 
 class PerStepValue(list):
@@ -236,6 +238,7 @@ class CapturedDecode:
         self.max_recordings = max_recordings
         self.recordings: OrderedDict[tuple, StepRecording] = OrderedDict()
         self.refused: dict[tuple, str] = {}  # keys whose capture failed, and why: they run eagerly
+        self.seen: OrderedDict[tuple, None] = OrderedDict()  # shapes met once (recorded when met again)
         self.replays = self.captures = 0
         self.capture_s = 0.0  # time in steps that recorded (each an eager step plus the recording's cost)
         with _TorchOps(StepRecording()):  # torch's first dispatch mode imports torch._dynamo (~1 s): at start-up
@@ -259,6 +262,12 @@ class CapturedDecode:
             return recording.replay()
         if key in self.refused:
             return self.forward(input_ids, batch)
+        if key not in self.seen:  # recording costs 2x an eager step: not for shapes met once (ramps, tails)
+            self.seen[key] = None
+            if len(self.seen) > SEEN_SHAPES:
+                self.seen.popitem(last=False)
+            return self.forward(input_ids, batch)
+        del self.seen[key]
         return self._capture(key, input_ids, batch)
 
     def _capture(self, key: tuple, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
