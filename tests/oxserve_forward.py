@@ -35,11 +35,13 @@ class ForcedRun:
         run.model, run.cfg, run.dtype = model, model.config, next(model.parameters()).dtype
         return run
 
-    def logits(self, tokens: list[int], chunk: int, decode_from: int | None = None, kda_replay: int = 0) -> torch.Tensor:
+    def logits(self, tokens: list[int], chunk: int, decode_from: int | None = None, kda_replay: int = 0,
+               captured: bool = True) -> torch.Tensor:
         """Logits [L, V] (fp32) of every position of `tokens` (`oxserve.model.forced`), the
-        request's blocks scattered over the cache at random; `kda_replay`: ReplaySSM ring length."""
+        request's blocks scattered over the cache at random; `kda_replay`: ReplaySSM ring length;
+        `captured`: decode steps recorded and replayed, as the engine runs them by default."""
         return model_forced_logits(self.model, tokens, chunk, decode_from, shuffle=random.Random(random.random()),
-                                   kda_replay=kda_replay)
+                                   kda_replay=kda_replay, captured=captured)
 
 
 def forced_logits(

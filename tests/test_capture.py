@@ -147,3 +147,16 @@ def test_deterministic_mode_replays_each_request_alone(tiny_model_dir):
     replayed, captured = _run(str(tiny_model_dir), "bfloat16", False, prompts, params, max_model_len=256,
                               deterministic=True)  # fmt: skip
     assert captured.replays > 0 and replayed == eager
+
+
+def test_teacher_forced_decode_through_replays_equals_eager(tiny_model_dir):
+    """`model.forced` (what the fidelity tests run) decodes through captured steps by default."""
+    from oxserve.model.forced import forced_logits
+    from oxserve.model.loader import load_model
+
+    model = load_model(tiny_model_dir, dtype=torch.bfloat16).model
+    tokens = [random.randrange(32, TINY_SHAPE["vocab_size"]) for _ in range(random.randrange(30, 90))]
+    decode_from = random.randrange(1, 20)
+    eager = forced_logits(model, tokens, 7, decode_from, shuffle=random.Random(1))
+    replayed = forced_logits(model, tokens, 7, decode_from, shuffle=random.Random(1), captured=True)
+    assert torch.equal(replayed, eager)
