@@ -109,6 +109,8 @@ class CollectiveCosts:
 def step_collectives(cfg: TextModelConfig, layout: Layout, batch: int, context: int, elem_bytes: float) -> list[tuple[str, float]]:
     """(kind, bytes) of every collective one decode step of `batch` requests at `context`
     tokens makes, as oxserve's model code makes them."""
+    from oxserve.model.batch import power_of_two
+
     if layout.ranks == 1:
         return []
     hidden = batch * cfg.hidden_size
@@ -116,8 +118,9 @@ def step_collectives(cfg: TextModelConfig, layout: Layout, batch: int, context: 
     if layout.tp > 1:
         calls.append(("all_reduce", hidden * FP32))  # vocab-parallel embedding
         calls += [("all_reduce", hidden * FP32)] * (2 * cfg.num_hidden_layers)  # attention and MLP blocks
-        pools = context // cfg.index_kpool
-        calls += [("all_reduce", batch * pools * FP32)] * len(cfg.full_indexer_layers)  # scores before top-k
+        pools = power_of_two(context + 1) // cfg.index_kpool  # sized by ForwardBatch.seq_len_bound
+        if pools > cfg.index_topk // cfg.index_kpool:  # else every pool is kept, unscored
+            calls += [("all_reduce", batch * pools * FP32)] * len(cfg.full_indexer_layers)  # scores before top-k
         calls.append(("gather", batch * -(-cfg.vocab_size // layout.tp) * FP32))  # logits to rank 0
     if layout.ls > 1:
         calls += [("broadcast", hidden * elem_bytes)] * len(cfg.mla_layers)  # owners' attention outputs
