@@ -160,3 +160,24 @@ def test_teacher_forced_decode_through_replays_equals_eager(tiny_model_dir):
     eager = forced_logits(model, tokens, 7, decode_from, shuffle=random.Random(1))
     replayed = forced_logits(model, tokens, 7, decode_from, shuffle=random.Random(1), captured=True)
     assert torch.equal(replayed, eager)
+
+
+def test_recordings_are_dropped_least_recently_replayed_first_past_their_memory_budget():
+    """Each recording holds its step's intermediate tensors; past the budget the oldest go."""
+    state = torch.zeros(8, 64)
+
+    def step(ids, batch):
+        state.index_copy_(0, batch.state_slots, torch.ones(len(ids), 64) * ids[:, None])
+        return state.sum(0)
+
+    captured = CapturedDecode(step)
+    for contexts in ([3], [3], [3, 4], [3, 4], [3, 4, 5], [3, 4, 5]):  # each shape recorded on its second step
+        captured.run(torch.arange(len(contexts)), _decode_batch(contexts))
+    sizes = [r.nbytes for r in captured.recordings.values()]
+    assert len(sizes) == 3 and all(size >= 64 * 4 for size in sizes)
+    captured.max_bytes = sum(sizes) - 1  # one more recording must push one out, or more
+    captured.run(torch.arange(1), _decode_batch([3]))  # a replay: shape 1 becomes the most recent
+    for contexts in ([6, 7, 8, 9], [6, 7, 8, 9]):
+        captured.run(torch.arange(4), _decode_batch(contexts))
+    assert [key[0] for key in captured.recordings] == [(1,), (4,)]  # 2 then 3 dropped: 1 + 4 rows fit
+    assert captured.nbytes <= captured.max_bytes

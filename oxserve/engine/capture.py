@@ -29,8 +29,8 @@ What makes a replay valid, and how it is kept so:
 Unlike a CUDA graph, a recording costs about two ordinary steps (it is one, plus the
 dispatch mode's few microseconds an op), so every batch size is recorded the second time it
 occurs (a shape met once, in a ramp or a tail, only runs eagerly), nothing is padded, and
-nothing needs a disk cache; a bounded number of recordings is kept (least recently used
-first out), since each holds its step's intermediate tensors.
+nothing needs a disk cache; at most 32 recordings holding at most 1 GiB of intermediate
+tensors together are kept (least recently replayed dropped first).
 """
 
 from __future__ import annotations
@@ -64,6 +64,7 @@ HOST_READS = frozenset({aten.is_nonzero.default, aten.resolve_conj.default, aten
 ALLOCATIONS = frozenset({aten.empty.memory_format, aten.empty_like.default, aten.new_empty.default,
                          aten.empty_strided.default, aten.new_empty_strided.default})  # fmt: skip
 DEFAULT_MAX_RECORDINGS = 32
+DEFAULT_MAX_RECORDING_BYTES = 1 << 30  # the kept recordings' intermediate tensors, together
 SEEN_SHAPES = 1024  # shapes met once, remembered (least recently met forgotten first)
 
 
@@ -91,6 +92,7 @@ class StepRecording:
     def __init__(self) -> None:
         self.calls: list[tuple[Callable, tuple, Any]] = []  # (callable, arguments, what it must return)
         self.keep: list[Any] = []  # every tensor the step made or read: the memory its calls name
+        self.made: dict[int, int] = {}  # storages the step allocated (address -> bytes): what keeping it costs
         self.input_ids: torch.Tensor | None = None
         self.batch: ForwardBatch | None = None
         self.batch_tensors: list[torch.Tensor] = []  # the batch's tensors, which each replay refills
@@ -117,14 +119,25 @@ class StepRecording:
         tensors_out = [out] if isinstance(out, torch.Tensor) else _tensors(out) if isinstance(out, (tuple, list)) else []
         self.keep += tensors_in + tensors_out
         if kind is ALLOCATION:
+            self._made(tensors_out)
             return
         if kind is IN_PLACE:  # or into out=: the same call again
             self.calls.append((_run_in_place, (func, args, kwargs), None))
             return
         storages = {_storage(t) for t in tensors_in}
         fresh = [t for t in tensors_out if _storage(t) not in storages]
+        self._made(fresh)
         if fresh:  # a new result (not a view of an input): recompute it into the recorded tensor
             self.calls.append((_run_into, (func, args, kwargs, tuple(tensors_out)), None))
+
+    def _made(self, tensors: list[torch.Tensor]) -> None:
+        for t in tensors:
+            if not t.is_mkldnn:
+                self.made[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.made.values())
 
     def replay(self) -> torch.Tensor:
         for function, args, expected in self.calls:
@@ -232,10 +245,11 @@ class CapturedDecode:
     the eager step, returning the logits. `sizes`: the batch sizes to capture (None: all)."""
 
     def __init__(self, forward: Callable[[torch.Tensor, ForwardBatch], torch.Tensor],
-                 sizes: frozenset[int] | None = None, max_recordings: int = DEFAULT_MAX_RECORDINGS):  # fmt: skip
+                 sizes: frozenset[int] | None = None, max_recordings: int = DEFAULT_MAX_RECORDINGS,
+                 max_bytes: int = DEFAULT_MAX_RECORDING_BYTES):  # fmt: skip
         self.forward = forward
         self.sizes = sizes
-        self.max_recordings = max_recordings
+        self.max_recordings, self.max_bytes = max_recordings, max_bytes
         self.recordings: OrderedDict[tuple, StepRecording] = OrderedDict()
         self.refused: dict[tuple, str] = {}  # keys whose capture failed, and why: they run eagerly
         self.seen: OrderedDict[tuple, None] = OrderedDict()  # shapes met once (recorded when met again)
@@ -287,6 +301,11 @@ class CapturedDecode:
             return recording.output
         self.captures += 1
         self.recordings[key] = recording
-        if len(self.recordings) > self.max_recordings:
-            self.recordings.popitem(last=False)
+        while len(self.recordings) > 1 and (len(self.recordings) > self.max_recordings or self.nbytes > self.max_bytes):
+            self.recordings.popitem(last=False)  # the least recently replayed
         return recording.output
+
+    @property
+    def nbytes(self) -> int:
+        """Activation memory the kept recordings hold."""
+        return sum(r.nbytes for r in self.recordings.values())
