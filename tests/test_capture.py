@@ -181,3 +181,21 @@ def test_recordings_are_dropped_least_recently_replayed_first_past_their_memory_
         captured.run(torch.arange(4), _decode_batch(contexts))
     assert [key[0] for key in captured.recordings] == [(1,), (4,)]  # 2 then 3 dropped: 1 + 4 rows fit
     assert captured.nbytes <= captured.max_bytes
+
+
+def test_a_dropped_engine_frees_its_caches_without_waiting_for_the_garbage_collector(tiny_model_dir):
+    """The replays' forward holds the model and caches, not the runner: no reference cycle."""
+    import gc
+    import weakref
+
+    llm = LLM(model=str(tiny_model_dir), dtype="bfloat16", max_model_len=256)
+    llm.generate(["a b c"] * 2, SamplingParams(max_tokens=12, ignore_eos=True))
+    assert llm.engine.runner.captured.replays > 0
+    runner = weakref.ref(llm.engine.runner)
+    gc.collect()
+    gc.disable()
+    try:
+        del llm
+        assert runner() is None
+    finally:
+        gc.enable()

@@ -13,6 +13,7 @@ request kept, so that every rank's KDA states undo the same rejected tokens.
 
 from __future__ import annotations
 
+import functools
 import logging
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -95,7 +96,10 @@ class ModelRunner:
         self.embedder = embedder  # images and video: their embeddings for placeholder rows
         self.imports: dict[str, CacheSnapshot] = {}  # disaggregation: caches waiting for their request's first step
         # Decode steps replayed from recordings (one process only: parallel ranks run eagerly)
-        self.captured = CapturedDecode(self._decode_logits, capture_sizes) if capture and workers is None else None
+        # (its forward holds the model and caches, not the runner: no reference cycle keeps a
+        # closed engine's caches alive until the garbage collector runs)
+        self.captured = (CapturedDecode(functools.partial(decode_logits, model, self.caches), capture_sizes)
+                         if capture and workers is None else None)  # fmt: skip
 
     def drop(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
@@ -287,9 +291,6 @@ class ModelRunner:
         return (self.captured is not None and self.drafter is None and mm_embeds is None and self.captured.wants(batch)
                 and not any(s.prompt_logprob_positions for s in scheduled) and not has_forward_hooks(self.model))  # fmt: skip
 
-    def _decode_logits(self, input_ids: torch.Tensor, batch) -> torch.Tensor:
-        return self.model.compute_logits(self.model(input_ids, batch, self.caches))
-
     @torch.inference_mode()
     def export_caches(self, request_id: str, num_tokens: int) -> dict[str, torch.Tensor]:
         """Copies of the caches of a request's first `num_tokens` tokens (right after the step
@@ -344,6 +345,11 @@ class ModelRunner:
     def _sampling_row(self, request_id: str) -> SamplingRow:
         state = self.requests[request_id]
         return SamplingRow(state.params, state.prompt_token_ids, state.output_token_ids, state.generator)
+
+
+def decode_logits(model: Glm5NextForCausalLM, caches: list, input_ids: torch.Tensor, batch) -> torch.Tensor:
+    """A decode step's logits: what `CapturedDecode` records and replays."""
+    return model.compute_logits(model(input_ids, batch, caches))
 
 
 def _batch_order(s: ScheduledRequest) -> int:
