@@ -46,8 +46,9 @@ class ModelConfig:
         "tokens of the shipped corpus) show outlier channels; 0: no calibration, no smoothing",
     )
     enforce_eager: bool = opt(
-        False, "run every step eagerly: no captured decode steps (by default the first decode step of each shape "
-        "is recorded, kernel calls and torch ops, and later ones replay the recording without the Python between)",
+        False, "run every step eagerly: no captured decode steps (by default, when a decode step's shape comes "
+        "again, that step is recorded, kernel calls and torch ops, and later ones replay the recording without the "
+        "Python between)",
     )
     compile_sizes: str | None = opt(
         None, "batch sizes whose decode steps are captured and replayed, comma-separated (default: every size)",

@@ -2,8 +2,8 @@
 
 A decode step of a small batch costs what its Python costs: ~130 kernel calls, each behind
 module calls, views and allocations (a batch-1 step of the default model is ~4 ms, its
-bytes 0.5 ms). This is the CPU counterpart of vLLM's CUDA graphs. The first decode step of
-a given shape runs eagerly under a recording that keeps, in order, every native kernel call
+bytes 0.5 ms). This is the CPU counterpart of vLLM's CUDA graphs. A decode step of a given
+shape (the second one met: see below) runs eagerly under a recording that keeps, in order, every native kernel call
 (`kernels.native.recording`: the function and its arguments, pointers included) and every
 torch op (`TorchDispatchMode`: the op, its arguments, its outputs), and keeps alive every
 tensor those pointers and arguments name. The next step of the same shape copies its inputs
