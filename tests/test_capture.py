@@ -184,7 +184,8 @@ def test_recordings_are_dropped_least_recently_replayed_first_past_their_memory_
 
 
 def test_a_dropped_engine_frees_its_caches_without_waiting_for_the_garbage_collector(tiny_model_dir):
-    """The replays' forward holds the model and caches, not the runner: no reference cycle."""
+    """The replays' forward holds the model and caches, not the runner, and a recording's
+    watched batch values (which point back at it) are not kept: no reference cycle."""
     import gc
     import weakref
 
@@ -192,10 +193,11 @@ def test_a_dropped_engine_frees_its_caches_without_waiting_for_the_garbage_colle
     llm.generate(["a b c"] * 2, SamplingParams(max_tokens=12, ignore_eos=True))
     assert llm.engine.runner.captured.replays > 0
     runner = weakref.ref(llm.engine.runner)
+    recordings = [weakref.ref(r) for r in llm.engine.runner.captured.recordings.values()]  # they hold the caches
     gc.collect()
     gc.disable()
     try:
         del llm
-        assert runner() is None
+        assert runner() is None and recordings and all(r() is None for r in recordings)
     finally:
         gc.enable()

@@ -94,7 +94,6 @@ class StepRecording:
         self.keep: list[Any] = []  # every tensor the step made or read: the memory its calls name
         self.made: dict[int, int] = {}  # storages the step allocated (address -> bytes): what keeping it costs
         self.input_ids: torch.Tensor | None = None
-        self.batch: ForwardBatch | None = None
         self.batch_tensors: list[torch.Tensor] = []  # the batch's tensors, which each replay refills
         self.output: torch.Tensor | None = None
         self.refusal: str | None = None  # why a replay could not repeat this step (None: it can)
@@ -289,10 +288,12 @@ class CapturedDecode:
         start = time.perf_counter()
         recording = StepRecording()
         per_step = {name: PerStepValue(name, getattr(batch, name), recording.refuse) for name in PER_STEP_FIELDS}
-        recording.input_ids, recording.batch = input_ids, dataclasses.replace(batch, **per_step)
-        recording.batch_tensors = step_key(input_ids, recording.batch)[1]
+        # Not kept on the recording: its per-step values point back at it (a cycle that would keep
+        # the recorded tensors, the caches among them, alive until the garbage collector ran).
+        watched = dataclasses.replace(batch, **per_step)
+        recording.input_ids, recording.batch_tensors = input_ids, step_key(input_ids, watched)[1]
         with native.recording(recording.native_call), _TorchOps(recording):
-            recording.output = self.forward(input_ids, recording.batch)
+            recording.output = self.forward(input_ids, watched)
         self.capture_s += time.perf_counter() - start
         if recording.refusal is not None:
             log.warning("oxserve: decode steps of shape %d x %d run eagerly: %s", batch.num_requests,
