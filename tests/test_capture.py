@@ -201,3 +201,16 @@ def test_a_dropped_engine_frees_its_caches_without_waiting_for_the_garbage_colle
         assert runner() is None and recordings and all(r() is None for r in recordings)
     finally:
         gc.enable()
+
+
+def test_recording_does_not_import_the_compiler(tiny_model_dir):
+    """A dispatch mode would import torch._dynamo (~1 s) on its first use to wrap its hook;
+    nothing is compiled here, so a process that records a step never pays for it."""
+    import subprocess
+    import sys
+
+    probe = (f"import sys; from oxserve import LLM, SamplingParams; llm = LLM(model={str(tiny_model_dir)!r}, "
+             "dtype='bfloat16', max_model_len=256); llm.generate(['a b'] * 2, SamplingParams(max_tokens=8, ignore_eos=True)); "
+             "assert llm.engine.runner.captured.captures > 0; print('torch._dynamo' in sys.modules)")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert out.stdout.split()[-1] == "False"

@@ -200,6 +200,10 @@ class _TorchOps(TorchDispatchMode):
         super().__init__()
         self.recording = recording
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False  # nothing here is compiled: torch would otherwise import torch._dynamo (~1 s) to wrap the hook
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
@@ -254,8 +258,6 @@ class CapturedDecode:
         self.seen: OrderedDict[tuple, None] = OrderedDict()  # shapes met once (recorded when met again)
         self.replays = self.captures = 0
         self.capture_s = 0.0  # time in steps that recorded (each an eager step plus the recording's cost)
-        with _TorchOps(StepRecording()):  # torch's first dispatch mode imports torch._dynamo (~1 s): at start-up
-            torch.empty(0)
 
     def wants(self, batch: ForwardBatch) -> bool:
         """A plain decode step (one new token per request) of a batch size that is captured."""
