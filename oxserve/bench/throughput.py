@@ -51,13 +51,16 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     config = engine_config_from_args(args)
+    start = time.perf_counter()
     engine = LLMEngine(config)
+    start_s = time.perf_counter() - start  # the first engine of the process: one-time imports included
     prompts = _random_prompts(args.num_prompts, args.input_len, engine, args.bench_seed)
     print(f"model {engine.model_path}  dtype {config.model.dtype}  device {config.model.device}  "
           f"threads {torch.get_num_threads()}", file=sys.stderr)
+    print(f"engine start-up {start_s:.2f} s (load, cache planning, first-engine imports)", file=sys.stderr)
     print(f"workload: {args.num_prompts} requests x {args.input_len} prompt tokens, {args.output_len} output tokens", file=sys.stderr)
     ours = run_oxserve(engine, prompts, args.output_len)
-    result: dict = {"oxserve": ours.as_dict(), "workload": vars_subset(args)}
+    result: dict = {"oxserve": ours.as_dict(), "workload": vars_subset(args), "engine_start_s": round(start_s, 3)}
     print(_row("oxserve", ours), file=sys.stderr)
     captured = engine.runner.captured
     if captured is not None:  # its recording steps are in the decode time above
