@@ -23,7 +23,7 @@ import yaml
 
 from oxserve.bench.soak_server import wait_until_serving
 from oxserve.default_model import build_checkpoint
-from server_harness import TINY, free_port, serve
+from server_harness import TINY, free_ports, serve
 from vision_media import png_bytes
 
 ARGS = ["--dtype", "float32", "--deterministic", "--max-model-len", "512", "--cache-memory-gib", "0.05"]
@@ -51,12 +51,12 @@ class Deployment:
 
 
 def _deploy(model, tmp, mode: str):
-    port = free_port()
-    members = {"encode": [free_port()], "prefill": [free_port()], "decode": [free_port(), free_port()]}
+    port, encode, prefill, prefill_mm, decode_a, decode_b, kv_a, kv_b, mm_a, mm_b = free_ports(10)
+    members = {"encode": [encode], "prefill": [prefill], "decode": [decode_a, decode_b]}
     config = {"model": str(model), "args": ARGS, "router": {"port": port, "disaggregate": mode}, "log_dir": str(tmp),
-              "encode": [{"port": p} for p in members["encode"]],
-              "prefill": [{"port": p, "mm_port": free_port()} for p in members["prefill"]],
-              "decode": [{"port": p, "kv_port": free_port(), "mm_port": free_port()} for p in members["decode"]]}  # fmt: skip
+              "encode": [{"port": encode}], "prefill": [{"port": prefill, "mm_port": prefill_mm}],
+              "decode": [{"port": decode_a, "kv_port": kv_a, "mm_port": mm_a},
+                         {"port": decode_b, "kv_port": kv_b, "mm_port": mm_b}]}  # fmt: skip
     path = tmp / "epd.yaml"
     path.write_text(yaml.safe_dump(config))
     log = open(tmp / "launcher.log", "w")
