@@ -271,7 +271,11 @@ def test_echo_stream_sends_the_prompt_first(server):
     with httpx.stream("POST", f"{server.base_url}/v1/completions", json={**body, "temperature": 0.0, "stream": True},
                       timeout=60) as response:  # fmt: skip
         chunks = [json.loads(line[6:])["choices"][0] for line in response.iter_lines() if line.startswith("data: {")]
-    assert chunks[0]["text"].startswith(PROMPT) and len(chunks) == 5
+    # One chunk per step, except that a stream falling behind the engine sends the newest output
+    # (several tokens) at once: the prompt's tokens and the first new one lead the first chunk.
+    prompt_tokens = len(whole["logprobs"]["tokens"]) - 5
+    assert chunks[0]["text"].startswith(PROMPT) and len(chunks[0]["logprobs"]["tokens"]) > prompt_tokens
+    assert len(chunks) <= 5
     assert "".join(c["text"] for c in chunks) == whole["text"]
     for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
         assert [v for c in chunks for v in c["logprobs"][key]] == whole["logprobs"][key], key
