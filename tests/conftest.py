@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import sys
 from pathlib import Path
 
@@ -17,6 +18,16 @@ from tiny_models import TINY_TEXT_CONFIG  # noqa: E402
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     return build_checkpoint(tmp_path_factory.mktemp("tiny-model"), TINY_TEXT_CONFIG, seed=7, dtype=torch.float32)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def collect_garbage_after_module():
+    """An engine that a test left in a reference cycle holds its caches (2 GiB by default)
+    until the collector runs: collect before the next module, so that the suite's memory does
+    not add up (the engine itself leaves no cycle: tests/test_capture.py checks it with the
+    collector off)."""
+    yield
+    gc.collect()
 
 
 @pytest.fixture(scope="module")
