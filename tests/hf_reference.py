@@ -17,6 +17,7 @@ the session fails when less than `MIN_SUITE_FRACTION` of all positions were comp
 from __future__ import annotations
 
 import os
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -259,11 +260,13 @@ class OxserveChoices:
 
     def watch_runner(self, runner) -> None:
         """Follow the request ids of each forward pass of an engine's runner."""
-        forward = runner._forward
+        # The class's function and a weak reference: the runner's bound method would make the
+        # runner reference itself, keeping a dropped engine's caches until the collector runs.
+        forward, owner = type(runner)._forward, weakref.ref(runner)
 
         def tracked(scheduled):
             self.request_ids = [s.request_id for s in scheduled]
-            return forward(scheduled)
+            return forward(owner(), scheduled)
 
         runner._forward = tracked
 
