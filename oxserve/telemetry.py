@@ -39,7 +39,7 @@ class Tracer:
     def __init__(self, device: torch.device | str = "cpu"):
         self.spans: list[Span] = []
         self._cuda = torch.device(device).type == "cuda"
-        self._depth = 0
+        self.depth = 0
         self._origin = time.perf_counter_ns()
         self.pid = os.getpid()
         self.tid = threading.get_ident()
@@ -53,14 +53,14 @@ class Tracer:
         if self._cuda:
             torch.cuda.synchronize()
         start = self.now_us()
-        depth = self._depth
-        self._depth += 1
+        depth = self.depth
+        self.depth += 1
         try:
             yield args
         finally:
             if self._cuda:
                 torch.cuda.synchronize()
-            self._depth -= 1
+            self.depth -= 1
             self.spans.append(Span(name, start, self.now_us() - start, track, depth, args))
 
 

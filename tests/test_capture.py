@@ -16,6 +16,7 @@ from oxserve.kernels import rows as row_kernels
 from oxserve.model.batch import BatchRequest, make_forward_batch
 from oxserve.default_model import default_model
 from oxserve.model.config import TextModelConfig
+from oxserve.telemetry import Tracer, span
 from tiny_models import TINY_SHAPE
 
 
@@ -118,6 +119,38 @@ def test_a_replay_recomputes_torch_ops_and_native_calls_on_new_inputs():
         assert torch.equal(captured.run(ids, batch), expected)
         assert torch.equal(replay_state, eager_state)
     assert captured.captures == 1 and captured.replays == 2 and captured.refused == {}  # recorded when met again
+
+
+def test_a_traced_replay_times_the_spans_of_the_step_it_repeats():
+    """The profiler sees replayed steps as served: each span of the recorded step is timed over
+    the recorded calls made inside it (none: zero long), at the depth the step ran at."""
+    weight = torch.randn(32, dtype=torch.bfloat16)
+    table = torch.randn(100, 32, dtype=torch.bfloat16)
+
+    def step(input_ids, batch):
+        with span(batch.tracer, "embed"):
+            x = torch.nn.functional.embedding(input_ids, table)
+        with span(batch.tracer, "norm"):
+            normed = row_kernels.rms_norm_native(x, weight, 1e-6)
+        with span(batch.tracer, "view"):
+            flat = normed.view(-1)  # a view: nothing to repeat
+        with span(batch.tracer, "scale", track="model", note=1):
+            return flat * 2
+
+    captured = CapturedDecode(step)
+    for contexts, traced in (([3, 9], False), ([4, 10], True), ([5, 11], False), ([6, 12], True)):
+        batch, ids = _decode_batch(contexts), torch.randint(0, 100, (2,))
+        tracer = batch.tracer = Tracer() if traced else None
+        with span(tracer, "forward", track="engine"):
+            assert torch.equal(captured.run(ids, batch), step(ids, dataclasses.replace(batch, tracer=None)))
+        if traced:
+            forward, *ops = sorted(tracer.spans, key=lambda s: s.start_us)  # stable: spans in the order they ended
+            assert [s.name for s in ops] == ["embed", "norm", "view", "scale"]
+            assert all(s.depth == 1 and s.track == "model" for s in ops) and ops[-1].args == {"note": 1}
+            assert forward.start_us <= ops[0].start_us and ops[-1].start_us + ops[-1].dur_us <= forward.start_us + forward.dur_us
+            assert all(s.dur_us > 0 for s in ops if s.name != "view")
+    assert ops[2].dur_us == 0  # in the replay (the last step)
+    assert captured.captures == 1 and captured.replays == 2  # the traced eager step recorded; replays traced or not
 
 
 def test_a_step_that_reads_context_lengths_or_tensor_values_runs_eagerly():

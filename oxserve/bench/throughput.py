@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
         result["decode_step_ms_by_context"] = decode_steps_by_context(config, contexts)
         for row in result["decode_step_ms_by_context"]:
             print(f"context {row['context']:>6}: decode step {row['step_ms']:.2f} ms, "
-                  f"MLA attention+indexer {row['attention_ms']:.2f} ms (in eager steps); batch-1 floor "
+                  f"MLA attention+indexer {row['attention_ms']:.2f} ms; batch-1 floor "
                   f"{row.get('floor_step_ms', float('nan')):.2f} ms, {100 * row.get('fraction_of_floor', float('nan')):.1f}% of it",
                   file=sys.stderr)
     if args.json:
@@ -190,7 +190,7 @@ def decode_floor(engine: LLMEngine, batch: int, context: int, measured_decode_to
 def decode_steps_by_context(config, contexts: list[int], steps: int = 16) -> list[dict]:
     """Single-request decode step time at each context (as served: captured steps unless
     `--enforce-eager`), then the MLA attention share of it from `steps` more steps traced op by
-    op (eagerly: tracing needs the Python that a replay skips)."""
+    op (replayed too: a traced replay times the recorded calls of each op span)."""
     rows = []
     for context in contexts:
         engine = LLMEngine(config)

@@ -26,6 +26,10 @@ What makes a replay valid, and how it is kept so:
 - a kernel call that returns something other than what it returned while recording (a
   failure status) fails the replay loudly.
 
+Profiling sees replayed steps as served: the recording keeps each op span of the recorded
+step as the range of calls made inside it, and a replay with a tracer times the calls and
+reports those spans (a span with no recorded call, a view, lasts zero).
+
 Unlike a CUDA graph, a recording costs about two ordinary steps (it is one, plus the
 dispatch mode's few microseconds an op), so every batch size is recorded the second time it
 occurs (a shape met once, in a ramp or a tail, only runs eagerly), nothing is padded, and
@@ -35,6 +39,7 @@ tensors together are kept (least recently replayed dropped first).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -49,6 +54,7 @@ from torch.utils._pytree import tree_leaves
 
 from oxserve.kernels import native
 from oxserve.model.batch import ForwardBatch
+from oxserve.telemetry import Span, Tracer, span
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +103,7 @@ class StepRecording:
         self.batch_tensors: list[torch.Tensor] = []  # the batch's tensors, which each replay refills
         self.output: torch.Tensor | None = None
         self.refusal: str | None = None  # why a replay could not repeat this step (None: it can)
+        self.spans: list[RecordedSpan] = []  # the model's op spans, as ranges of `calls`
 
     def refuse(self, why: str) -> None:
         self.refusal = self.refusal or why
@@ -138,13 +145,63 @@ class StepRecording:
     def nbytes(self) -> int:
         return sum(self.made.values())
 
-    def replay(self) -> torch.Tensor:
+    def replay(self, tracer: Tracer | None = None) -> torch.Tensor:
+        """Run the recorded calls; with a tracer, also time them and report the model's op
+        spans as the eager step would (each spans the recorded calls made inside it)."""
+        if tracer is not None:
+            return self._traced_replay(tracer)
         for function, args, expected in self.calls:
-            result = function(*args)
-            if result != expected:
-                raise RuntimeError(f"captured step: {getattr(function, '__name__', function)} returned {result}, "
-                                   f"{expected} when recorded")  # fmt: skip
+            _check(function, function(*args), expected)
         return self.output
+
+    def _traced_replay(self, tracer: Tracer) -> torch.Tensor:
+        marks = [0.0] * (len(self.calls) + 1)  # marks[i]: when call i started; marks[-1]: the end
+        for i, (function, args, expected) in enumerate(self.calls):
+            marks[i] = tracer.now_us()
+            _check(function, function(*args), expected)
+        marks[-1] = tracer.now_us()
+        for s in self.spans:
+            start = marks[s.first_call]
+            tracer.spans.append(Span(s.name, start, marks[s.end_call] - start, s.track, tracer.depth + s.depth, dict(s.args)))
+        return self.output
+
+
+def _check(function, result, expected) -> None:
+    if result != expected:
+        raise RuntimeError(f"captured step: {getattr(function, '__name__', function)} returned {result}, "
+                           f"{expected} when recorded")  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class RecordedSpan:
+    """A span of the recorded step: the calls `first_call` to `end_call` (exclusive) ran in it."""
+
+    name: str
+    track: str
+    depth: int  # below the span the step itself ran in
+    args: dict
+    first_call: int
+    end_call: int
+
+
+class SpanMarks:
+    """The tracer a step sees while it is recorded: notes which recorded calls each span
+    covers (for traced replays) and passes the span on to the step's own tracer, if any."""
+
+    def __init__(self, recording: StepRecording, tracer: Tracer | None):
+        self.recording, self.tracer = recording, tracer
+        self.depth = 0
+
+    @contextlib.contextmanager
+    def span(self, name: str, track: str = "model", **args):
+        first, depth = len(self.recording.calls), self.depth
+        self.depth += 1
+        try:
+            with span(self.tracer, name, track, **args) as traced_args:
+                yield args if traced_args is None else traced_args
+        finally:
+            self.depth -= 1
+        self.recording.spans.append(RecordedSpan(name, track, depth, args, first, len(self.recording.calls)))
 
 
 ALLOCATION, IN_PLACE, FUNCTIONAL = "allocation", "in place", "functional"
@@ -261,7 +318,7 @@ class CapturedDecode:
 
     def wants(self, batch: ForwardBatch) -> bool:
         """A plain decode step (one new token per request) of a batch size that is captured."""
-        return (batch.num_decodes == batch.num_requests and batch.rings is None and batch.tracer is None
+        return (batch.num_decodes == batch.num_requests and batch.rings is None
                 and (self.sizes is None or batch.num_requests in self.sizes))  # fmt: skip
 
     def run(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
@@ -274,7 +331,7 @@ class CapturedDecode:
             for mine, new in zip(recording.batch_tensors, tensors):
                 mine.copy_(new)
             self.replays += 1
-            return recording.replay()
+            return recording.replay(batch.tracer)
         if key in self.refused:
             return self.forward(input_ids, batch)
         if key not in self.seen:  # recording costs 2x an eager step: not for shapes met once (ramps, tails)
@@ -292,7 +349,7 @@ class CapturedDecode:
         per_step = {name: PerStepValue(name, getattr(batch, name), recording.refuse) for name in PER_STEP_FIELDS}
         # Not kept on the recording: its per-step values point back at it (a cycle that would keep
         # the recorded tensors, the caches among them, alive until the garbage collector ran).
-        watched = dataclasses.replace(batch, **per_step)
+        watched = dataclasses.replace(batch, **per_step, tracer=SpanMarks(recording, batch.tracer))
         recording.input_ids, recording.batch_tensors = input_ids, step_key(input_ids, watched)[1]
         with native.recording(recording.native_call), _TorchOps(recording):
             recording.output = self.forward(input_ids, watched)

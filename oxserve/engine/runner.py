@@ -349,7 +349,7 @@ class ModelRunner:
 
 def decode_logits(model: Glm5NextForCausalLM, caches: list, input_ids: torch.Tensor, batch) -> torch.Tensor:
     """A decode step's logits: what `CapturedDecode` records and replays."""
-    return model.compute_logits(model(input_ids, batch, caches))
+    return model.compute_logits(model(input_ids, batch, caches), batch.tracer)
 
 
 def _batch_order(s: ScheduledRequest) -> int:

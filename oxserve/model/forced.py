@@ -49,7 +49,7 @@ def forced_logits(
     table = shuffle.sample(range(layout.num_blocks), blocks) if shuffle else list(range(blocks))
     spans = [(s, min(s + chunk, decode_from)) for s in range(0, decode_from, chunk)]
     spans += [(p, p + 1) for p in range(decode_from, len(tokens))]
-    replays = CapturedDecode(lambda ids, batch: model.compute_logits(model(ids, batch, caches))) if captured else None
+    replays = CapturedDecode(lambda ids, batch: model.compute_logits(model(ids, batch, caches), batch.tracer)) if captured else None
     outs = []
     for start, end in spans:
         request = BatchRequest(start, end - start, table, state_slot=1, samples=True)

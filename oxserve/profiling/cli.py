@@ -44,6 +44,11 @@ def prefix_cache_summary(before, after) -> dict:
             "checkpoints": after.prefix_checkpoints, "checkpoint_capacity": after.prefix_checkpoint_capacity}
 
 
+def _captured_counts(engine: LLMEngine) -> tuple[int, int]:
+    captured = engine.runner.captured
+    return (captured.replays, captured.captures) if captured is not None else (0, 0)
+
+
 def run(args: argparse.Namespace) -> int:
     config = engine_config_from_args(args)
     workload = load_workload(args.workload)
@@ -58,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
 
     tracer = Tracer(engine.device)
     engine.runner.tracer = tracer
-    before = engine.stats()
+    before, captured_before = engine.stats(), _captured_counts(engine)
     result = run_workload(engine, requests, workload.arrival, tracer)
     after = engine.stats()
     engine.runner.tracer = None
@@ -87,6 +92,10 @@ def run(args: argparse.Namespace) -> int:
     if engine.speculative:
         run_info["spec_decode"] = acceptance(*(getattr(after, k) - getattr(before, k)
                                                for k in ("spec_drafts", "spec_draft_tokens", "spec_accepted_tokens")))
+    if engine.runner.captured is not None:
+        replays, captures = (b - a for a, b in zip(captured_before, _captured_counts(engine)))
+        decode_passes = sum(1 for s in steps if s.phase == "decode" for _ in s.forwards)
+        run_info["captured_decode"] = {"replays": replays, "captures": captures, "eager": decode_passes - replays - captures}
     if engine.prefix_caching:
         run_info["prefix_cache"] = prefix_cache_summary(before, after)
     report = build_report(run_info, analysis, overhead, ceilings.to_dict() if ceilings else None)

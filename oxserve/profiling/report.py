@@ -62,6 +62,9 @@ def render_markdown(r: dict) -> str:
             f"{run['num_requests']} requests, {run['output_tokens']} output tokens in {run['wall_s']:.2f} s "
             f"({run['output_tokens_per_s']:.1f} tok/s), {r['totals']['steps']} steps. Engine options: "
             f"`{run['engine_options']}`.", ""]
+    if captured := run.get("captured_decode"):
+        out += [f"Captured decode steps: {captured['replays']} forward passes replayed (their op spans time the "
+                f"recorded kernel calls), {captured['captures']} recorded, {captured['eager']} other decode passes eager.", ""]
     if spec := run.get("spec_decode"):
         out += [f"Speculative decoding: {spec['num_drafts']} verifying steps, {spec['num_draft_tokens']} draft tokens, "
                 f"{spec['num_accepted_tokens']} accepted: acceptance rate {spec['acceptance_rate']:.3f}, "
