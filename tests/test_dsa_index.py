@@ -1,10 +1,12 @@
-"""The native DSA indexer scores against the torch form Indexer._select uses elsewhere."""
+"""The native DSA indexer kernels (scores, selections, key store and pool compression) against
+the torch forms `Indexer` uses elsewhere."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from oxserve.kernels.dsa_index import expand_selection, expand_selection_torch, index_scores, index_scores_fit
+from oxserve.kernels.dsa_index import (expand_selection, expand_selection_torch, index_scores, index_scores_fit,
+                                       select_every_pool, store_keys, store_keys_fit)
 
 BLOCK, KPOOL = 16, 4
 
@@ -55,3 +57,53 @@ def test_quantized_tables_take_the_torch_path():
     assert not index_scores_fit(q.bfloat16(), torch.zeros(4, 8))
     assert not index_scores_fit(q, torch.zeros(4, 16)[:, ::2])
     assert not index_scores_fit(q, torch.zeros(4, 8, dtype=torch.int8))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("tokens,pools,pool,dim", [(1, 1, 4, 32), (9, 3, 4, 20), (16, 0, 4, 8), (5, 2, 16, 64)])
+def test_native_key_store_and_pool_compression_match_torch(dtype, tokens, pools, pool, dim):
+    """`store_keys` against the torch form: the keys layer-normed into their rows, the gate
+    scores beside them, then each completed pool's softmax-weighted key from the tables (its
+    members include this step's tokens, so the new keys must be in before it is read)."""
+    gen = torch.Generator().manual_seed(tokens * 100 + pools * 10 + dim)
+    table_rows = 64
+    raw, gates = (torch.randn(tokens, dim, generator=gen).to(dtype) * 3 for _ in range(2))
+    weight, bias = torch.randn(dim, generator=gen).to(dtype), torch.randn(dim, generator=gen).to(dtype)
+    ape = torch.randn(pool, dim, generator=gen).to(dtype)
+    rows = torch.randperm(table_rows, generator=gen)[:tokens]
+    members = torch.cat([rows, torch.randint(0, table_rows, (pools * pool,), generator=gen)])[torch.randperm(
+        tokens + pools * pool, generator=gen)][: pools * pool].view(pools, pool)
+    pool_rows = torch.randperm(table_rows // pool, generator=gen)[:pools]
+    tables = [torch.randn(table_rows, dim, generator=gen).to(dtype) for _ in range(2)]
+    tables.append(torch.randn(table_rows // pool, dim, generator=gen).to(dtype))
+    want = [t.clone() for t in tables]
+    want[0][rows] = F.layer_norm(raw, (dim,), weight, bias, eps=1e-6)
+    want[1][rows] = gates
+    probs = (want[1][members].float() + ape.float()).softmax(dim=1).to(dtype)
+    want[2][pool_rows] = (probs * want[0][members]).sum(1)
+    assert store_keys_fit(raw, *tables)
+    store_keys(raw, gates, weight, bias, 1e-6, rows, *tables[:2], members, pool_rows, ape, tables[2])
+    tol = dict(rtol=1.6e-2, atol=1e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+    for got, expected in zip(tables, want):
+        torch.testing.assert_close(got, expected, **tol)
+    assert torch.equal(tables[1], want[1])  # copied, not recomputed
+    untouched = torch.ones(table_rows, dtype=torch.bool)
+    untouched[rows] = False
+    assert torch.equal(tables[0][untouched], want[0][untouched])
+
+
+def test_quantized_key_tables_take_the_torch_store():
+    raw = torch.zeros(2, 8, dtype=torch.bfloat16)
+    plain = torch.zeros(8, 8, dtype=torch.bfloat16)
+    assert store_keys_fit(raw, plain, plain, plain)
+    assert not store_keys_fit(raw, plain.to(torch.int8), plain, plain)
+    assert not store_keys_fit(raw, plain, plain.float(), plain)
+    assert not store_keys_fit(torch.zeros(2, 2048, dtype=torch.bfloat16), plain, plain, plain)
+
+
+@pytest.mark.parametrize("pool,tail", [(4, True), (4, False), (1, True), (16, True)])
+@pytest.mark.parametrize("tokens,num_pools", [(1, 3), (9, 5), (6, 0)])
+def test_every_pool_selected_as_torch(pool, tail, tokens, num_pools):
+    query_pos = torch.randint(0, num_pools * pool + pool, (tokens,))
+    want = expand_selection_torch(torch.arange(num_pools).expand(tokens, -1), (query_pos + 1) // pool, query_pos, pool, tail)
+    assert torch.equal(select_every_pool(query_pos, num_pools, pool, tail), want)

@@ -73,11 +73,15 @@ def test_panel_products_equal_f_linear(rows, inputs):
     for x in (torch.randn(rows, inputs).bfloat16(), torch.randn(2, rows, 2 * inputs).bfloat16()[..., ::2]):
         out = packed(x)
         assert out.dtype == torch.bfloat16 and out.shape == (*x.shape[:-1], sum(parts))
+        wide = packed.forward_float(x)  # the LM head's logits: the same values, stored as fp32
+        assert wide.dtype == torch.float32 and torch.equal(wide, out.float())
         if on_tiles:  # the same fp32 sums, rounded once
             assert torch.equal(out, F.linear(x, weight))
             for lib in panel_builds().values():
                 assert torch.equal(panel_linear(x.reshape(-1, inputs), packed.panels, sum(parts), lib=lib),
                                    out.reshape(-1, sum(parts)))
+                assert torch.equal(panel_linear(x.reshape(-1, inputs), packed.panels, sum(parts), lib=lib, float_out=True),
+                                   out.reshape(-1, sum(parts)).float())
         else:
             torch.testing.assert_close(out, F.linear(x, weight), rtol=1e-2, atol=1e-2)
 

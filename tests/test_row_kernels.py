@@ -1,4 +1,5 @@
-"""`native/rows.c` (RMSNorm in bf16, the greedy argmax) against their torch forms, in every
+"""`native/rows.c` (RMSNorm in bf16, the greedy argmax, row copies, the final norm over the
+streams) against their torch forms, in every
 build: the widest vector path this CPU has and plain C."""
 
 import pytest
@@ -6,7 +7,7 @@ import torch
 
 from oxserve.engine.sampler import greedy_tokens
 from oxserve.kernels import native, rows
-from oxserve.kernels.norm import rms_norm, rms_norm_torch
+from oxserve.kernels.norm import mean_rms_norm, rms_norm, rms_norm_torch
 
 BUILDS = {"native": rows.BUILD_FLAGS, "plain": ("-O3", "-fopenmp", "-mno-avx2", "-mno-avx512f")}
 
@@ -51,3 +52,45 @@ def test_greedy_picks_what_argmax_picks(kernel, batch, vocab):
     wide = torch.randn(batch, vocab + 5)[:, :vocab]  # rows further apart than their length
     assert torch.equal(greedy_tokens(wide), wide.argmax(-1))
     assert greedy_tokens(torch.empty(0, vocab)).shape == (0,)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.int64])
+@pytest.mark.parametrize("n,repeat", [(1, 4), (7, 1), (0, 4)])
+def test_row_gathers_and_scatters_copy_rows_as_torch(kernel, dtype, n, repeat):
+    """Embedding lookups repeated per stream and cache stores, for any dtype; an index out of
+    range is an error that writes nothing (torch's index checks)."""
+    table = (torch.randn(50, 24) * 100).to(dtype)
+    ids = torch.randint(0, 50, (n,))
+    want = torch.nn.functional.embedding(ids, table.float()).to(dtype).unsqueeze(1).expand(-1, repeat, -1)
+    assert rows.rows_fit(table) and torch.equal(rows.repeated_embedding(table, ids, repeat), want)
+    targets, values = torch.randperm(50)[:n], (torch.randn(n, 24) * 100).to(dtype)
+    got, expected = table.clone(), table.clone().index_copy_(0, targets, values)
+    assert rows.rows_fit(got, values)
+    rows.scatter_rows_native(got, targets, values)
+    assert torch.equal(got, expected)
+    before = got.clone()
+    for bad in (torch.tensor([3, 50]), torch.tensor([-1, 2])):
+        with pytest.raises(IndexError):
+            rows.scatter_rows_native(got, bad, table[:2].clone())
+        with pytest.raises(IndexError):
+            rows.repeated_embedding(table, bad, repeat)
+    assert torch.equal(got, before)
+    assert not rows.rows_fit(table, values.to(torch.float16)) and not rows.rows_fit(table.t())
+
+
+@pytest.mark.parametrize("tokens,streams,dim,wanted", [(1, 4, 256, [0]), (33, 4, 64, [32, 0, 5]), (6, 3, 100, [5, 5])])
+def test_final_norm_over_streams_rounds_as_the_reference(kernel, tokens, streams, dim, wanted):
+    """The stream mean rounded to bf16, then RMSNorm: the eager ops' value, but where the fp32
+    sums' order moves a rounding (by an ulp)."""
+    x = (torch.randn(tokens, streams, dim) * 3).bfloat16()
+    weight = (torch.randn(dim) * 0.5 + 1).bfloat16()
+    ids = torch.tensor(wanted)
+    assert rows.mean_rms_norm_fit(x, weight)
+    got, want = mean_rms_norm(x, ids, weight, 1e-6), rms_norm_torch(x[ids].mean(1), weight, 1e-6)
+    assert got.shape == want.shape and got.dtype == torch.bfloat16
+    differ = got != want
+    assert differ.float().mean() <= 0.02
+    torch.testing.assert_close(got[differ].float(), want[differ].float(), rtol=2**-6, atol=0)
+    with pytest.raises(IndexError):
+        mean_rms_norm(x, torch.tensor([tokens]), weight, 1e-6)
+    assert not rows.mean_rms_norm_fit(x.float(), weight)

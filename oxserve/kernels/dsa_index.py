@@ -4,7 +4,8 @@
 form (`Indexer._select`: gather the keys, two products) runs elsewhere and for int8/fp8
 tables, and is what the kernel is tested against. The choice of pools (top-k) stays torch's
 either way, so ties are broken the same way; `expand_selection` turns the chosen pools into
-positions in one pass (`expand_selection_torch` is its torch form).
+positions in one pass (`expand_selection_torch` is its torch form). `store_keys` writes a
+step's keys and compresses the pools it completes (`Indexer._write_keys`' torch form).
 """
 
 from __future__ import annotations
@@ -72,6 +73,45 @@ def expand_selection(chosen: torch.Tensor, visible_pools: torch.Tensor, query_po
     return out
 
 
+def store_keys_fit(raw: torch.Tensor, key_table, gate_table, pool_table) -> bool:
+    """The native store runs plain tables of the keys' own dtype (int8 / fp8 tables: torch)."""
+    tables = (key_table, gate_table, pool_table)
+    return (raw.device.type == "cpu" and raw.dtype in (torch.bfloat16, torch.float32)
+            and all(isinstance(t, torch.Tensor) and t.dtype == raw.dtype and t.is_contiguous() for t in tables)
+            and raw.shape[-1] <= NATIVE_MAX_DIM and _kernel() is not None)  # fmt: skip
+
+
+def store_keys(raw: torch.Tensor, gates: torch.Tensor, ln_weight: torch.Tensor, ln_bias: torch.Tensor, eps: float,
+               rows: torch.Tensor, key_table: torch.Tensor, gate_table: torch.Tensor, member_rows: torch.Tensor,
+               pool_rows: torch.Tensor, ape: torch.Tensor, pool_table: torch.Tensor) -> None:
+    """Store this step's indexer keys (layer-normed `raw` [T, D]) and pool gate scores
+    (`gates` [T, D]) at cache `rows` [T], then compress every pool the step completes
+    (`member_rows` [N, P] -> `pool_rows` [N]): `Indexer._write_keys`' torch form in one pass."""
+    tokens, dim = raw.shape
+    num_pools, pool = member_rows.shape
+    raw, gates, ln_weight, ln_bias, ape = (t.contiguous() for t in (raw, gates, ln_weight, ln_bias, ape))
+    rows, member_rows, pool_rows = (t.contiguous() for t in (rows, member_rows, pool_rows))
+    ptr = native.pointer
+    status = _kernel().dsa_store_keys(ptr(raw), ptr(gates), ptr(ln_weight), ptr(ln_bias), eps, ptr(rows), tokens, dim,
+                                      ptr(key_table), ptr(gate_table), ptr(member_rows), ptr(pool_rows), num_pools, pool,
+                                      ptr(ape), ptr(pool_table), int(raw.dtype == torch.bfloat16))
+    if status != 0:
+        raise RuntimeError(f"dsa_store_keys failed ({status}): dim {dim}")
+
+
+def select_every_pool(query_pos: torch.Tensor, num_pools: int, pool: int, tail: bool) -> torch.Tensor:
+    """`expand_selection` of the pools [0, num_pools) for every query (what top-k keeps when
+    there are no more pools than it may keep), in one native pass on CPU."""
+    if query_pos.device.type != "cpu" or _kernel() is None:
+        pools = torch.arange(num_pools, device=query_pos.device).expand(len(query_pos), -1)
+        return expand_selection_torch(pools, (query_pos + 1) // pool, query_pos, pool, tail)
+    query_pos = query_pos.to(torch.int64).contiguous()
+    tail = tail and pool > 1
+    out = torch.empty(len(query_pos), num_pools * pool + (pool - 1 if tail else 0), dtype=torch.int64)
+    _kernel().dsa_expand_selection(None, len(query_pos), num_pools, None, query_pos.data_ptr(), pool, tail, out.data_ptr())
+    return out
+
+
 @functools.cache
 def _kernel() -> ctypes.CDLL | None:
     lib = native.load("dsa_index", BUILD_FLAGS)
@@ -82,4 +122,5 @@ def _kernel() -> ctypes.CDLL | None:
                                      p, i32]
     lib.dsa_expand_selection.argtypes = [p, i64, i64, p, p, i64, i32, p]
     lib.dsa_expand_selection.restype = None
+    lib.dsa_store_keys.argtypes = [p, p, p, p, ctypes.c_float, p, i64, i64, p, p, p, p, i64, i64, p, p, i32]
     return lib

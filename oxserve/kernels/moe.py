@@ -166,7 +166,8 @@ def bind_panels(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.panels_experts.argtypes = _EXPERTS_ARGTYPES
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.panels_linear.restype = ctypes.c_int
-    lib.panels_linear.argtypes = [p, i64, i64, i64, p, i64, i64, p, ctypes.c_int]
+    lib.panels_linear.argtypes = lib.panels_linear_f32.argtypes = [p, i64, i64, i64, p, i64, i64, p, ctypes.c_int]
+    lib.panels_linear_f32.restype = ctypes.c_int
     lib.panels_routed.restype = ctypes.c_int
     lib.panels_routed.argtypes = [p, i64, i64, p, p, i64, i64, p, p, i64, ctypes.c_float, p, p, i64, p, ctypes.c_int]
     return lib
@@ -271,10 +272,12 @@ def pack_heads(weight: torch.Tensor) -> torch.Tensor:
     return pack_panels(torch.cat([weight, weight.new_zeros(heads, padded - n, k)], dim=1))
 
 
-def panel_linear(x: torch.Tensor, panels: torch.Tensor, out_features: int, lib: ctypes.CDLL | None = None) -> torch.Tensor:
-    """x [M, K] bf16 times the weight packed by `pack_linear` -> [M, out_features] bf16.
-    `lib`: as for `panel_experts`. (`panel_heads` with one head, without its reshapes: a
-    decode step makes ~60 of these calls, so the few microseconds of Python count.)"""
+def panel_linear(x: torch.Tensor, panels: torch.Tensor, out_features: int, lib: ctypes.CDLL | None = None,
+                 float_out: bool = False) -> torch.Tensor:
+    """x [M, K] bf16 times the weight packed by `pack_linear` -> [M, out_features] bf16 (with
+    `float_out`: fp32, the same bf16 values, as `.float()` of it would give). `lib`: as for
+    `panel_experts`. (`panel_heads` with one head, without its reshapes: a decode step makes
+    ~60 of these calls, so the few microseconds of Python count.)"""
     rows = x if x.is_contiguous() else x.contiguous()
     m, k = rows.shape
     if rows.dtype != torch.bfloat16 or panels.shape[1] * 2 != k:
@@ -282,10 +285,11 @@ def panel_linear(x: torch.Tensor, panels: torch.Tensor, out_features: int, lib: 
     lib = lib or _panel_kernel()
     if lib is None:
         raise RuntimeError("panel products need a CPU with AMX-BF16 or AVX512-BF16 and a C compiler")
-    out = torch.empty(m, out_features, dtype=torch.bfloat16)
+    out = torch.empty(m, out_features, dtype=torch.float32 if float_out else torch.bfloat16)
     if m:
-        lib.panels_linear(rows.data_ptr(), m, 1, k, panels.data_ptr(), out_features, panels.shape[0] * PANEL_WIDTH,
-                          out.data_ptr(), torch.get_num_threads())
+        product = lib.panels_linear_f32 if float_out else lib.panels_linear
+        product(rows.data_ptr(), m, 1, k, panels.data_ptr(), out_features, panels.shape[0] * PANEL_WIDTH, out.data_ptr(),
+                torch.get_num_threads())
     return out
 
 

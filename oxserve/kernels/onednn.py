@@ -118,6 +118,13 @@ class PanelLinear(OneDNNLinear):
             return super().forward(x)
         return panel_linear(x.reshape(-1, self.in_features), self.panels, self.out_features).view(*x.shape[:-1], self.out_features)
 
+    def forward_float(self, x: torch.Tensor) -> torch.Tensor:
+        """`self(x).float()` in one pass on panels (the LM head's logits)."""
+        if self.panels is None:
+            return self(x).float()
+        rows = x.reshape(-1, self.in_features)
+        return panel_linear(rows, self.panels, self.out_features, float_out=True).view(*x.shape[:-1], self.out_features)
+
     def dense_weight(self) -> torch.Tensor:
         if self.panels is None or self.shared_weight:
             return super().dense_weight()

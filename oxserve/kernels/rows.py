@@ -1,6 +1,8 @@
-"""Row-wise decode ops in one native pass each (`native/rows.c`): RMSNorm in bf16 and the
-greedy argmax. Each has its torch form (`oxserve.kernels.norm.rms_norm_torch`,
-`torch.Tensor.max`), which runs where the kernel does not fit and is what it is tested against."""
+"""Row-wise decode ops in one native pass each (`native/rows.c`): RMSNorm in bf16, the
+greedy argmax, row gathers and scatters of any dtype (embedding lookups, cache stores) and
+the final norm over the hyper-connection streams. Each has its torch form
+(`oxserve.kernels.norm.rms_norm_torch`, `torch.Tensor.max`, `F.embedding`, `index_copy_`,
+`mean` then RMSNorm), which runs where the kernel does not fit and is what it is tested against."""
 
 from __future__ import annotations
 
@@ -20,6 +22,9 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.rms_norm_bf16.argtypes = [p, i64, i64, p, ctypes.c_float, p, ctypes.c_int]
     lib.argmax_rows.argtypes = [p, i64, i64, i64, p, ctypes.c_int]
     lib.rms_norm_bf16.restype = lib.argmax_rows.restype = None  # void: ctypes would read a stray register
+    lib.gather_rows.argtypes = [p, i64, p, i64, i64, i64, p]
+    lib.scatter_rows.argtypes = [p, i64, p, i64, i64, p]
+    lib.mean_rms_norm_bf16.argtypes = [p, i64, i64, p, i64, i64, p, ctypes.c_float, p]
     return lib
 
 
@@ -56,4 +61,59 @@ def argmax_native(x: torch.Tensor) -> torch.Tensor:
     if x.shape[0]:
         _kernel().argmax_rows(native.pointer(x), x.shape[0], x.shape[1], x.stride(0), native.pointer(out),
                               torch.get_num_threads())
+    return out
+
+
+def rows_fit(table: torch.Tensor, values: torch.Tensor | None = None) -> bool:
+    """A contiguous CPU table (and values of its dtype) that the row copies can address."""
+    return (table.device.type == "cpu" and table.is_contiguous() and table.dim() >= 1 and not table.is_quantized
+            and (values is None or (values.dtype == table.dtype and values.device.type == "cpu"))
+            and _kernel() is not None)  # fmt: skip
+
+
+def _checked(status: int, what: str) -> None:
+    if status != 0:
+        raise IndexError(f"{what}: an index is out of range")
+
+
+def repeated_embedding(table: torch.Tensor, ids: torch.Tensor, repeat: int) -> torch.Tensor:
+    """F.embedding(ids, table) with each row repeated `repeat` times: [*ids.shape, repeat, D]
+    (an embedding lookup straight into the hyper-connection streams), natively on CPU."""
+    if rows_fit(table):
+        return gather_rows_native(table, ids, repeat)
+    return torch.nn.functional.embedding(ids, table).unsqueeze(-2).expand(*ids.shape, repeat, -1).contiguous()
+
+
+def gather_rows_native(table: torch.Tensor, ids: torch.Tensor, repeat: int = 1) -> torch.Tensor:
+    """table[ids] with each row repeated `repeat` times: [*ids.shape, repeat, *row]."""
+    ids = ids.to(torch.int64).contiguous()
+    out = table.new_empty(*ids.shape, repeat, *table.shape[1:])
+    row_bytes = table.stride(0) * table.element_size()
+    _checked(_kernel().gather_rows(native.pointer(table), len(table), native.pointer(ids), ids.numel(), row_bytes, repeat,
+                                   native.pointer(out)), "gather_rows")  # fmt: skip
+    return out
+
+
+def scatter_rows_native(table: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> None:
+    """table[rows] = values (distinct rows): `index_copy_` for a cache table."""
+    rows, values = rows.to(torch.int64).contiguous(), values.contiguous()
+    row_bytes = table.stride(0) * table.element_size()
+    if values.numel() * values.element_size() != rows.numel() * row_bytes:
+        raise ValueError(f"scatter_rows: {tuple(values.shape)} values for {rows.numel()} rows of {tuple(table.shape[1:])}")
+    _checked(_kernel().scatter_rows(native.pointer(table), len(table), native.pointer(rows), rows.numel(), row_bytes,
+                                    native.pointer(values)), "scatter_rows")  # fmt: skip
+
+
+def mean_rms_norm_fit(streams: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (streams.device.type == "cpu" and streams.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16
+            and streams.dim() == 3 and _kernel() is not None)  # fmt: skip
+
+
+def mean_rms_norm_native(streams: torch.Tensor, ids: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """rms_norm(streams[ids].mean(1)) for streams [T, S, D] bf16 -> [len(ids), D]."""
+    streams, ids, weight = streams.contiguous(), ids.to(torch.int64).contiguous(), weight.contiguous()
+    tokens, count, dim = streams.shape
+    out = streams.new_empty(len(ids), dim)
+    _checked(_kernel().mean_rms_norm_bf16(native.pointer(streams), tokens, count, native.pointer(ids), len(ids), dim,
+                                          native.pointer(weight), eps, native.pointer(out)), "mean_rms_norm")  # fmt: skip
     return out

@@ -44,15 +44,23 @@ class DenseMLP(nn.Module):
         self.swiglu_limit = swiglu_limit
         self.hidden_act, self.act = hidden_act, activation(hidden_act)
         self.panels: tuple[torch.Tensor, torch.Tensor] | None = None  # (gate_up, down) packed for panel_experts
+        self._ones = torch.ones(0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.panels is not None:
             rows = x.reshape(-1, self.hidden)
             one_expert = torch.tensor([rows.shape[0]], dtype=torch.int32)  # every row, weight 1
-            out = panel_experts(rows, torch.ones(rows.shape[0]), one_expert, *self.panels, self.swiglu_limit)
+            out = panel_experts(rows, self._unit_weights(rows.shape[0]), one_expert, *self.panels, self.swiglu_limit)
             return out.view(x.shape)
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
         return self.down_proj(clamped_glu(gate, up, self.swiglu_limit, self.act))
+
+    def _unit_weights(self, rows: int) -> torch.Tensor:
+        """Ones for `rows` rows: a view of a kept tensor (a view costs a captured step nothing,
+        a fresh `torch.ones` an op every replay)."""
+        if self._ones.numel() < rows:
+            self._ones = torch.ones(max(rows, 2 * self._ones.numel()))
+        return self._ones[:rows]
 
     def after_load(self) -> None:
         plain = all(type(p) in (Linear, OneDNNLinear, PanelLinear) for p in (self.gate_up_proj, self.down_proj))

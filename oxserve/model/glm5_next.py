@@ -16,6 +16,9 @@ from torch import nn
 from oxserve.cache.layers import LayerCache
 from oxserve.cache.precision import CachePlan
 from oxserve.cache.spec import ElsewhereCacheSpec, LayerCacheSpec
+from oxserve.kernels.norm import mean_rms_norm
+from oxserve.kernels.onednn import PanelLinear
+from oxserve.kernels.rows import repeated_embedding
 from oxserve.model.batch import ForwardBatch
 from oxserve.model.common import DenseMLP, RMSNorm
 from oxserve.model.config import TextModelConfig
@@ -129,16 +132,25 @@ class Glm5NextForCausalLM(nn.Module):
         (with `all_rows`, of every row [T, D]: the MTP drafter reads them all). `mm_embeds`:
         (rows, embeddings) that replace those rows' token embeddings (images, video)."""
         with span(batch.tracer, "embed"):
-            x = self.embed(input_ids)
-            if mm_embeds is not None:
-                rows, embeds = mm_embeds
-                x[rows] = embeds.to(x.dtype)
-            streams = x.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
+            streams = self.embed_streams(input_ids, mm_embeds)
         selection = None
         for layer, cache in zip(self.layers, caches):
             streams, selection = layer(streams, batch, cache, selection)
         with span(batch.tracer, "final_norm"):
-            return self.norm((streams if all_rows else streams[batch.logits_indices]).mean(1))
+            if all_rows:
+                return self.norm(streams.mean(1))
+            return mean_rms_norm(streams, batch.logits_indices, self.norm.weight, self.norm.eps)
+
+    def embed_streams(self, input_ids: torch.Tensor, mm_embeds: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        """The token embeddings (`mm_embeds`' rows replaced), one copy per hyper-connection
+        stream: [T, hc_mult, D]."""
+        if self.tp.size == 1 and mm_embeds is None:
+            return repeated_embedding(self.embed_tokens, input_ids, self.config.hc_mult)
+        x = self.embed(input_ids)
+        if mm_embeds is not None:
+            rows, embeds = mm_embeds
+            x[rows] = embeds.to(x.dtype)
+        return x.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
@@ -155,5 +167,6 @@ class Glm5NextForCausalLM(nn.Module):
         if self.ls.rank != 0:  # the first Layer Split rank's TP group computes them for everyone
             return None
         with span(tracer, "lm_head"):
-            logits = self.tp.gather_to_first(self.lm_head(hidden).float())
+            head = self.lm_head
+            logits = self.tp.gather_to_first(head.forward_float(hidden) if isinstance(head, PanelLinear) else head(hidden).float())
             return None if logits is None else logits[:, : self.config.vocab_size]

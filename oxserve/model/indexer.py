@@ -22,9 +22,10 @@ from torch import nn
 
 from oxserve.cache.layers import MLACache
 from oxserve.cache.spec import PagedTensor
-from oxserve.kernels.dsa_index import expand_selection, index_scores, index_scores_fit
+from oxserve.kernels.dsa_index import (expand_selection, index_scores, index_scores_fit, select_every_pool, store_keys,
+                                       store_keys_fit)
 from oxserve.kernels.moe import pack_linear, panel_linear, panel_linear_fit
-from oxserve.model.batch import ForwardBatch
+from oxserve.model.batch import ForwardBatch, PoolCompletions
 from oxserve.model.config import TextModelConfig
 from oxserve.model.linear import Linear, empty_param, loadable
 from oxserve.parallel.tensor import SINGLE, TensorParallel
@@ -51,6 +52,7 @@ class Indexer(nn.Module):
         self.compress_ape = loadable(empty_param(cfg.index_kpool, cfg.index_head_dim))
         self.compress_gate = loadable(empty_param(cfg.index_head_dim, cfg.hidden_size))
         self.native_scores = True  # decode scores by `kernels.dsa_index` where it fits; a bench times the torch form
+        self.native_store = True  # keys stored and pools compressed by `kernels.dsa_index` where it fits
         self.gate_panels: torch.Tensor | None = None  # compress_gate packed for the panel kernel (after_load)
 
     def after_load(self) -> None:
@@ -73,9 +75,7 @@ class Indexer(nn.Module):
         self._write_keys(x, batch, cache)
         bound = batch.seq_len_bound  # >= every sequence of the step: pools past a query's own are hidden
         if bound // self.kpool <= self.max_pools:  # top-k would keep every pool: no scores needed
-            pools = torch.arange(bound // self.kpool, device=x.device).expand(x.shape[0], -1)
-            pos = batch.positions
-            return expand_selection(pools, (pos + 1) // self.kpool, pos, self.kpool, self.with_tail)
+            return select_every_pool(batch.positions, bound // self.kpool, self.kpool, self.with_tail)
         q = self.wq_b(q_resid).view(x.shape[0], self.n_heads, self.head_dim).float()
         head_weights = self.weights_proj(x).float() * self.head_weight_scale
         pos = batch.positions
@@ -97,10 +97,18 @@ class Indexer(nn.Module):
         return torch.cat([F.pad(p, (0, width - p.shape[1]), value=-1) for p in parts])
 
     def _write_keys(self, x: torch.Tensor, batch: ForwardBatch, cache: MLACache) -> None:
-        """Store this step's token keys, then compress every pool this step completed."""
-        keys = F.layer_norm(self.wk(x), (self.head_dim,), self.k_norm_weight, self.k_norm_bias, eps=1e-6)
-        cache.store_index_keys(batch.cache_rows, keys, self._pool_gates(x))
-        pools = batch.pools
+        self.store_keys(self.wk(x), self._pool_gates(x), batch.cache_rows, batch.pools, cache)
+
+    def store_keys(self, raw: torch.Tensor, gates: torch.Tensor, rows: torch.Tensor, pools: PoolCompletions,
+                   cache: MLACache) -> None:
+        """Store a step's token keys (`raw`, before their norm) and pool gate scores at `rows`,
+        then compress every pool the step completed."""
+        if self.native_store and store_keys_fit(raw, cache.index_keys, cache.index_gates, cache.pool_keys):
+            store_keys(raw, gates, self.k_norm_weight, self.k_norm_bias, 1e-6, rows, cache.index_keys, cache.index_gates,
+                       pools.member_rows, pools.pool_rows, self.compress_ape, cache.pool_keys)
+            return
+        keys = F.layer_norm(raw, (self.head_dim,), self.k_norm_weight, self.k_norm_bias, eps=1e-6)
+        cache.store_index_keys(rows, keys, gates)
         if pools.pool_rows.numel() == 0:
             return
         pool_keys, pool_gates = cache.index_keys_at(pools.member_rows)  # [N, P, Dk] each

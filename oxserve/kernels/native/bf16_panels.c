@@ -229,14 +229,15 @@ int panels_experts(const uint16_t *x, int64_t P, int64_t H, const int32_t *offse
 #define LINEAR_ROWS 64 /* rows of x per task of panel_linear: its weight panels stay in L1 across them */
 
 /* Plain products on the same panels, one per head: for each head h,
- *     y[:, h, :N] = x[:, h, :K] times W_h [N, K]^T      x [M, heads, K], y [M, heads, N] (bf16)
+ *     y[:, h, :N] = x[:, h, :K] times W_h [N, K]^T      x [M, heads, K], y [M, heads, N] (bf16;
+ *                                                       fp32 holding bf16 values with f32_out)
  * with W_h packed as above from W_h padded with zero rows to n_packed (a multiple of 32)
  * output channels, the heads' panels one after another; only the N real outputs are stored.
  * heads = 1 is a plain linear layer; more are the per-head products of absorbed MLA. K a
  * multiple of 32. fp32 sums, rounded to bf16 once. Tasks are (head, pair of panels,
  * LINEAR_ROWS rows). */
-int panels_linear(const uint16_t *x, int64_t M, int64_t heads, int64_t K, const uint16_t *w, int64_t N,
-                  int64_t n_packed, uint16_t *y, int nthreads) {
+static int linear_products(const uint16_t *x, int64_t M, int64_t heads, int64_t K, const uint16_t *w, int64_t N,
+                           int64_t n_packed, void *y, int f32_out, int nthreads) {
     const int64_t pairs = n_packed / (2 * TILE_N), groups = (M + LINEAR_ROWS - 1) / LINEAR_ROWS;
     const int64_t lda = heads * K, ldy = heads * N;
     #pragma omp parallel num_threads(nthreads)
@@ -258,15 +259,33 @@ int panels_linear(const uint16_t *x, int64_t M, int64_t heads, int64_t K, const 
                     const int64_t valid = N - c0 < TILE_N ? (N - c0 > 0 ? N - c0 : 0) : TILE_N;
                     const __mmask16 keep = (__mmask16)((1u << valid) - 1u);
                     const float *acc = half ? acc1 : acc0;
-                    for (int r = 0; r < m; r++)
-                        _mm256_mask_storeu_epi16(y + (m0 + r) * ldy + h * N + c0, keep,
-                                                 (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(acc + r * TILE_N)));
+                    for (int r = 0; r < m; r++) {
+                        const __m256i rounded = (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(acc + r * TILE_N));
+                        const int64_t at = (m0 + r) * ldy + h * N + c0;
+                        if (f32_out)
+                            _mm512_mask_storeu_ps((float *)y + at, keep,
+                                                  _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(rounded), 16)));
+                        else
+                            _mm256_mask_storeu_epi16((uint16_t *)y + at, keep, rounded);
+                    }
                 }
             }
         }
         release_tiles(configured);
     }
     return 0;
+}
+
+int panels_linear(const uint16_t *x, int64_t M, int64_t heads, int64_t K, const uint16_t *w, int64_t N,
+                  int64_t n_packed, uint16_t *y, int nthreads) {
+    return linear_products(x, M, heads, K, w, N, n_packed, y, 0, nthreads);
+}
+
+/* panels_linear with y fp32: each sum rounded to bf16, then stored widened (`F.linear(x,
+ * W).float()` without its conversion pass: the LM head's logits, 32 x vocab of them). */
+int panels_linear_f32(const uint16_t *x, int64_t M, int64_t heads, int64_t K, const uint16_t *w, int64_t N,
+                      int64_t n_packed, float *y, int nthreads) {
+    return linear_products(x, M, heads, K, w, N, n_packed, y, 1, nthreads);
 }
 
 /* Routed experts with the routing's bookkeeping in here too: ids [T, k] (experts 0..E-1) and

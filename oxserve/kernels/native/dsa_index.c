@@ -9,6 +9,7 @@
  * q, w and scores fp32; keys bf16 when `bf16`, else fp32. `hidden`: 0, or -inf for a top-k to skip.
  * Queries are spread over threads.
  */
+#include <math.h>
 #include <stdint.h>
 
 #include "bf16.h"
@@ -51,20 +52,87 @@ int dsa_index_scores(const float *q, const float *head_weights, const int64_t *v
  *                                            visible to query t (top-k filled up with it)
  *   then, with `tail`, P - 1 entries: visible[t] P + o for o < P - 1 where <= pos[t], else -1
  *
- * (`Indexer._select`'s torch form: about 15 eager ops.) out [T, k P + (tail ? P - 1 : 0)]. */
+ * (`Indexer._select`'s torch form: about 15 eager ops.) out [T, k P + (tail ? P - 1 : 0)].
+ * chosen NULL: every pool, chosen[t][j] = j (while top-k would keep them all); visible NULL:
+ * each query's complete pools, (pos[t] + 1) / P. */
 void dsa_expand_selection(const int64_t *chosen, int64_t tokens, int64_t k, const int64_t *visible, const int64_t *pos,
                           int64_t pool, int tail, int64_t *out) {
     const int64_t width = k * pool + (tail ? pool - 1 : 0);
     for (int64_t t = 0; t < tokens; t++) {
         int64_t *row = out + t * width;
+        const int64_t seen = visible ? visible[t] : (pos[t] + 1) / pool;
         for (int64_t j = 0; j < k; j++) {
-            const int64_t c = chosen[t * k + j];
-            for (int64_t o = 0; o < pool; o++) row[j * pool + o] = c < visible[t] ? c * pool + o : -1;
+            const int64_t c = chosen ? chosen[t * k + j] : j;
+            for (int64_t o = 0; o < pool; o++) row[j * pool + o] = c < seen ? c * pool + o : -1;
         }
         if (tail)
             for (int64_t o = 0; o < pool - 1; o++) {
-                const int64_t p = visible[t] * pool + o;
+                const int64_t p = seen * pool + o;
                 row[k * pool + o] = p <= pos[t] ? p : -1;
             }
     }
+}
+
+
+/* One row's layer norm as torch computes it: fp32 moments (biased variance), then
+ * (x - mean) * rstd * w + b. */
+static void layer_norm_row(const float *x, const float *w, const float *b, float eps, int64_t dim, float *y) {
+    float mean = 0.0f, var = 0.0f;
+    for (int64_t d = 0; d < dim; d++) mean += x[d];
+    mean /= (float)dim;
+    for (int64_t d = 0; d < dim; d++) var += (x[d] - mean) * (x[d] - mean);
+    const float rstd = 1.0f / sqrtf(var / (float)dim + eps);
+    for (int64_t d = 0; d < dim; d++) y[d] = (x[d] - mean) * rstd * w[d] + b[d];
+}
+
+/* This step's indexer keys into the paged caches, then the compressed key of every pool the
+ * step completes (read back from the tables: a pool's members include this step's tokens):
+ *
+ *   key_table[rows[t]]  = layer_norm(raw[t]; ln_w, ln_b)       gate_table[rows[t]] = gates[t]
+ *   pool_table[pool_rows[n]][d] = sum_p softmax_p(gate[m_np][d] + ape[p][d]) * key[m_np][d]
+ *
+ * with m_np = member_rows[n][p]. Every tensor bf16 when `bf16`, else fp32; in bf16 the
+ * probabilities and each product are rounded where `Indexer._write_keys`'s torch form rounds
+ * them (about 14 eager ops a layer). Returns -1 for a dim past the stack buffers. */
+int dsa_store_keys(const void *raw, const void *gates, const void *ln_w, const void *ln_b, float eps,
+                   const int64_t *rows, int64_t tokens, int64_t dim, void *key_table, void *gate_table,
+                   const int64_t *member_rows, const int64_t *pool_rows, int64_t num_pools, int64_t pool,
+                   const void *ape, void *pool_table, int bf16) {
+    if (dim > MAX_DIM) return -1;
+    float w[MAX_DIM], b[MAX_DIM], x[MAX_DIM], y[MAX_DIM];
+    widen_row(ln_w, 0, dim, bf16, w);
+    widen_row(ln_b, 0, dim, bf16, b);
+    for (int64_t t = 0; t < tokens; t++) {
+        widen_row(raw, t * dim, dim, bf16, x);
+        layer_norm_row(x, w, b, eps, dim, y);
+        narrow_row(y, dim, bf16, key_table, rows[t] * dim);
+        widen_row(gates, t * dim, dim, bf16, x);
+        narrow_row(x, dim, bf16, gate_table, rows[t] * dim);
+    }
+    float gate[MAX_DIM], offset[MAX_DIM], key[MAX_DIM], top[MAX_DIM], total[MAX_DIM], sum[MAX_DIM];
+    for (int64_t n = 0; n < num_pools; n++) {  /* softmax over the pool's tokens, each channel apart */
+        const int64_t *members = member_rows + n * pool;
+        for (int64_t d = 0; d < dim; d++) top[d] = -INFINITY, total[d] = 0.0f, sum[d] = 0.0f;
+        for (int64_t p = 0; p < pool; p++) {
+            widen_row(gate_table, members[p] * dim, dim, bf16, gate);
+            widen_row(ape, p * dim, dim, bf16, offset);
+            for (int64_t d = 0; d < dim; d++) top[d] = fmaxf(top[d], gate[d] + offset[d]);
+        }
+        for (int64_t p = 0; p < pool; p++) {
+            widen_row(gate_table, members[p] * dim, dim, bf16, gate);
+            widen_row(ape, p * dim, dim, bf16, offset);
+            for (int64_t d = 0; d < dim; d++) total[d] += vexp(gate[d] + offset[d] - top[d]);
+        }
+        for (int64_t p = 0; p < pool; p++) {
+            widen_row(gate_table, members[p] * dim, dim, bf16, gate);
+            widen_row(ape, p * dim, dim, bf16, offset);
+            widen_row(key_table, members[p] * dim, dim, bf16, key);
+            for (int64_t d = 0; d < dim; d++) {
+                const float prob = vexp(gate[d] + offset[d] - top[d]) / total[d];
+                sum[d] += bf16 ? round_bf16(round_bf16(prob) * key[d]) : prob * key[d];
+            }
+        }
+        narrow_row(sum, dim, bf16, pool_table, pool_rows[n] * dim);
+    }
+    return 0;
 }

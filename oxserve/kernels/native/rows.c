@@ -6,12 +6,16 @@
  *                  counting as the largest (torch's argmax/max), which torch finds with a
  *                  reduction that is not vectorised (`oxserve bench kernels --ops
  *                  sampler.greedy`, AMD EPYC of docs/performance.md, 32 rows of 8192: 229 us;
- *                  this pass 56 us).
+ *                  this pass 56 us);
+ *   gather_rows, scatter_rows, mean_rms_norm_bf16: a decode step's embedding lookup, cache
+ *                  stores and final norm, each a few eager ops (tens of microseconds each
+ *                  between a decode step's large kernels) in one call.
  *
  * Rows are split across OpenMP threads. */
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "bf16.h"
 
@@ -31,15 +35,41 @@ static float sum_squares(const uint16_t *x, int64_t dim) {
     return total;
 }
 
+#ifdef __AVX512F__
+static inline __m512 widen16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+/* f32_to_bf16 on 16 lanes, bit for bit (nearest even; a NaN stays a quiet NaN), in the low
+ * half of each 32-bit lane */
+static inline __m512i bf16_lanes(__m512 v) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+    return _mm512_mask_or_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+}
+
+static inline __m256i narrow16(__m512 v) { return _mm512_cvtepi32_epi16(bf16_lanes(v)); }
+
+static inline __m512 round16(__m512 v) { return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_lanes(v), 16)); }
+#endif
+
+static void rms_norm_row(const uint16_t *in, int64_t dim, const uint16_t *weight, float eps, uint16_t *out) {
+    const float inv = 1.0f / sqrtf(sum_squares(in, dim) / (float)dim + eps);
+    int64_t c = 0;
+#ifdef __AVX512F__
+    for (; c + 16 <= dim; c += 16) {
+        const __m512 normed = round16(_mm512_mul_ps(widen16(in + c), _mm512_set1_ps(inv)));
+        _mm256_storeu_si256((__m256i *)(out + c), narrow16(_mm512_mul_ps(widen16(weight + c), normed)));
+    }
+#endif
+    for (; c < dim; c++) out[c] = f32_to_bf16(bf16_to_f32(weight[c]) * round_bf16(bf16_to_f32(in[c]) * inv));
+}
+
 void rms_norm_bf16(const uint16_t *x, int64_t rows, int64_t dim, const uint16_t *weight, float eps, uint16_t *y,
                    int nthreads) {
     #pragma omp parallel for num_threads(nthreads) schedule(static) if (rows > 8)
-    for (int64_t r = 0; r < rows; r++) {
-        const uint16_t *in = x + r * dim;
-        const float inv = 1.0f / sqrtf(sum_squares(in, dim) / (float)dim + eps);
-        for (int64_t c = 0; c < dim; c++)
-            y[r * dim + c] = f32_to_bf16(bf16_to_f32(weight[c]) * round_bf16(bf16_to_f32(in[c]) * inv));
-    }
+    for (int64_t r = 0; r < rows; r++) rms_norm_row(x + r * dim, dim, weight, eps, y + r * dim);
 }
 
 /* The first index of the row's largest value: a max pass, then the first index holding it;
@@ -71,4 +101,53 @@ static int64_t argmax_row(const float *row, int64_t n) {
 void argmax_rows(const float *x, int64_t rows, int64_t n, int64_t row_stride, int64_t *out, int nthreads) {
     #pragma omp parallel for num_threads(nthreads) schedule(static) if (rows > 1)
     for (int64_t r = 0; r < rows; r++) out[r] = argmax_row(x + r * row_stride, n);
+}
+
+/* out[i * repeat + r] = table[ids[i]] for r < repeat: rows of row_bytes bytes, any dtype (an
+ * embedding lookup, each row repeated for the hyper-connection streams). Returns -1 before
+ * copying anything if an id is outside [0, table_rows), as torch's index checks would. */
+int gather_rows(const char *table, int64_t table_rows, const int64_t *ids, int64_t n, int64_t row_bytes,
+                int64_t repeat, char *out) {
+    for (int64_t i = 0; i < n; i++)
+        if (ids[i] < 0 || ids[i] >= table_rows) return -1;
+    for (int64_t i = 0; i < n; i++)
+        for (int64_t r = 0; r < repeat; r++) memcpy(out + (i * repeat + r) * row_bytes, table + ids[i] * row_bytes, row_bytes);
+    return 0;
+}
+
+/* table[rows[i]] = values[i]: rows of row_bytes bytes, any dtype (torch's index_copy_ into a
+ * cache table). Returns -1 before writing anything if a row is outside [0, table_rows). */
+int scatter_rows(char *table, int64_t table_rows, const int64_t *rows, int64_t n, int64_t row_bytes, const char *values) {
+    for (int64_t i = 0; i < n; i++)
+        if (rows[i] < 0 || rows[i] >= table_rows) return -1;
+    for (int64_t i = 0; i < n; i++) memcpy(table + rows[i] * row_bytes, values + i * row_bytes, row_bytes);
+    return 0;
+}
+
+/* The final norm over the hyper-connection streams: y[i] = rms_norm_bf16(bf16(mean_s x[ids[i]][s]))
+ * for x [T, streams, dim] bf16 (the mean summed in fp32 in stream order, then rounded, as
+ * torch's bf16 mean). Returns -1 if an id is outside [0, T). */
+int mean_rms_norm_bf16(const uint16_t *x, int64_t tokens, int64_t streams, const int64_t *ids, int64_t n, int64_t dim,
+                       const uint16_t *weight, float eps, uint16_t *y) {
+    for (int64_t i = 0; i < n; i++)
+        if (ids[i] < 0 || ids[i] >= tokens) return -1;
+    uint16_t mean[dim];
+    for (int64_t i = 0; i < n; i++) {
+        const uint16_t *row = x + ids[i] * streams * dim;
+        int64_t c = 0;
+#ifdef __AVX512F__
+        for (; c + 16 <= dim; c += 16) {
+            __m512 sum = _mm512_setzero_ps();
+            for (int64_t s = 0; s < streams; s++) sum = _mm512_add_ps(sum, widen16(row + s * dim + c));
+            _mm256_storeu_si256((__m256i *)(mean + c), narrow16(_mm512_div_ps(sum, _mm512_set1_ps((float)streams))));
+        }
+#endif
+        for (; c < dim; c++) {
+            float sum = 0.0f;
+            for (int64_t s = 0; s < streams; s++) sum += bf16_to_f32(row[s * dim + c]);
+            mean[c] = f32_to_bf16(sum / (float)streams);
+        }
+        rms_norm_row(mean, dim, weight, eps, y + i * dim);
+    }
+    return 0;
 }

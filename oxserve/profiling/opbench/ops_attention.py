@@ -1,4 +1,5 @@
-"""MLA latent attention over the selected latents (gathered in torch, in place natively), and DSA indexer scoring/selection (decode).
+"""MLA latent attention over the selected latents (gathered in torch, in place natively), DSA indexer
+scoring/selection and its key store with pool compression (decode).
 
 Both read a paged cache. A case is a decode batch: request 0 has exactly `context` tokens,
 the others between context/2 and context, their blocks scattered at random over the cache:
@@ -14,10 +15,10 @@ import torch
 
 from oxserve.cache.layers import MLACache
 from oxserve.kernels.mla_attention import latent_attention
-from oxserve.model.batch import ForwardBatch, power_of_two
+from oxserve.model.batch import ForwardBatch, PoolCompletions, power_of_two
 from oxserve.model.indexer import Indexer
 from oxserve.model.mla import QUERY_BLOCK, MLAttention
-from oxserve.profiling.opbench.checks import close_for, precision_of, randint, randn, randperm
+from oxserve.profiling.opbench.checks import bind_params, close_for, precision_of, randint, randn, randperm
 from oxserve.profiling.opbench.registry import Case, Op, register_op
 
 BLOCK_SIZE = 64
@@ -227,3 +228,70 @@ def _indexer_cases(cfg, shapes, dtype, device):
 
 register_op(Op("dsa.indexer", _indexer_cases, reference_indexer, check_indexer,
                {"engine": indexer_candidate, "torch": lambda cfg, i: indexer_candidate(cfg, i, native_scores=False)}))
+
+
+# ---- DSA indexer key store and pool compression (decode) -----------------------------------
+
+
+def _store_inputs(cfg, batch: int, dtype, device, gen) -> dict:
+    """A decode batch: each request stores one key and compresses its pool, whose other
+    members are earlier tokens (rows scattered over a table of 64 rows a request)."""
+    dim, kpool, rows = cfg.index_head_dim, cfg.index_kpool, 64 * batch
+    order = randperm(gen, rows, device)
+    members = order[batch:].view(-1)[: batch * kpool].view(batch, kpool).clone()
+    members[:, -1] = order[:batch]  # the new token closes its pool
+    return {
+        "raw": randn(gen, batch, dim, dtype=dtype, device=device, scale=3.0),
+        "gates": randn(gen, batch, dim, dtype=dtype, device=device),
+        "k_norm_weight": randn(gen, dim, dtype=dtype, device=device, scale=0.5) + 1,
+        "k_norm_bias": randn(gen, dim, dtype=dtype, device=device, scale=0.1),
+        "compress_ape": randn(gen, kpool, dim, dtype=dtype, device=device),
+        "rows": order[:batch].clone(), "member_rows": members,
+        "pool_rows": randperm(gen, rows // kpool, device)[:batch].clone(),
+        "key_table": randn(gen, rows, dim, dtype=dtype, device=device),
+        "gate_table": randn(gen, rows, dim, dtype=dtype, device=device),
+        "pool_table": randn(gen, rows // kpool, dim, dtype=dtype, device=device),
+    }
+
+
+def reference_store_keys(cfg, i):
+    """The stored keys (layer-normed) and each compressed pool key: the softmax over the pool's
+    tokens of gate + position bias, per channel, weighting their keys (fp64)."""
+    keys, gates = i["key_table"].double().clone(), i["gate_table"].double().clone()
+    keys[i["rows"]] = torch.nn.functional.layer_norm(i["raw"].double(), (keys.shape[1],), i["k_norm_weight"].double(),
+                                                     i["k_norm_bias"].double(), eps=1e-6)  # fmt: skip
+    gates[i["rows"]] = i["gates"].double()
+    members = i["member_rows"]
+    probs = (gates[members] + i["compress_ape"].double()).softmax(dim=1)
+    return keys[i["rows"]], (probs * keys[members]).sum(1)
+
+
+def store_keys_candidate(cfg, i, native: bool = True):
+    with torch.device("meta"):
+        indexer = Indexer(cfg)
+    bind_params(indexer, **{name: i[name] for name in ("k_norm_weight", "k_norm_bias", "compress_ape")})
+    indexer.native_store = native
+    cache = MLACache(torch.empty(0, device=i["raw"].device), i["key_table"], i["gate_table"], i["pool_table"])
+    pools = PoolCompletions(i["member_rows"], i["pool_rows"])
+
+    def run(out):
+        indexer.store_keys(i["raw"], i["gates"], i["rows"], pools, cache)
+        out[0].copy_(i["key_table"][i["rows"]])
+        out[1].copy_(i["pool_table"][i["pool_rows"]])
+    return run
+
+
+def _store_cases(cfg, shapes, dtype, device):
+    def cost(i) -> tuple[float, float]:
+        moved = (2 * i["raw"].numel() + i["member_rows"].numel() * i["raw"].shape[1] * 2 + i["pool_rows"].numel() * i["raw"].shape[1])
+        return moved * i["raw"].element_size(), 10.0 * i["member_rows"].numel() * i["raw"].shape[1]
+    return [
+        Case(f"B={b}", lambda gen, b=b: _store_inputs(cfg, b, dtype, device, gen),
+             lambda i: (torch.empty_like(i["raw"]), torch.empty_like(i["raw"])), cost, "fp32")
+        for b in shapes.batches
+    ]
+
+
+register_op(Op("dsa.store_keys", _store_cases, reference_store_keys, close_for("raw"),
+               {"engine": store_keys_candidate, "torch": lambda cfg, i: store_keys_candidate(cfg, i, native=False)},
+               weights=("k_norm_weight", "k_norm_bias", "compress_ape")))
