@@ -12,28 +12,33 @@ BLOCK, KPOOL = 16, 4
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("query_dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("tokens,heads,dim", [(1, 1, 8), (7, 4, 32), (33, 2, 20)])
-def test_native_index_scores_match_torch(dtype, tokens, heads, dim):
+def test_native_index_scores_match_torch(dtype, query_dtype, tokens, heads, dim):
+    """Queries and head weights as projected (bf16 or fp32: widened in the kernel, weights
+    scaled there), pools visible up to each query's position."""
     gen = torch.Generator().manual_seed(tokens * 10 + dim)
     requests, blocks_per = 3, 5
     ppb = BLOCK // KPOOL
     blocks = torch.randperm(requests * blocks_per + 1, generator=gen)[: requests * blocks_per].view(requests, blocks_per)
     pool_keys = torch.randn((requests * blocks_per + 1) * ppb, dim, generator=gen).to(dtype)
     request = torch.randint(0, requests, (tokens,), generator=gen)
-    visible = torch.randint(0, blocks_per * ppb + 1, (tokens,), generator=gen)  # 0: no complete pool yet
-    num_pools = int(visible.max())
-    q = torch.randn(tokens, heads, dim, generator=gen)
-    weights = torch.randn(tokens, heads, generator=gen) * heads**-0.5
-    assert index_scores_fit(q, pool_keys)
-    got = index_scores(q, weights, visible, request, blocks, ppb, pool_keys, num_pools, dim**-0.5)
+    query_pos = torch.randint(0, blocks_per * BLOCK, (tokens,), generator=gen)  # below KPOOL - 1: no complete pool
+    visible = (query_pos + 1) // KPOOL
+    num_pools = max(int(visible.max()), 1)
+    q = torch.randn(tokens, heads, dim, generator=gen).to(query_dtype)
+    weights = torch.randn(tokens, heads, generator=gen).to(query_dtype)
+    assert index_scores_fit(q, weights, pool_keys)
+    got = index_scores(q, weights, query_pos, KPOOL, request, blocks, ppb, pool_keys, num_pools, dim**-0.5, heads**-0.5)
     pools = torch.arange(num_pools)
     rows = blocks[request[:, None], pools // ppb] * ppb + pools % ppb  # [T, P]
-    scores = F.relu(torch.matmul(q, pool_keys[rows].float().transpose(1, 2)) * dim**-0.5)
-    want = (weights.unsqueeze(1) @ scores).squeeze(1)
+    scores = F.relu(torch.matmul(q.float(), pool_keys[rows].float().transpose(1, 2)) * dim**-0.5)
+    want = ((weights.float() * heads**-0.5).unsqueeze(1) @ scores).squeeze(1)
     seen = pools[None] < visible[:, None]
     torch.testing.assert_close(got[seen], want[seen], rtol=1e-5, atol=1e-5)
     assert torch.equal(got[~seen], torch.zeros_like(got[~seen]))
-    hidden = index_scores(q, weights, visible, request, blocks, ppb, pool_keys, num_pools, dim**-0.5, float("-inf"))
+    hidden = index_scores(q, weights, query_pos, KPOOL, request, blocks, ppb, pool_keys, num_pools, dim**-0.5,
+                          heads**-0.5, float("-inf"))  # fmt: skip
     assert torch.equal(hidden[seen], got[seen]) and (hidden[~seen] == float("-inf")).all()
 
 
@@ -49,14 +54,17 @@ def test_native_selection_expands_as_torch(pool, tail, tokens, k):
     want = expand_selection_torch(chosen, visible, query_pos, pool, tail)
     got = expand_selection(chosen, visible, query_pos, pool, tail)
     assert got.dtype == torch.int64 and torch.equal(got, want)
+    assert torch.equal(expand_selection(chosen, None, query_pos, pool, tail), want)  # visible pools from positions
     assert ((want == -1) | (want <= query_pos[:, None])).all()
 
 
 def test_quantized_tables_take_the_torch_path():
-    q = torch.zeros(1, 1, 8)
-    assert not index_scores_fit(q.bfloat16(), torch.zeros(4, 8))
-    assert not index_scores_fit(q, torch.zeros(4, 16)[:, ::2])
-    assert not index_scores_fit(q, torch.zeros(4, 8, dtype=torch.int8))
+    q, w = torch.zeros(1, 1, 8), torch.zeros(1, 1)
+    assert index_scores_fit(q, w, torch.zeros(4, 8))
+    assert not index_scores_fit(q, w.bfloat16(), torch.zeros(4, 8))  # q and weights in one dtype
+    assert not index_scores_fit(q, w, torch.zeros(4, 16)[:, ::2])
+    assert not index_scores_fit(q, w, torch.zeros(4, 8, dtype=torch.int8))
+    assert not index_scores_fit(q.half(), w.half(), torch.zeros(4, 8))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

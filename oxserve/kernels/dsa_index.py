@@ -19,29 +19,36 @@ from oxserve.kernels import native
 
 BUILD_FLAGS = native.NATIVE_ISA + native.OPENMP + ("-O3", "-ffp-contract=fast")
 NATIVE_MAX_DIM = 1024  # MAX_DIM in dsa_index.c
+NATIVE_MAX_HEADS = 256  # MAX_HEADS in dsa_index.c
+NATIVE_MAX_QUERY = 16384  # MAX_QUERY in dsa_index.c: heads x head dim
 
 
-def index_scores_fit(q: torch.Tensor, pool_keys) -> bool:
-    return (isinstance(pool_keys, torch.Tensor) and q.device.type == "cpu" and q.dtype == torch.float32
-            and pool_keys.dtype in (torch.bfloat16, torch.float32) and pool_keys.is_contiguous()
-            and q.shape[-1] <= NATIVE_MAX_DIM and _kernel() is not None)
+def index_scores_fit(q: torch.Tensor, head_weights: torch.Tensor, pool_keys) -> bool:
+    heads, dim = q.shape[-2:]
+    return (isinstance(pool_keys, torch.Tensor) and q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float32)
+            and head_weights.dtype == q.dtype and pool_keys.dtype in (torch.bfloat16, torch.float32)
+            and pool_keys.is_contiguous() and dim <= NATIVE_MAX_DIM and heads <= NATIVE_MAX_HEADS
+            and heads * dim <= NATIVE_MAX_QUERY and _kernel() is not None)  # fmt: skip
 
 
-def index_scores(q: torch.Tensor, head_weights: torch.Tensor, visible_pools: torch.Tensor, request: torch.Tensor,
+def index_scores(q: torch.Tensor, head_weights: torch.Tensor, query_pos: torch.Tensor, pool: int, request: torch.Tensor,
                  block_tables: torch.Tensor, pools_per_block: int, pool_keys: torch.Tensor, num_pools: int,
-                 scale: float, hidden: float = 0.0) -> torch.Tensor:
-    """q [T, H, D] fp32, head_weights [T, H] fp32, visible_pools [T] -> [T, num_pools] fp32:
-    sum_h w_h relu(scale q_h . key_p) for the pools each query sees, `hidden` for the others
-    (-inf: what a top-k over them should skip)."""
+                 scale: float, weight_scale: float = 1.0, hidden: float = 0.0) -> torch.Tensor:
+    """q [T, H, D], head_weights [T, H] (both bf16 or both fp32, as projected), query_pos [T]
+    -> [T, num_pools] fp32: sum_h weight_scale w_h relu(scale q_h . key_p) for the pools each
+    query sees ((pos + 1) // pool of them), `hidden` for the others (-inf: what a top-k over
+    them should skip)."""
     tokens, heads, dim = q.shape
-    q, head_weights = q.contiguous(), head_weights.float().contiguous()
-    visible_pools, request, block_tables = (t.contiguous() for t in (visible_pools, request, block_tables))
-    out = q.new_empty(tokens, num_pools)
+    q, head_weights = q.contiguous(), head_weights.contiguous()
+    query_pos, request, block_tables = (t.contiguous() for t in (query_pos, request, block_tables))
+    out = torch.empty(tokens, num_pools, dtype=torch.float32)
     ptr = native.pointer
-    _kernel().dsa_index_scores(ptr(q), ptr(head_weights), ptr(visible_pools), ptr(request), ptr(block_tables),
-                               block_tables.shape[1], pools_per_block, ptr(pool_keys),
-                               int(pool_keys.dtype == torch.bfloat16), tokens, heads, dim, num_pools, scale, hidden,
-                               ptr(out), torch.get_num_threads())
+    status = _kernel().dsa_index_scores(ptr(q), ptr(head_weights), int(q.dtype == torch.bfloat16), weight_scale,
+                                        ptr(query_pos), pool, ptr(request), ptr(block_tables), block_tables.shape[1],
+                                        pools_per_block, ptr(pool_keys), int(pool_keys.dtype == torch.bfloat16), tokens,
+                                        heads, dim, num_pools, scale, hidden, ptr(out), torch.get_num_threads())  # fmt: skip
+    if status != 0:
+        raise RuntimeError(f"dsa_index_scores failed ({status}): {heads} heads of {dim}")
     return out
 
 
@@ -59,17 +66,20 @@ def expand_selection_torch(chosen: torch.Tensor, visible_pools: torch.Tensor, qu
     return positions
 
 
-def expand_selection(chosen: torch.Tensor, visible_pools: torch.Tensor, query_pos: torch.Tensor, pool: int,
+def expand_selection(chosen: torch.Tensor, visible_pools: torch.Tensor | None, query_pos: torch.Tensor, pool: int,
                      tail: bool) -> torch.Tensor:
-    """`expand_selection_torch` in one native pass on CPU (int64 tensors)."""
+    """`expand_selection_torch` in one native pass on CPU (int64 tensors); `visible_pools`
+    None: each query's complete pools, (query_pos + 1) // pool."""
     if chosen.device.type != "cpu" or _kernel() is None:
+        visible_pools = (query_pos + 1) // pool if visible_pools is None else visible_pools
         return expand_selection_torch(chosen, visible_pools, query_pos, pool, tail)
-    chosen, visible_pools, query_pos = (t.to(torch.int64).contiguous() for t in (chosen, visible_pools, query_pos))
+    chosen, query_pos = (t.to(torch.int64).contiguous() for t in (chosen, query_pos))
+    visible = None if visible_pools is None else visible_pools.to(torch.int64).contiguous()
     tokens, k = chosen.shape
     tail = tail and pool > 1
     out = torch.empty(tokens, k * pool + (pool - 1 if tail else 0), dtype=torch.int64)
-    _kernel().dsa_expand_selection(chosen.data_ptr(), tokens, k, visible_pools.data_ptr(), query_pos.data_ptr(), pool,
-                                   tail, out.data_ptr())
+    _kernel().dsa_expand_selection(chosen.data_ptr(), tokens, k, None if visible is None else visible.data_ptr(),
+                                   query_pos.data_ptr(), pool, tail, out.data_ptr())
     return out
 
 
@@ -118,8 +128,8 @@ def _kernel() -> ctypes.CDLL | None:
     if lib is None:
         return None
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    lib.dsa_index_scores.argtypes = [p, p, p, p, p, i64, i64, p, i32, i64, i32, i64, i64, ctypes.c_float, ctypes.c_float,
-                                     p, i32]
+    f32 = ctypes.c_float
+    lib.dsa_index_scores.argtypes = [p, p, i32, f32, p, i64, p, p, i64, i64, p, i32, i64, i32, i64, i64, f32, f32, p, i32]
     lib.dsa_expand_selection.argtypes = [p, i64, i64, p, p, i64, i32, p]
     lib.dsa_expand_selection.restype = None
     lib.dsa_store_keys.argtypes = [p, p, p, p, ctypes.c_float, p, i64, i64, p, p, p, p, i64, i64, p, p, i32]

@@ -76,8 +76,8 @@ class Indexer(nn.Module):
         bound = batch.seq_len_bound  # >= every sequence of the step: pools past a query's own are hidden
         if bound // self.kpool <= self.max_pools:  # top-k would keep every pool: no scores needed
             return select_every_pool(batch.positions, bound // self.kpool, self.kpool, self.with_tail)
-        q = self.wq_b(q_resid).view(x.shape[0], self.n_heads, self.head_dim).float()
-        head_weights = self.weights_proj(x).float() * self.head_weight_scale
+        q = self.wq_b(q_resid).view(x.shape[0], self.n_heads, self.head_dim)
+        head_weights = self.weights_proj(x)  # as projected: `_select` scales them
         pos = batch.positions
         parts = []
         starts = batch.query_start
@@ -126,16 +126,17 @@ class Indexer(nn.Module):
         Decodes and verifies: `request` is a tensor, each query's request index.
         Prefill: all queries from one request, `request` is an int; they share its pool keys.
         """
-        visible_pools = (query_pos + 1) // self.kpool
         num_pools = longest // self.kpool
         k = min(self.max_pools, num_pools)
         scale = self.head_dim**-0.5
-        if self.native_scores and not isinstance(request, int) and index_scores_fit(q, cache.pool_keys):  # in place
-            pool_scores = self.tp.reduce(index_scores(q, head_weights, visible_pools, request, batch.block_tables,
+        if self.native_scores and not isinstance(request, int) and index_scores_fit(q, head_weights, cache.pool_keys):
+            pool_scores = self.tp.reduce(index_scores(q, head_weights, query_pos, self.kpool, request, batch.block_tables,
                                                       batch.block_size // self.kpool, cache.pool_keys, num_pools, scale,
-                                                      hidden=float("-inf")))
+                                                      self.head_weight_scale, hidden=float("-inf")))  # fmt: skip
             chosen = pool_scores.topk(k, dim=-1).indices
-            return expand_selection(chosen, visible_pools, query_pos, self.kpool, self.with_tail)
+            return expand_selection(chosen, None, query_pos, self.kpool, self.with_tail)
+        q, head_weights = q.float(), head_weights.float() * self.head_weight_scale
+        visible_pools = (query_pos + 1) // self.kpool
         pool_ids = torch.arange(num_pools, device=q.device)
         if isinstance(request, int):
             keys = cache.pool_keys_at(batch.pool_rows(request, pool_ids, self.kpool)).float().unsqueeze(0)

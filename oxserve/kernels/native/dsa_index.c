@@ -1,12 +1,14 @@
 /* DSA indexer scores of decoding queries over their requests' compressed pool keys, read from
  * the paged pool-key cache in place (torch gathers a [T, P, D] copy first).
  *
- * Query t (of request request[t]) sees its first visible[t] pools; pool p of request r lives
+ * Query t (of request request[t], at position pos[t]) sees its first visible[t] = (pos[t] + 1) /
+ * P pools (P: tokens a pool); pool p of request r lives
  * in pool row block_tables[r][p / ppb] * ppb + p % ppb (ppb: pools per block). Per pool:
  *
- *   score[t][p] = sum_h w[t][h] * relu(scale * q[t][h] . key_p)     p < visible[t], else `hidden`
+ *   score[t][p] = sum_h (weight_scale w[t][h]) * relu(scale * q[t][h] . key_p)     p < visible[t], else `hidden`
  *
- * q, w and scores fp32; keys bf16 when `bf16`, else fp32. `hidden`: 0, or -inf for a top-k to skip.
+ * q and w bf16 when `q_bf16`, else fp32 (as the projections give them; widened here); scores
+ * fp32; keys bf16 when `bf16`, else fp32. `hidden`: 0, or -inf for a top-k to skip.
  * Queries are spread over threads.
  */
 #include <math.h>
@@ -15,21 +17,26 @@
 #include "bf16.h"
 #include "vmath.h"
 
-#define MAX_DIM 1024 /* index head dim; NATIVE_MAX_DIM in kernels/dsa_index.py */
+#define MAX_DIM 1024     /* index head dim; NATIVE_MAX_DIM in kernels/dsa_index.py */
+#define MAX_QUERY 16384  /* heads x head dim; NATIVE_MAX_QUERY in kernels/dsa_index.py */
+#define MAX_HEADS 256    /* NATIVE_MAX_HEADS in kernels/dsa_index.py */
 
-int dsa_index_scores(const float *q, const float *head_weights, const int64_t *visible, const int64_t *request,
-                     const int64_t *block_tables, int64_t max_blocks, int64_t pools_per_block, const void *pool_keys,
-                     int bf16, int64_t tokens, int heads, int64_t dim, int64_t num_pools, float scale, float hidden,
-                     float *out, int threads) {
-    if (dim > MAX_DIM) return -1;
+int dsa_index_scores(const void *q, const void *head_weights, int q_bf16, float weight_scale, const int64_t *pos,
+                     int64_t kpool, const int64_t *request, const int64_t *block_tables, int64_t max_blocks,
+                     int64_t pools_per_block, const void *pool_keys, int bf16, int64_t tokens, int heads, int64_t dim,
+                     int64_t num_pools, float scale, float hidden, float *out, int threads) {
+    if (dim > MAX_DIM || heads > MAX_HEADS || heads * dim > MAX_QUERY) return -1;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t t = 0; t < tokens; t++) {
         const int64_t *table = block_tables + request[t] * max_blocks;
-        const float *qt = q + t * heads * dim, *wt = head_weights + t * heads;
-        float key[MAX_DIM];
+        const int64_t visible = (pos[t] + 1) / kpool;
+        float key[MAX_DIM], qt[MAX_QUERY], wt[MAX_HEADS];
+        widen_row(q, t * heads * dim, heads * dim, q_bf16, qt);
+        widen_row(head_weights, t * heads, heads, q_bf16, wt);
+        for (int h = 0; h < heads; h++) wt[h] *= weight_scale;
         float *row_out = out + t * num_pools;
         for (int64_t p = 0; p < num_pools; p++) {
-            if (p >= visible[t]) {
+            if (p >= visible) {
                 row_out[p] = hidden;
                 continue;
             }
