@@ -49,9 +49,7 @@ static inline float model_round(float x, int bf16) { return bf16 ? round_bf16(x)
 static inline float sigmoid(float x) { return 1.0f / (1.0f + vexp(-x)); }
 
 static void l2_normalise(float *x, int n, float scale) {
-    float sum = 0.0f;
-    for (int i = 0; i < n; i++) sum += x[i] * x[i];
-    const float norm = sqrtf(sum + 1e-6f);
+    const float norm = sqrtf(vdot(x, x, n) + 1e-6f); /* partial sums: a serial sum would wait on each add */
     for (int i = 0; i < n; i++) x[i] = x[i] / norm * scale;
 }
 
