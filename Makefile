@@ -9,10 +9,12 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 install: $(STAMP)
 
 # torch is pinned first: a bare `torch` requirement could pull a multi-GB CUDA build.
-# A C compiler builds the native CPU kernels (oxserve/kernels/native) on first use.
+# A C compiler builds the native CPU kernels (oxserve/kernels/native) on first use; libffi's
+# header, the replay of captured decode steps (oxserve/kernels/call_list.py).
 # Debian's chromium is the browser of the dashboard's test (Playwright's own download is unreachable).
 $(STAMP): pyproject.toml
 	command -v cc >/dev/null || (apt-get update -q && apt-get install -y -q gcc)
+	echo '#include <ffi.h>' | cc -E - >/dev/null 2>&1 || (apt-get update -q && apt-get install -y -q libffi-dev)
 	command -v chromium >/dev/null || (apt-get update -q && apt-get install -y -q chromium)
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q torch==2.13.0

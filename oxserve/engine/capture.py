@@ -9,7 +9,9 @@ torch op (`TorchDispatchMode`: the op, its arguments, its outputs), and keeps al
 tensor those pointers and arguments name. The next step of the same shape copies its inputs
 (token ids, the `ForwardBatch` tensors) into the recorded step's own input tensors and runs
 the recorded calls in a loop: the same kernels on the same memory, with no module, wrapper
-or allocation in between. Results are bit-identical to the eager step's (tested).
+or allocation in between; each run of consecutive kernel calls is made from C in one ctypes
+call (`kernels.call_list`: arguments converted once, at the first replay). Results are
+bit-identical to the eager step's (tested).
 
 What makes a replay valid, and how it is kept so:
 - the shape key (`step_key`) holds everything host-side the model branches on: every
@@ -53,6 +55,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from oxserve.kernels import native
+from oxserve.kernels.call_list import CallRun, callable_natively
 from oxserve.model.batch import ForwardBatch
 from oxserve.telemetry import Span, Tracer, span
 
@@ -105,6 +108,7 @@ class StepRecording:
         self.output: torch.Tensor | None = None
         self.refusal: str | None = None  # why a replay could not repeat this step (None: it can)
         self.spans: list[RecordedSpan] = []  # the model's op spans, as ranges of `calls`
+        self._plan = self._traced_plan = None  # `calls` as replays run them (built at the first)
 
     def refuse(self, why: str) -> None:
         self.refusal = self.refusal or why
@@ -151,20 +155,42 @@ class StepRecording:
         spans as the eager step would (each spans the recorded calls made inside it)."""
         if tracer is not None:
             return self._traced_replay(tracer)
-        for function, args, expected in self.calls:
+        if self._plan is None:
+            self._plan = self._steps(frozenset())
+        for _, function, args, expected in self._plan:
             _check(function, function(*args), expected)
         return self.output
 
     def _traced_replay(self, tracer: Tracer) -> torch.Tensor:
-        marks = [0.0] * (len(self.calls) + 1)  # marks[i]: when call i started; marks[-1]: the end
-        for i, (function, args, expected) in enumerate(self.calls):
-            marks[i] = tracer.now_us()
+        if self._traced_plan is None:  # runs of native calls end where spans do
+            self._traced_plan = self._steps(frozenset(b for s in self.spans for b in (s.first_call, s.end_call)))
+        marks = {}  # call index -> when the plan step starting there started; len(calls): the end
+        for first, function, args, expected in self._traced_plan:
+            marks[first] = tracer.now_us()
             _check(function, function(*args), expected)
-        marks[-1] = tracer.now_us()
+        marks[len(self.calls)] = tracer.now_us()
         for s in self.spans:
             start = marks[s.first_call]
             tracer.spans.append(Span(s.name, start, marks[s.end_call] - start, s.track, tracer.depth + s.depth, dict(s.args)))
         return self.output
+
+    def _steps(self, boundaries: frozenset[int]) -> list[tuple[int, Callable, tuple, Any]]:
+        """The calls as (index of the first, callable, arguments, result it must return): a run
+        of native kernel calls that crosses none of the `boundaries` becomes one `CallRun`."""
+        steps: list[tuple[int, Callable, tuple, Any]] = []
+        i = 0
+        while i < len(self.calls):
+            end = i
+            while end < len(self.calls) and callable_natively(self.calls[end][0]) and (end == i or end not in boundaries):
+                end += 1
+            run = CallRun.build(self.calls[i:end]) if end - i > 1 else None
+            if run is None:
+                end = i + 1
+                steps.append((i, *self.calls[i]))
+            else:
+                steps.append((i, run, (), None))
+            i = end
+        return steps
 
 
 def _check(function, result, expected) -> None:

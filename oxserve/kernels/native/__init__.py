@@ -54,9 +54,9 @@ def cpu_identity() -> bytes:
 
 
 @functools.cache
-def load(name: str, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
-    """The compiled kernel library `name` (from `name.c`) built with FLAGS + extra_flags,
-    or None without a C compiler."""
+def load(name: str, extra_flags: tuple[str, ...] = (), libraries: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+    """The compiled kernel library `name` (from `name.c`) built with FLAGS + extra_flags and
+    linked with `libraries` ("ffi": -lffi), or None without a C compiler."""
     cc = compiler()
     if cc is None:
         log.warning("no C compiler (cc / $CC): native kernel %s unavailable, using the torch version", name)
@@ -64,14 +64,15 @@ def load(name: str, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     source = Path(__file__).with_name(f"{name}.c")
     headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))  # what sources may include
     flags = (*FLAGS, *extra_flags)
+    links = tuple(f"-l{library}" for library in (*libraries, "m"))
     machine = cpu_identity() if "-march=native" in flags else b""
-    digest = hashlib.sha256(source.read_bytes() + headers + " ".join(flags).encode() + machine).hexdigest()[:16]
+    digest = hashlib.sha256(source.read_bytes() + headers + " ".join(flags + links).encode() + machine).hexdigest()[:16]
     target = cache_dir() / f"{name}-{digest}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             built = Path(tmp) / target.name
-            result = subprocess.run([cc, *flags, "-o", str(built), str(source), "-lm"], capture_output=True, text=True)
+            result = subprocess.run([cc, *flags, "-o", str(built), str(source), *links], capture_output=True, text=True)
             if result.returncode != 0:
                 raise RuntimeError(f"compiling native kernel {name} failed:\n{result.stderr}")
             os.replace(built, target)  # atomic: a concurrent build just replaces an identical file
