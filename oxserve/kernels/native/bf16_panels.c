@@ -33,7 +33,6 @@
 #include <unistd.h>
 
 #include "bf16.h"
-#include "parallel.h"
 #include "pairs.h"
 
 #define ARCH_REQ_XCOMP_PERM 0x1023
@@ -241,7 +240,7 @@ static int linear_products(const uint16_t *x, int64_t M, int64_t heads, int64_t 
                            int64_t n_packed, void *y, int f32_out, int nthreads) {
     const int64_t pairs = n_packed / (2 * TILE_N), groups = (M + LINEAR_ROWS - 1) / LINEAR_ROWS;
     const int64_t lda = heads * K, ldy = heads * N;
-    #pragma omp parallel num_threads(nthreads) if (worth_threads(M * heads * N * K / 4))
+    #pragma omp parallel num_threads(nthreads)
     {
         int configured = 0;
         float acc0[TILE_M * TILE_N], acc1[TILE_M * TILE_N];
@@ -325,13 +324,13 @@ int panels_routed(const uint16_t *x, int64_t T, int64_t H, const int64_t *ids, c
     int status = -1;
     if (offsets == NULL || slot_of == NULL || rows == NULL || out == NULL || row_weight == NULL || acc == NULL) goto done;
     sort_pairs(ids, P, E, offsets, slot_of);
-    #pragma omp parallel for num_threads(nthreads) schedule(static) if (worth_threads(P * H))
+    #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t p = 0; p < P; p++) {
         memcpy(rows + slot_of[p] * H, x + (p / k) * H, (size_t)H * sizeof(uint16_t));
         row_weight[slot_of[p]] = weights[p];
     }
     if (panels_experts(rows, P, H, offsets, E, row_weight, gate_up, down, I, limit, out, nthreads) != 0) goto done;
-    #pragma omp parallel for num_threads(nthreads) schedule(static) if (worth_threads(P * H))
+    #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t t = 0; t < T; t++) {
         float *sum = acc + (int64_t)omp_get_thread_num() * H;
         memset(sum, 0, (size_t)H * sizeof(float));

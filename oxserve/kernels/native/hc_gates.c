@@ -17,7 +17,6 @@
 #include <string.h>
 
 #include "bf16.h"
-#include "parallel.h"
 
 #define LANES 8
 #define MAX_N 16
@@ -86,7 +85,7 @@ int hc_gates(const float *mixed, const float *base, const float *scale, int64_t 
              int iters, float eps, float *pre, float *post, float *comb, int threads) {
     if (n > MAX_N) return -1;
     const int width = (2 + n) * n;
-#pragma omp parallel for num_threads(threads) schedule(static) if (tokens > LANES)
+#pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t t0 = 0; t0 < tokens; t0 += LANES)
         gates_block(mixed + t0 * width, base, scale, t0, tokens - t0 < LANES ? (int)(tokens - t0) : LANES, n, iters,
                     eps, pre, post, comb);
@@ -214,7 +213,7 @@ int hc_collapse(const void *streams, int is_bf16, int64_t tokens, int n, int64_t
         memcpy(padded, fn, (size_t)(width * flat) * sizeof(float));
         fn = padded;
     }
-#pragma omp parallel for num_threads(threads) schedule(static) if (tokens > BLOCK)
+#pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t t0 = 0; t0 < tokens; t0 += BLOCK) {
         const int nt = tokens - t0 < BLOCK ? (int)(tokens - t0) : BLOCK;
         float *x = scratch + (int64_t)omp_get_thread_num() * per_thread, *row = x + BLOCK * ldx;
@@ -256,7 +255,7 @@ int hc_expand(const float *post, const float *comb, const void *block, const voi
     const int64_t per_thread = (int64_t)(n + 2) * d;
     float *scratch = malloc((size_t)(threads * per_thread) * sizeof(float));
     if (scratch == NULL) return -2;
-#pragma omp parallel for num_threads(threads) schedule(static) if (worth_threads(tokens * n * (n + 1) * d))
+#pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t t = 0; t < tokens; t++) {
         float *s = scratch + (int64_t)omp_get_thread_num() * per_thread, *b = s + n * d, *o = s + (n + 1) * d;
         widen_row(streams, t * n * d, n * d, is_bf16, s);

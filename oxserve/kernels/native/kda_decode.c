@@ -22,8 +22,6 @@
 #include <math.h>
 #include <stdint.h>
 
-#include "parallel.h"
-
 #define MAX_D 256
 
 typedef struct {
@@ -124,7 +122,7 @@ int kda_writeback_step(const float *q, const float *k, const float *v, const flo
                        float *states, const int64_t *slots, int64_t batch, int heads, int dk, int dv, float *out,
                        int threads) {
     if (dk > MAX_D || dv > MAX_D) return -1;
-#pragma omp parallel for num_threads(threads) schedule(static) if (worth_threads(batch * heads * dk * dv * 2))
+#pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t bh = 0; bh < batch * heads; bh++) {
         const int64_t b = bh / heads;
         const int h = (int)(bh % heads);

@@ -29,7 +29,6 @@
 #include <string.h>
 
 #include "bf16.h"
-#include "parallel.h"
 #include "vmath.h"
 
 #define MAX_DIM 1024 /* head dim; NATIVE_MAX_DIM in kda_io.py */
@@ -94,7 +93,7 @@ int kda_conv_inputs(const void *mixed, void *conv_table, const int64_t *slots, c
     for (int64_t t = 0; t < tokens; t++) owner[t] = -1;
     for (int64_t b = 0; b < requests; b++)
         for (int64_t t = runs[2 * b]; t < runs[2 * b] + runs[2 * b + 1]; t++) owner[t] = b;
-#pragma omp parallel for num_threads(threads) schedule(static) if (worth_threads(tokens * channels * width))
+#pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t token = 0; token < tokens; token++) {
         const int64_t b = owner[token];
         if (b < 0) continue; /* a row no run covers */
@@ -154,7 +153,7 @@ int kda_conv_inputs(const void *mixed, void *conv_table, const int64_t *slots, c
 
 int kda_gated_norm(const float *core, const void *gate, const void *weight, int64_t tokens, int heads, int dim,
                    float eps, int bf16, void *out, int threads) {
-#pragma omp parallel for num_threads(threads) schedule(static) if (worth_threads(tokens * heads * dim * 4))
+#pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t th = 0; th < tokens * heads; th++) {
         const float *x = core + th * dim;
         float sum = 0.0f;
