@@ -75,7 +75,6 @@ ALLOCATIONS = frozenset({aten.empty.memory_format, aten.empty_like.default, aten
 DEFAULT_MAX_RECORDINGS = 32
 DEFAULT_MAX_RECORDING_BYTES = 1 << 30  # the kept recordings' intermediate tensors, together
 SEEN_SHAPES = 1024  # shapes met once, remembered (least recently met forgotten first)
-SINGLE_THREAD_REQUESTS = 1  # decode steps of at most this many requests record their kernels on one thread
 
 
 class PerStepValue(list):
@@ -295,23 +294,6 @@ class _TorchOps(TorchDispatchMode):
         return out
 
 
-@contextlib.contextmanager
-def _kernel_threads(num_requests: int):
-    """The threads a recorded step's kernels are given (a kernel takes torch's thread count
-    when called, and a replay repeats it): one for a single request, whose rows are too few to
-    split -- forking a thread team costs more than it saves there (the default model's batch-1
-    replay on the 2-core AMD EPYC: 954 us of kernel calls on one thread, 1,084 on two)."""
-    threads = torch.get_num_threads()
-    if num_requests > SINGLE_THREAD_REQUESTS or threads == 1:
-        yield
-        return
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
 def step_key(input_ids: torch.Tensor, batch: ForwardBatch) -> tuple[tuple, list[torch.Tensor]]:
     """(everything host-side the model may branch on: the batch's non-tensor values and its
     tensors' shapes and dtypes; the batch's tensors in a fixed order, nested layouts included)."""
@@ -395,7 +377,7 @@ class CapturedDecode:
         # the recorded tensors, the caches among them, alive until the garbage collector ran).
         watched = dataclasses.replace(batch, **per_step, tracer=SpanMarks(recording, batch.tracer))
         recording.input_ids, recording.batch_tensors = input_ids, step_key(input_ids, watched)[1]
-        with native.recording(recording.native_call), _TorchOps(recording), _kernel_threads(batch.num_requests):
+        with native.recording(recording.native_call), _TorchOps(recording):
             recording.output = self.forward(input_ids, watched)
         self.capture_s += time.perf_counter() - start
         if recording.refusal is not None:
