@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
     engine.runner.tracer = tracer
     before, captured_before = engine.stats(), _captured_counts(engine)
     result = run_workload(engine, requests, workload.arrival, tracer)
-    after = engine.stats()
+    after, captured_after = engine.stats(), _captured_counts(engine)
     engine.runner.tracer = None
     steps = group_spans(tracer.spans)
     write_trace(steps, args.out / "trace.json", {"workload": workload.name, "model": str(engine.model_path)})
@@ -93,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
         run_info["spec_decode"] = acceptance(*(getattr(after, k) - getattr(before, k)
                                                for k in ("spec_drafts", "spec_draft_tokens", "spec_accepted_tokens")))
     if engine.runner.captured is not None:
-        replays, captures = (b - a for a, b in zip(captured_before, _captured_counts(engine)))
+        replays, captures = (b - a for a, b in zip(captured_before, captured_after))
         decode_passes = sum(1 for s in steps if s.phase == "decode" for _ in s.forwards)
         run_info["captured_decode"] = {"replays": replays, "captures": captures, "eager": decode_passes - replays - captures}
     if engine.prefix_caching:

@@ -151,3 +151,25 @@ def test_report_states_prefix_cache_hits(report, profile_dir):
     assert 0 < prefix["hits"] <= prefix["queries"] and prefix["hit_requests"] >= 1
     assert prefix["hit_rate"] == prefix["hits"] / prefix["queries"]
     assert "Prefix cache:" in (profile_dir / "report.md").read_text()
+
+
+def test_replayed_decode_steps_are_profiled_as_served(one_thread, tiny_model_dir, tmp_path):
+    """Without speculation decode steps are captured and replayed; their op spans come from the
+    replay (each over the recorded calls made inside it), and the report counts the passes."""
+    workload = tmp_path / "workload.yaml"
+    workload.write_text(WORKLOAD.replace("shared_prefix: {length: 20}\n", "").replace("[4, 12]", "[24, 32]"))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("OXSERVE_DATA_DIR", str(tmp_path))
+        mp.setattr(sys, "argv", list(sys.argv))
+        assert main(["profile", "--model", str(tiny_model_dir), "--dtype", "bfloat16", "--cache-memory-gib", "0.05",
+                     "--workload", str(workload), "--out", str(tmp_path), "--ceilings", "none", "--overhead-repeats", "1",
+                     "--threads", "1"]) == 0  # fmt: skip
+    report = json.loads((tmp_path / "report.json").read_text())
+    captured = report["run"]["captured_decode"]
+    decode_passes = sum(p["steps"] for p in report["by_phase"] if p["phase"] == "decode")
+    assert captured["replays"] > captured["captures"] > 0 and captured["eager"] >= 0
+    assert captured["replays"] + captured["captures"] + captured["eager"] == decode_passes
+    assert "Captured decode steps:" in (tmp_path / "report.md").read_text()
+    events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    decode_ops = [e for e in events if e.get("cat") == "op" and e["name"].endswith(".kda.recurrent")]
+    assert len(decode_ops) >= decode_passes  # every pass has its op spans, replayed ones too
