@@ -47,6 +47,12 @@ class Tracer:
     def now_us(self) -> float:
         return (time.perf_counter_ns() - self._origin) / 1000.0
 
+    def synced_now_us(self) -> float:
+        """`now_us` once the device has finished what was queued (kernels, not launches, timed)."""
+        if self._cuda:
+            torch.cuda.synchronize()
+        return self.now_us()
+
     @contextlib.contextmanager
     def span(self, name: str, track: str = "model", **args: Any) -> Iterator[dict[str, Any]]:
         """Time a block; the yielded dict can receive more arguments while it runs."""

@@ -32,7 +32,7 @@ def test_a_run_of_calls_computes_what_ctypes_computes():
     want = [torch.zeros_like(t) for t in outs]
     for function, args, expected in calls(*want):
         assert function(*args) == expected
-    assert all(callable_natively(f) for f, _, _ in calls(*outs))
+    assert all(callable_natively(f, args) for f, args, _ in calls(*outs))
     run = CallRun.build(calls(*outs))
     assert run is not None
     run()
@@ -53,5 +53,10 @@ def test_a_call_returning_another_status_than_recorded_fails_naming_the_kernel()
 def test_calls_libffi_cannot_make_as_ctypes_would_stay_with_ctypes():
     lib = ctypes.CDLL(native.load("rows", rows.BUILD_FLAGS)._name)  # its functions have no argument types
     assert CallRun.build([(lib.gather_rows, (0, 0, 0, 0, 0, 1, 0), 0)]) is None
+    assert not callable_natively(lib.gather_rows, (0, 0, 0, 0, 0, 1, 0))
     assert CallRun.build([]) is None
-    assert not callable_natively(lambda: None)
+    assert not callable_natively(lambda: None, ())
+    norm, gather, _ = _kernels()  # typed, but an argument that does not fit its int32 slot (the thread count)
+    assert CallRun.build([(norm, (0, 0, 8, 0, 1e-6, 0, 1 << 40), None)]) is None
+    args = (ctypes.c_void_p(0), ctypes.c_int64(0), ctypes.c_void_p(0), 0, 8, 1, None)  # ctypes values unwrapped
+    assert CallRun.build([(gather, args, 0)]) is not None

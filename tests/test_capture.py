@@ -12,6 +12,7 @@ import torch
 
 from oxserve import LLM, SamplingParams
 from oxserve.engine.capture import CapturedDecode, StepRecording
+from oxserve.kernels.call_list import CallRun
 from oxserve.kernels import rows as row_kernels
 from oxserve.model.batch import BatchRequest, make_forward_batch
 from oxserve.default_model import default_model
@@ -73,6 +74,8 @@ def test_the_default_model_replays_its_decode_steps_exactly():
     replayed, captured = _run(None, "bfloat16", False, prompts, params)
     assert captured.refused == {} and captured.replays > 100
     assert replayed == eager
+    plans = [r._plan for r in captured.recordings.values() if r._plan is not None]
+    assert plans and all(any(isinstance(step[1], CallRun) for step in plan) for plan in plans)  # kernel runs made from C
 
 
 def test_compile_sizes_choose_the_batch_sizes_captured(tiny_model_dir):

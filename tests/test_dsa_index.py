@@ -98,6 +98,13 @@ def test_native_key_store_and_pool_compression_match_torch(dtype, tokens, pools,
     untouched = torch.ones(table_rows, dtype=torch.bool)
     untouched[rows] = False
     assert torch.equal(tables[0][untouched], want[0][untouched])
+    before = [t.clone() for t in tables]
+    for bad_rows, bad_members in ((rows.clone().fill_(table_rows), members), (rows, members.clone().fill_(-1))):
+        if not len(bad_rows) or (bad_members is not members and not bad_members.numel()):
+            continue
+        with pytest.raises(IndexError):  # out of its table: an error before anything is written
+            store_keys(raw, gates, weight, bias, 1e-6, bad_rows, *tables[:2], bad_members, pool_rows, ape, tables[2])
+    assert all(torch.equal(t, b) for t, b in zip(tables, before))
 
 
 def test_quantized_key_tables_take_the_torch_store():
@@ -107,6 +114,7 @@ def test_quantized_key_tables_take_the_torch_store():
     assert not store_keys_fit(raw, plain.to(torch.int8), plain, plain)
     assert not store_keys_fit(raw, plain, plain.float(), plain)
     assert not store_keys_fit(torch.zeros(2, 2048, dtype=torch.bfloat16), plain, plain, plain)
+    assert not store_keys_fit(raw, plain, plain, plain, raw.float())  # a gate score or weight of another dtype
 
 
 @pytest.mark.parametrize("pool,tail", [(4, True), (4, False), (1, True), (16, True)])

@@ -165,9 +165,9 @@ class StepRecording:
             self._traced_plan = self._steps(frozenset(b for s in self.spans for b in (s.first_call, s.end_call)))
         marks = {}  # call index -> when the plan step starting there started; len(calls): the end
         for first, function, args, expected in self._traced_plan:
-            marks[first] = tracer.now_us()
+            marks[first] = tracer.synced_now_us()
             _check(function, function(*args), expected)
-        marks[len(self.calls)] = tracer.now_us()
+        marks[len(self.calls)] = tracer.synced_now_us()
         for s in self.spans:
             start = marks[s.first_call]
             tracer.spans.append(Span(s.name, start, marks[s.end_call] - start, s.track, tracer.depth + s.depth, dict(s.args)))
@@ -180,7 +180,7 @@ class StepRecording:
         i = 0
         while i < len(self.calls):
             end = i
-            while end < len(self.calls) and callable_natively(self.calls[end][0]) and (end == i or end not in boundaries):
+            while end < len(self.calls) and callable_natively(*self.calls[end][:2]) and (end == i or end not in boundaries):
                 end += 1
             run = CallRun.build(self.calls[i:end]) if end - i > 1 else None
             if run is None:
@@ -224,10 +224,11 @@ class SpanMarks:
         self.depth += 1
         try:
             with span(self.tracer, name, track, **args) as traced_args:
-                yield args if traced_args is None else traced_args
+                args = args if traced_args is None else traced_args  # what the block may add to
+                yield args
         finally:
             self.depth -= 1
-        self.recording.spans.append(RecordedSpan(name, track, depth, args, first, len(self.recording.calls)))
+        self.recording.spans.append(RecordedSpan(name, track, depth, dict(args), first, len(self.recording.calls)))
 
 
 ALLOCATION, IN_PLACE, FUNCTIONAL = "allocation", "in place", "functional"

@@ -68,8 +68,9 @@ def _describe(function, args: tuple) -> tuple[tuple[int, ...], bool] | None:
 
 
 def _slot_value(code: int, value):
+    if isinstance(value, ctypes._SimpleCData):  # c_void_p(address), c_int64(n), ...
+        value = value.value
     if code == POINTER:
-        value = value.value if isinstance(value, ctypes.c_void_p) else value
         return value or 0
     return float(value) if code in (FLOAT, DOUBLE) else int(value)
 
@@ -99,12 +100,18 @@ class CallRun:
 
     @classmethod
     def build(cls, calls: Sequence[Call]) -> "CallRun | None":
-        """A run of these calls, or None where one of them cannot be made from C."""
+        """A run of these calls, or None where one of them cannot be made from C (an argument
+        that does not fit its slot as ctypes would pass it included)."""
         described = [_describe(function, args) for function, args, _ in calls]
         if not calls or None in described:
             return None
         cifs = [_signature(codes, check) for codes, check in described]
-        return None if None in cifs else cls(calls, described, cifs)
+        if None in cifs:
+            return None
+        try:
+            return cls(calls, described, cifs)
+        except (struct.error, TypeError, ValueError, OverflowError):
+            return None
 
     def __call__(self) -> None:
         failed = _library().run_calls(*self._args)
@@ -113,6 +120,7 @@ class CallRun:
                                f"{self.expected[failed]} when recorded")  # fmt: skip
 
 
-def callable_natively(function) -> bool:
-    """A recorded native kernel (a ctypes function) that a `CallRun` may take."""
-    return isinstance(function, ctypes._CFuncPtr) and _library() is not None
+def callable_natively(function, args: tuple) -> bool:
+    """A recorded native kernel call (a ctypes function with argument types libffi can make)
+    that a `CallRun` may take."""
+    return isinstance(function, ctypes._CFuncPtr) and _library() is not None and _describe(function, args) is not None

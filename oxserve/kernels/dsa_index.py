@@ -83,11 +83,13 @@ def expand_selection(chosen: torch.Tensor, visible_pools: torch.Tensor | None, q
     return out
 
 
-def store_keys_fit(raw: torch.Tensor, key_table, gate_table, pool_table) -> bool:
-    """The native store runs plain tables of the keys' own dtype (int8 / fp8 tables: torch)."""
+def store_keys_fit(raw: torch.Tensor, key_table, gate_table, pool_table, *params: torch.Tensor) -> bool:
+    """The native store runs plain tables of the keys' own dtype (int8 / fp8 tables: torch),
+    with the other inputs (`params`: gate scores, norm weight and bias, position bias) in it too."""
     tables = (key_table, gate_table, pool_table)
     return (raw.device.type == "cpu" and raw.dtype in (torch.bfloat16, torch.float32)
             and all(isinstance(t, torch.Tensor) and t.dtype == raw.dtype and t.is_contiguous() for t in tables)
+            and all(t.dtype == raw.dtype for t in params)
             and raw.shape[-1] <= NATIVE_MAX_DIM and _kernel() is not None)  # fmt: skip
 
 
@@ -100,11 +102,17 @@ def store_keys(raw: torch.Tensor, gates: torch.Tensor, ln_weight: torch.Tensor, 
     tokens, dim = raw.shape
     num_pools, pool = member_rows.shape
     raw, gates, ln_weight, ln_bias, ape = (t.contiguous() for t in (raw, gates, ln_weight, ln_bias, ape))
-    rows, member_rows, pool_rows = (t.contiguous() for t in (rows, member_rows, pool_rows))
+    rows, member_rows, pool_rows = (t.to(torch.int64).contiguous() for t in (rows, member_rows, pool_rows))
+    if gates.shape != raw.shape or ln_weight.numel() != dim or ln_bias.numel() != dim or ape.shape != (pool, dim):
+        raise ValueError(f"store_keys: gates {tuple(gates.shape)}, norm {ln_weight.numel()}/{ln_bias.numel()} and "
+                         f"position bias {tuple(ape.shape)} do not fit keys {tuple(raw.shape)} in pools of {pool}")
     ptr = native.pointer
     status = _kernel().dsa_store_keys(ptr(raw), ptr(gates), ptr(ln_weight), ptr(ln_bias), eps, ptr(rows), tokens, dim,
-                                      ptr(key_table), ptr(gate_table), ptr(member_rows), ptr(pool_rows), num_pools, pool,
-                                      ptr(ape), ptr(pool_table), int(raw.dtype == torch.bfloat16))
+                                      ptr(key_table), ptr(gate_table), len(key_table), ptr(member_rows), ptr(pool_rows),
+                                      num_pools, pool, ptr(ape), ptr(pool_table), len(pool_table),
+                                      int(raw.dtype == torch.bfloat16))  # fmt: skip
+    if status == -2:
+        raise IndexError("store_keys: a cache row is out of range")
     if status != 0:
         raise RuntimeError(f"dsa_store_keys failed ({status}): dim {dim}")
 
@@ -132,5 +140,5 @@ def _kernel() -> ctypes.CDLL | None:
     lib.dsa_index_scores.argtypes = [p, p, i32, f32, p, i64, p, p, i64, i64, p, i32, i64, i32, i64, i64, f32, f32, p, i32]
     lib.dsa_expand_selection.argtypes = [p, i64, i64, p, p, i64, i32, p]
     lib.dsa_expand_selection.restype = None
-    lib.dsa_store_keys.argtypes = [p, p, p, p, ctypes.c_float, p, i64, i64, p, p, p, p, i64, i64, p, p, i32]
+    lib.dsa_store_keys.argtypes = [p, p, p, p, ctypes.c_float, p, i64, i64, p, p, i64, p, p, i64, i64, p, p, i64, i32]
     return lib

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import math
 
 import torch
 
@@ -88,7 +89,7 @@ def gather_rows_native(table: torch.Tensor, ids: torch.Tensor, repeat: int = 1) 
     """table[ids] with each row repeated `repeat` times: [*ids.shape, repeat, *row]."""
     ids = ids.to(torch.int64).contiguous()
     out = table.new_empty(*ids.shape, repeat, *table.shape[1:])
-    row_bytes = table.stride(0) * table.element_size()
+    row_bytes = math.prod(table.shape[1:]) * table.element_size()
     _checked(_kernel().gather_rows(native.pointer(table), len(table), native.pointer(ids), ids.numel(), row_bytes, repeat,
                                    native.pointer(out)), "gather_rows")  # fmt: skip
     return out
@@ -97,16 +98,20 @@ def gather_rows_native(table: torch.Tensor, ids: torch.Tensor, repeat: int = 1) 
 def scatter_rows_native(table: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> None:
     """table[rows] = values (distinct rows): `index_copy_` for a cache table."""
     rows, values = rows.to(torch.int64).contiguous(), values.contiguous()
-    row_bytes = table.stride(0) * table.element_size()
+    row_bytes = math.prod(table.shape[1:]) * table.element_size()
     if values.numel() * values.element_size() != rows.numel() * row_bytes:
         raise ValueError(f"scatter_rows: {tuple(values.shape)} values for {rows.numel()} rows of {tuple(table.shape[1:])}")
     _checked(_kernel().scatter_rows(native.pointer(table), len(table), native.pointer(rows), rows.numel(), row_bytes,
                                     native.pointer(values)), "scatter_rows")  # fmt: skip
 
 
+MEAN_NORM_MAX_DIM = 1 << 16  # the kernel keeps a row's mean on its stack
+
+
 def mean_rms_norm_fit(streams: torch.Tensor, weight: torch.Tensor) -> bool:
     return (streams.device.type == "cpu" and streams.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16
-            and streams.dim() == 3 and _kernel() is not None)  # fmt: skip
+            and streams.dim() == 3 and 0 < streams.shape[2] <= MEAN_NORM_MAX_DIM and weight.numel() == streams.shape[2]
+            and _kernel() is not None)  # fmt: skip
 
 
 def mean_rms_norm_native(streams: torch.Tensor, ids: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -103,7 +103,8 @@ class Indexer(nn.Module):
                    cache: MLACache) -> None:
         """Store a step's token keys (`raw`, before their norm) and pool gate scores at `rows`,
         then compress every pool the step completed."""
-        if self.native_store and store_keys_fit(raw, cache.index_keys, cache.index_gates, cache.pool_keys):
+        if self.native_store and store_keys_fit(raw, cache.index_keys, cache.index_gates, cache.pool_keys, gates,
+                                                self.k_norm_weight, self.k_norm_bias, self.compress_ape):
             store_keys(raw, gates, self.k_norm_weight, self.k_norm_bias, 1e-6, rows, cache.index_keys, cache.index_gates,
                        pools.member_rows, pools.pool_rows, self.compress_ape, cache.pool_keys)
             return

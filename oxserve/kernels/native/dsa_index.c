@@ -100,12 +100,20 @@ static void layer_norm_row(const float *x, const float *w, const float *b, float
  *
  * with m_np = member_rows[n][p]. Every tensor bf16 when `bf16`, else fp32; in bf16 the
  * probabilities and each product are rounded where `Indexer._write_keys`'s torch form rounds
- * them (about 14 eager ops a layer). Returns -1 for a dim past the stack buffers. */
+ * them (about 14 eager ops a layer). Returns -1 for a dim past the stack buffers, -2 for a row
+ * outside its table (table_rows token rows, pool_table_rows pool rows), before writing anything. */
 int dsa_store_keys(const void *raw, const void *gates, const void *ln_w, const void *ln_b, float eps,
                    const int64_t *rows, int64_t tokens, int64_t dim, void *key_table, void *gate_table,
-                   const int64_t *member_rows, const int64_t *pool_rows, int64_t num_pools, int64_t pool,
-                   const void *ape, void *pool_table, int bf16) {
+                   int64_t table_rows, const int64_t *member_rows, const int64_t *pool_rows, int64_t num_pools,
+                   int64_t pool, const void *ape, void *pool_table, int64_t pool_table_rows, int bf16) {
     if (dim > MAX_DIM) return -1;
+    for (int64_t t = 0; t < tokens; t++)
+        if (rows[t] < 0 || rows[t] >= table_rows) return -2;
+    for (int64_t n = 0; n < num_pools; n++) {
+        if (pool_rows[n] < 0 || pool_rows[n] >= pool_table_rows) return -2;
+        for (int64_t p = 0; p < pool; p++)
+            if (member_rows[n * pool + p] < 0 || member_rows[n * pool + p] >= table_rows) return -2;
+    }
     float w[MAX_DIM], b[MAX_DIM], x[MAX_DIM], y[MAX_DIM];
     widen_row(ln_w, 0, dim, bf16, w);
     widen_row(ln_b, 0, dim, bf16, b);

@@ -134,8 +134,9 @@ def _indexer_inputs(cfg, batch: int, context: int, dtype, device, gen) -> dict:
     heads, dim = cfg.index_n_heads, cfg.index_head_dim
     return {
         **i, "query_pos": i["contexts"] - 1,
-        "q": randn(gen, batch, heads, dim, dtype=FP32, device=device),
-        "head_weights": randn(gen, batch, heads, dtype=FP32, device=device, scale=heads**-0.5),
+        # as the projections give them: the activation dtype, head weights not yet scaled
+        "q": randn(gen, batch, heads, dim, dtype=dtype, device=device),
+        "head_weights": randn(gen, batch, heads, dtype=dtype, device=device),
         "pool_keys": randn(gen, pools, dim, dtype=dtype, device=device),
     }
 
@@ -158,7 +159,8 @@ def reference_indexer(cfg, i):
         pool = torch.arange(visible, device=i["q"].device)
         keys = i["pool_keys"][i["block_tables"][r, pool // per_block] * per_block + pool % per_block].double()
         per_head = torch.relu(i["q"][r].double() @ keys.T * dim**-0.5)  # [H, pools]
-        scores[r, :visible] = (i["head_weights"][r].double() @ per_head).cpu()
+        weights = i["head_weights"][r].double() * cfg.index_n_heads**-0.5
+        scores[r, :visible] = (weights @ per_head).cpu()
     return (scores,)
 
 
@@ -212,7 +214,7 @@ def _indexer_cost_for(kpool: int):
     def cost(i) -> tuple[float, float]:
         scored = float(((i["query_pos"] + 1) // kpool).sum())  # pool keys scored, all queries
         heads, dim = i["q"].shape[1], i["q"].shape[2]
-        data = scored * dim * i["pool_keys"].element_size() + (i["q"].numel() + i["head_weights"].numel()) * 4
+        data = scored * dim * i["pool_keys"].element_size() + (i["q"].numel() + i["head_weights"].numel()) * i["q"].element_size()
         return data, scored * heads * (2 * dim + 2)
     return cost
 
