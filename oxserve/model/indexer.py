@@ -97,9 +97,9 @@ class Indexer(nn.Module):
         return torch.cat([F.pad(p, (0, width - p.shape[1]), value=-1) for p in parts])
 
     def _write_keys(self, x: torch.Tensor, batch: ForwardBatch, cache: MLACache) -> None:
-        self.store_keys(self.wk(x), self._pool_gates(x), batch.cache_rows, batch.pools, cache)
+        self.store_step_keys(self.wk(x), self._pool_gates(x), batch.cache_rows, batch.pools, cache)
 
-    def store_keys(self, raw: torch.Tensor, gates: torch.Tensor, rows: torch.Tensor, pools: PoolCompletions,
+    def store_step_keys(self, raw: torch.Tensor, gates: torch.Tensor, rows: torch.Tensor, pools: PoolCompletions,
                    cache: MLACache) -> None:
         """Store a step's token keys (`raw`, before their norm) and pool gate scores at `rows`,
         then compress every pool the step completed."""

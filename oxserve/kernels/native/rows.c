@@ -19,6 +19,21 @@
 
 #include "bf16.h"
 
+#ifdef __AVX512F__
+static inline __m512 widen16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+/* f32_to_bf16 on 16 lanes, bit for bit (nearest even; a NaN stays a quiet NaN) */
+static inline __m256i narrow16(__m512 v) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+    return _mm512_cvtepi32_epi16(
+        _mm512_mask_or_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
+}
+#endif
+
 /* sum of x[c]^2 over a bf16 row, fp32 */
 static float sum_squares(const uint16_t *x, int64_t dim) {
     float total = 0.0f;
@@ -26,7 +41,7 @@ static float sum_squares(const uint16_t *x, int64_t dim) {
 #ifdef __AVX512F__
     __m512 acc = _mm512_setzero_ps();
     for (; c + 16 <= dim; c += 16) {
-        const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(x + c))), 16));
+        const __m512 v = widen16(x + c);
         acc = _mm512_fmadd_ps(v, v, acc);
     }
     total = _mm512_reduce_add_ps(acc);
@@ -35,35 +50,9 @@ static float sum_squares(const uint16_t *x, int64_t dim) {
     return total;
 }
 
-#ifdef __AVX512F__
-static inline __m512 widen16(const uint16_t *p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
-}
-
-/* f32_to_bf16 on 16 lanes, bit for bit (nearest even; a NaN stays a quiet NaN), in the low
- * half of each 32-bit lane */
-static inline __m512i bf16_lanes(__m512 v) {
-    const __m512i u = _mm512_castps_si512(v);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
-    return _mm512_mask_or_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
-}
-
-static inline __m256i narrow16(__m512 v) { return _mm512_cvtepi32_epi16(bf16_lanes(v)); }
-
-static inline __m512 round16(__m512 v) { return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_lanes(v), 16)); }
-#endif
-
 static void rms_norm_row(const uint16_t *in, int64_t dim, const uint16_t *weight, float eps, uint16_t *out) {
     const float inv = 1.0f / sqrtf(sum_squares(in, dim) / (float)dim + eps);
-    int64_t c = 0;
-#ifdef __AVX512F__
-    for (; c + 16 <= dim; c += 16) {
-        const __m512 normed = round16(_mm512_mul_ps(widen16(in + c), _mm512_set1_ps(inv)));
-        _mm256_storeu_si256((__m256i *)(out + c), narrow16(_mm512_mul_ps(widen16(weight + c), normed)));
-    }
-#endif
-    for (; c < dim; c++) out[c] = f32_to_bf16(bf16_to_f32(weight[c]) * round_bf16(bf16_to_f32(in[c]) * inv));
+    for (int64_t c = 0; c < dim; c++) out[c] = f32_to_bf16(bf16_to_f32(weight[c]) * round_bf16(bf16_to_f32(in[c]) * inv));
 }
 
 void rms_norm_bf16(const uint16_t *x, int64_t rows, int64_t dim, const uint16_t *weight, float eps, uint16_t *y,

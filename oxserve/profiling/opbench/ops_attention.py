@@ -277,7 +277,7 @@ def store_keys_candidate(cfg, i, native: bool = True):
     pools = PoolCompletions(i["member_rows"], i["pool_rows"])
 
     def run(out):
-        indexer.store_keys(i["raw"], i["gates"], i["rows"], pools, cache)
+        indexer.store_step_keys(i["raw"], i["gates"], i["rows"], pools, cache)
         out[0].copy_(i["key_table"][i["rows"]])
         out[1].copy_(i["pool_table"][i["pool_rows"]])
     return run
