@@ -1,8 +1,8 @@
 """Runs of recorded native kernel calls, made from C (`native/call_list.c`, through libffi).
 
-A captured decode step repeats ~140 ctypes calls; ctypes converts every argument of every
-call again (0.4 us for 3 arguments, 1.9 us for 18 on the AMD EPYC of docs/performance.md),
-which at batch 1 is a fifth of the step. A `CallRun` converts them once: each call's function
+A captured decode step repeats ~140 ctypes calls, and ctypes converts every argument of
+every call again. A `CallRun` converts them once (ledger 37 of docs/performance.md: batch-1
+decode B/A 1.137 with it): each call's function
 address, its signature (prepared once per signature) and its arguments in 8-byte slots, so a
 replay makes one ctypes call for a whole run of kernel calls. Where libffi's header or a
 call's types are missing, calls stay with ctypes (`CallRun.build` returns None for them).
