@@ -35,6 +35,9 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
         parser.add_argument("--quality-prompts", type=int, default=4, help="prompts in the quality set (default: %(default)s)")
         parser.add_argument("--quality-tokens", type=int, default=16,
                             help="greedy tokens per quality prompt (default: %(default)s)")
+        parser.add_argument("--output-bound", type=float, default=0.25,
+                            help="nats per token by which B's workload outputs may be less likely than A's, both "
+                                 "scored by A (the output check; default: %(default)s)")
         parser.add_argument("--experiment-seed", type=int, default=0, help="seed of the run order and the quality prompts")
         parser.add_argument("--run-timeout", type=float, default=1800.0, help="seconds one run may take (default: %(default)s)")
         parser.add_argument("--description", default="", help="what this experiment tests")
@@ -76,7 +79,7 @@ def _run(args: argparse.Namespace) -> int:
         settings = Settings(
             a=parse_arm("A", args.a), b=parse_arm("B", args.b), workload=load_workload(args.workload),
             base_options=changed_options(engine_config_from_args(args)), pairs=args.pairs, max_pairs=args.max_pairs,
-            noise_threshold=args.noise, alpha=args.alpha, metric=args.metric, quality_bound=args.quality_bound,
+            noise_threshold=args.noise, alpha=args.alpha, metric=args.metric, quality_bound=args.quality_bound, output_bound=args.output_bound,
             quality_prompts=args.quality_prompts, quality_tokens=args.quality_tokens, seed=args.experiment_seed,
             run_timeout_s=args.run_timeout, threads=args.threads, description=args.description,
         )

@@ -3,10 +3,15 @@
     prepare    check both arms' options, resolve git revisions, measure (or load) the
                machine's ceilings, start the ledger record -- all before any run
     warm-up    one run per arm, discarded; it carries the quality gate: A generates on the
-               fixed prompt set and scores its tokens, B scores A's tokens
+               fixed prompt set and scores its tokens, B scores A's tokens; and the output
+               check: A's engine scores both arms' workload outputs (`compare_outputs`)
     pairs      runs in ABBA/BAAB blocks (`interleaved_order`), each in a fresh process,
                each committed to the ledger as it finishes; more blocks while the CI of
-               the median ratio is wider than twice the noise threshold
+               the median ratio is wider than twice the noise threshold. Each pair gets
+               prompts of its own (same lengths, other tokens), so nothing one run learns
+               about its prompts can serve another; one pair, drawn in advance, has its
+               outputs checked like the warm-up's. Every run must return every request's
+               tokens, answer the prompts it was given, and agree with the launcher's clock.
     verdict    `compare`: median B/A ratio, bootstrap CI, Mann-Whitney p, noise threshold;
                a rate above the decode roofline in either arm is "suspect"
 
@@ -16,6 +21,8 @@ recorded stay.
 
 from __future__ import annotations
 
+import random
+import shutil
 import statistics
 import sys
 import tempfile
@@ -36,8 +43,9 @@ from oxserve.experiment.arms import (
     resolve_revision,
     resolved_options,
 )
-from oxserve.experiment.launch import WorkerResult, run_worker
-from oxserve.experiment.quality import compare_scores, quality_prompts
+from oxserve.experiment.launch import WorkerError, WorkerResult, run_worker
+from oxserve.experiment.quality import compare_outputs, compare_scores, quality_prompts
+from oxserve.feedback.drive import PROMPT_MIN_TOKEN_ID
 from oxserve.feedback.ceilings import Ceilings, load_or_measure_ceilings
 from oxserve.feedback.ledger import ExperimentRecord, Ledger, environment_info
 from oxserve.feedback.machine import cache_bytes
@@ -50,6 +58,7 @@ from oxserve.feedback.stats import (
     split_by_arm,
 )
 from oxserve.feedback.workload import Workload
+from oxserve.kernels.native import cache_dir as native_cache_dir
 from oxserve.model.config import TextModelConfig
 from oxserve.profiling.costs import decode_step_shape, forward_cost, layer_storage
 
@@ -76,6 +85,7 @@ class Settings:
     threads: int | None = None  # torch threads in each worker; None: torch's default
     description: str = ""
     stop_on_quality_failure: bool = False  # skip the pairs when B fails the gate (nothing could accept it)
+    output_bound: float = 0.25  # nats per token B's workload outputs may fall short of A's, scored by A
 
     def __post_init__(self) -> None:
         if self.pairs < 1 or self.max_pairs < self.pairs:
@@ -96,6 +106,10 @@ class Plan:
     records: Mapping[str, dict]  # arm -> what the ledger stores as its config
     rooflines: Mapping[str, float]  # arm -> most output tokens/s this machine allows
     prompts: tuple[tuple[int, ...], ...]  # the quality gate's prompt set
+    cache_dirs: Mapping[str, Path]  # arm -> its private OXSERVE_CACHE_DIR
+    vocab_size: int
+    model_dir: Path
+    checked_pair: int  # the pair whose outputs are checked, drawn before any run
 
 
 def prepare(settings: Settings, workdir: Path) -> Plan:
@@ -104,7 +118,8 @@ def prepare(settings: Settings, workdir: Path) -> Plan:
     arms = {"A": settings.a, "B": settings.b}
     options = {label: resolved_options(arm, settings.base_options) for label, arm in arms.items()}
     commits = {label: resolve_revision(arm.revision) for label, arm in arms.items() if arm.revision}
-    model_cfg = TextModelConfig.from_file(_model_path(options["A"]))
+    model_dir = _model_path(options["A"])
+    model_cfg = TextModelConfig.from_file(model_dir)
     ceilings = load_or_measure_ceilings(options["A"].get("device", ModelConfig().device))
     return Plan(
         settings=settings,
@@ -116,21 +131,89 @@ def prepare(settings: Settings, workdir: Path) -> Plan:
         rooflines={label: tokens_per_s_roofline(model_cfg, options[label], settings.workload, ceilings)
                    for label in arms},
         prompts=tuple(map(tuple, quality_prompts(model_cfg.vocab_size, settings.quality_prompts, seed=1234 + settings.seed))),
+        cache_dirs={label: private_cache(workdir / f"cache-{label}") for label in arms},
+        vocab_size=model_cfg.vocab_size,
+        model_dir=Path(model_dir),
+        checked_pair=int(random.Random(settings.seed).randrange(settings.pairs)),
     )
 
 
-def run_arm(plan: Plan, label: str, quality: dict | None = None) -> WorkerResult:
+def private_cache(dest: Path) -> Path:
+    """An arm's own OXSERVE_CACHE_DIR: a copy of the shared native-kernel builds (so neither
+    arm compiles from scratch, and nothing one writes there reaches the other) and links to
+    the rest (the models there are read, not written)."""
+    shared = native_cache_dir().parent
+    shutil.rmtree(dest, ignore_errors=True)
+    dest.mkdir(parents=True)
+    if shared.is_dir():
+        for entry in shared.iterdir():
+            if entry.name == "native":
+                shutil.copytree(entry, dest / "native", ignore=shutil.ignore_patterns("tmp*"))
+            else:
+                (dest / entry.name).symlink_to(entry)
+    return dest
+
+
+def token_seed(settings: Settings, pair: int | None) -> int:
+    """The prompts' contents of a pair (None: the warm-up), fresh for every pair and experiment."""
+    return settings.seed * 100_003 + (0 if pair is None else pair + 1)
+
+
+def run_arm(plan: Plan, label: str, pair: int | None, quality: dict | None = None) -> WorkerResult:
+    """One workload run of an arm on the prompts of `pair` (None: the warm-up's), checked:
+    every request answered in full, on the prompts it was given."""
     s = plan.settings
-    job = {"options": dict(plan.options[label]), "workload": s.workload.to_dict(), "threads": s.threads, "quality": quality}
-    return run_worker(plan.sources[label], job, s.run_timeout_s, f"arm {label}")
+    seed = token_seed(s, pair)
+    job = {"options": dict(plan.options[label]), "workload": s.workload.to_dict(), "threads": s.threads,
+           "quality": quality, "token_seed": seed}
+    done = run_worker(plan.sources[label], job, s.run_timeout_s, f"arm {label}", plan.cache_dirs[label])
+    check_completeness(plan, label, seed, done.result["outputs"])
+    return done
+
+
+def check_completeness(plan: Plan, label: str, seed: int, outputs: list[dict]) -> None:
+    """Every request answered, on its own prompt, with all its tokens where nothing could stop
+    it early (ignore_eos, no stop strings); never more than it asked for (output check)."""
+    requests = plan.settings.workload.requests(plan.vocab_size, min_token_id=PROMPT_MIN_TOKEN_ID,
+                                               model_dir=plan.model_dir, token_seed=seed)
+    if len(outputs) != len(requests):
+        raise WorkerError(f"arm {label}: answered {len(outputs)} of the workload's {len(requests)} requests (output check)")
+    for request, out in zip(requests, outputs, strict=True):
+        sampling = request.sampling
+        if request.turn == 0 and tuple(out["prompt"]) != request.prompt_token_ids:
+            raise WorkerError(f"arm {label}: request {request.index} was not answered on its own prompt (output check)")
+        wanted, got = sampling["max_tokens"], len(out["output"])
+        exact = sampling.get("ignore_eos") and not sampling.get("stop") and not sampling.get("stop_token_ids")
+        if got > wanted or got < sampling.get("min_tokens", 1) or (exact and got != wanted):
+            raise WorkerError(f"arm {label}: request {request.index} returned {got} tokens, asked for "
+                              f"{wanted}{' (ignore_eos)' if exact else ''} (output check)")
+
+
+def check_outputs(plan: Plan, a: WorkerResult, b: WorkerResult) -> dict:
+    """A's engine scores both arms' outputs of one pair (or the warm-up): see `compare_outputs`."""
+    s = plan.settings
+    job = {"options": dict(plan.options["A"]), "threads": s.threads,
+           "verify": {"runs": {"A": a.result["outputs"], "B": b.result["outputs"]}}}
+    scored = run_worker(plan.sources["A"], job, s.run_timeout_s, "output check (arm A)", plan.cache_dirs["A"]).result["verify"]
+    return compare_outputs(scored["A"], scored["B"], s.output_bound)
 
 
 def warm_up_with_quality_gate(plan: Plan) -> dict:
-    """The discarded warm-up run of each arm, carrying the quality gate; returns its result."""
+    """The discarded warm-up run of each arm, carrying the quality gate and the output check;
+    returns their result (passed only if both pass)."""
     prompts = [list(p) for p in plan.prompts]
-    reference = run_arm(plan, "A", {"prompts": prompts, "max_tokens": plan.settings.quality_tokens}).result["quality"]
-    candidate = run_arm(plan, "B", {"prompts": prompts, "tokens": reference["tokens"]}).result["quality"]
-    return compare_scores(reference["scores"], candidate["scores"], plan.settings.quality_bound)
+    a = run_arm(plan, "A", None, {"prompts": prompts, "max_tokens": plan.settings.quality_tokens})
+    reference = a.result["quality"]
+    b = run_arm(plan, "B", None, {"prompts": prompts, "tokens": reference["tokens"]})
+    gate = compare_scores(reference["scores"], b.result["quality"]["scores"], plan.settings.quality_bound)
+    return with_outputs(gate, "warm_up", check_outputs(plan, a, b))
+
+
+def with_outputs(quality: dict, name: str, outputs: dict) -> dict:
+    """The quality record with one more output check in it; passed only if all pass."""
+    checks = {**quality.get("outputs", {}), name: outputs}
+    gate = quality.get("gate_passed", quality["passed"])
+    return {**quality, "outputs": checks, "gate_passed": gate, "passed": gate and all(c["passed"] for c in checks.values())}
 
 
 def run_experiment(settings: Settings, ledger: Ledger, log: Callable[[str], None] | None = None) -> ExperimentRecord:
@@ -143,12 +226,17 @@ def run_experiment(settings: Settings, ledger: Ledger, log: Callable[[str], None
             f"workload {settings.workload.name}")
         try:
             quality = warm_up_with_quality_gate(plan)
-            log(f"warm-up done; quality gate {'passed' if quality['passed'] else 'FAILED'}: max divergence "
-                f"{quality['max_divergence']:.4g} nats (bound {settings.quality_bound}), mean {quality['mean_divergence']:.4g}")
+            out = quality["outputs"]["warm_up"]
+            log(f"warm-up done; quality gate {'passed' if quality['gate_passed'] else 'FAILED'}: max divergence "
+                f"{quality['max_divergence']:.4g} nats (bound {settings.quality_bound}), mean {quality['mean_divergence']:.4g}; "
+                f"output check {'passed' if out['passed'] else 'FAILED'}: B's outputs {out['shortfall']:.4g} nats/token "
+                f"less likely than A's under A (bound {settings.output_bound})")
             if not quality["passed"] and settings.stop_on_quality_failure:
                 ledger.fail_experiment(eid, STOPPED_BY_QUALITY_GATE, quality)
                 return ledger.get(eid)
-            a, b = _measure_pairs(plan, ledger, eid, log)
+            a, b, checked = _measure_pairs(plan, ledger, eid, log)
+            quality = with_outputs(quality, f"pair_{plan.checked_pair}", check_outputs(plan, *checked))
+            log(f"output check of pair {plan.checked_pair}: {'passed' if quality['passed'] else 'FAILED'}")
             comparison = compare(a, b, noise_threshold=settings.noise_threshold, alpha=settings.alpha,
                                  roofline=max(plan.rooflines.values()))
             stats = {**comparison.to_dict(), "metric": settings.metric, "rooflines": dict(plan.rooflines),
@@ -161,14 +249,19 @@ def run_experiment(settings: Settings, ledger: Ledger, log: Callable[[str], None
 
 
 def _measure_pairs(plan: Plan, ledger: Ledger, eid: int, log) -> tuple:
-    """Interleaved runs, each committed as it ends, until enough pairs; (a, b) paired samples."""
+    """Interleaved runs, each committed as it ends, until enough pairs; (a, b) paired samples
+    and the runs (A, B) of the pair whose outputs are checked."""
     s = plan.settings
     order: list[str] = []
     values: list[float] = []
+    checked: dict[str, WorkerResult] = {}
     wanted, block = s.pairs, 0
     while wanted:
         for label in interleaved_order(wanted, seed=s.seed + block):
-            done = run_arm(plan, label)
+            pair = len(order) // 2  # runs 2k and 2k+1 form pair k
+            done = run_arm(plan, label, pair)
+            if pair == plan.checked_pair:
+                checked[label] = done
             metrics = done.result["metrics"]
             ledger.add_sample(eid, len(order), label, metrics, done.wall_time_s)
             order.append(label)
@@ -177,7 +270,7 @@ def _measure_pairs(plan: Plan, ledger: Ledger, eid: int, log) -> tuple:
         block += 1
         a, b = split_by_arm(order, values)
         wanted = more_pairs_needed(a, b, max_pairs=s.max_pairs, ci_width_threshold=2 * s.noise_threshold)
-    return a, b
+    return a, b, (checked["A"], checked["B"])
 
 
 def tokens_per_s_roofline(cfg: TextModelConfig, options: Mapping[str, Any], workload: Workload, ceilings: Ceilings) -> float:

@@ -54,6 +54,38 @@ def score_tokens(engine, prompts: list[list[int]], tokens: list[list[int]]) -> l
     return scores
 
 
+def output_loglikelihoods(engine, runs: list[dict]) -> list[list[float]]:
+    """For each {"prompt", "output"} of a workload run: the logprob, under `engine`, of every
+    output token but the last, teacher-forced in one prefill (prompt logprobs), so the
+    request is never longer than the one that produced the output."""
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, prompt_logprobs=0)
+    ids = {}
+    for k, run in enumerate(runs):
+        if len(run["output"]) > 1:
+            ids[k] = engine.add_request(f"q-verify-{k}", list(run["prompt"]) + list(run["output"][:-1]), params)
+    finished = _run_to_completion(engine)
+    scores: list[list[float]] = [[] for _ in runs]
+    for k, rid in ids.items():
+        out, run = finished[rid], runs[k]
+        start = len(run["prompt"])
+        for position, token in enumerate(run["output"][:-1], start):
+            scores[k].append(float(out.prompt_logprobs[position][int(token)]))
+    return scores
+
+
+def compare_outputs(reference: list[list[float]], candidate: list[list[float]], bound: float) -> dict:
+    """Are B's outputs as likely, under A, as A's own on the same prompts? Mean logprob per
+    token of each (scored by A's engine); B may fall short by at most `bound` nats. Outputs
+    that are cached from other prompts, computed by a cut-down model or made up fall far
+    below; a legitimate change (batching, a kernel, a careful precision cut) does not."""
+    ref = [lp for row in reference for lp in row]
+    cand = [lp for row in candidate for lp in row]
+    mean_ref = float(np.mean(ref)) if ref else 0.0
+    mean_cand = float(np.mean(cand)) if cand else 0.0
+    return {"passed": bool(cand) and mean_cand >= mean_ref - bound, "bound": bound, "reference_mean_logprob": mean_ref,
+            "candidate_mean_logprob": mean_cand, "shortfall": mean_ref - mean_cand, "tokens": len(cand)}
+
+
 def compare_scores(reference: list[list[dict]], candidate: list[list[dict]], bound: float) -> dict:
     """The gate's verdict and the numbers behind it (what the ledger stores). Both are
     `score_tokens` results for the same prompts and tokens: A's and B's."""

@@ -39,6 +39,8 @@ class RequestTiming:
     finish_s: float
     turn: int = 0  # within its conversation (0: the first, or not a conversation)
     reusable_tokens: int = 0  # prompt tokens an earlier request computed (a prefix cache could skip them)
+    prompt: tuple[int, ...] = ()  # what was sent (a later turn's includes the history)
+    output: tuple[int, ...] = ()  # what came back: experiments check it against the reference arm
 
     @property
     def ttft_s(self) -> float:
@@ -130,6 +132,7 @@ def run_workload(engine, requests: list[WorkloadRequest], arrival: Arrival, trac
                     num_output_tokens=len(out.outputs[0].token_ids),
                     due_s=due_s, first_token_s=first.pop(out.request_id, now), finish_s=now,
                     turn=request.turn, reusable_tokens=reusable,
+                    prompt=tuple(out.prompt_token_ids), output=tuple(out.outputs[0].token_ids),
                 ))
     hits_after = _prefix_hits(engine)
     return RunResult(wall_s=time.perf_counter() - start, num_steps=steps, requests=tuple(sorted(done, key=lambda r: r.index)),

@@ -302,12 +302,16 @@ class Workload:
         object.__setattr__(self, "sampling", MappingProxyType(dict(self.sampling)))
 
     def requests(
-        self, vocab_size: int, rng_seed: int | None = None, min_token_id: int = 0, model_dir: str | Path | None = None
+        self, vocab_size: int, rng_seed: int | None = None, min_token_id: int = 0, model_dir: str | Path | None = None,
+        token_seed: int | None = None,
     ) -> list[WorkloadRequest]:
         """Generate the requests: token ids in [min_token_id, vocab_size) (set
         min_token_id to skip low special ids), or text in the tokenizer of the model at
         `model_dir` (`prompts: held_out_code`). Same seed, same requests; independent
-        random streams keep, e.g., the prompts unchanged when only the arrival changes."""
+        random streams keep, e.g., the prompts unchanged when only the arrival changes.
+        `token_seed` draws other prompt contents for the same lengths, arrivals and sampling
+        (experiments give each pair fresh prompts, so nothing learned from one run's prompts
+        can serve another's)."""
         _require_int(vocab_size, "vocab_size", minimum=1)
         _require_int(min_token_id, "min_token_id", minimum=0)
         if min_token_id >= vocab_size:
@@ -316,6 +320,8 @@ class Workload:
         len_rng, out_rng, arrival_rng, token_rng = (
             np.random.default_rng(s) for s in np.random.SeedSequence(seed).spawn(4)
         )
+        if token_seed is not None:
+            token_rng = np.random.default_rng(np.random.SeedSequence([seed, token_seed]).spawn(4)[3])
         n = self.num_requests
         input_lens = self.input_len.sample(len_rng, n)
         output_lens = self.output_len.sample(out_rng, n)

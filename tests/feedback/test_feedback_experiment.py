@@ -74,7 +74,7 @@ def test_quality_gate_fails_a_change_of_outputs_and_passes_none(base, data_dir, 
 def test_a_git_arm_runs_the_engine_of_that_revision(base, data_dir, tmp_path):
     plan = prepare(settings(base, "", "git:HEAD"), tmp_path)
     assert plan.sources["B"] != REPO and plan.records["B"]["source"].startswith("git:HEAD (")
-    result = run_arm(plan, "B").result
+    result = run_arm(plan, "B", 0).result
     assert Path(result["engine"]["source"]) == plan.sources["B"].resolve()
     assert result["metrics"]["output_tokens_per_s"] > 0
     with pytest.raises(ValueError, match="not found"):

@@ -1,0 +1,114 @@
+"""The launcher's rules for a worker, each broken on purpose by a stand-in worker (a source
+tree whose `oxserve.experiment.worker` misbehaves) and each caught: a slowed clock, a process
+left running, a write into the shared native-kernel cache."""
+
+from __future__ import annotations
+
+import os
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from oxserve.experiment.launch import WorkerError, check_clock, kill_stray_processes, run_worker
+from oxserve.experiment.procedure import private_cache
+
+
+def worker_tree(tmp_path: Path, body: str) -> Path:
+    """A source tree whose worker module runs `body` with `job`, `result_path` and `mark` in scope."""
+    tree = tmp_path / "tree"
+    (tree / "oxserve" / "experiment").mkdir(parents=True)
+    (tree / "oxserve" / "__init__.py").write_text("")
+    (tree / "oxserve" / "experiment" / "__init__.py").write_text("")
+    (tree / "oxserve" / "experiment" / "worker.py").write_text(textwrap.dedent("""
+        import json, os, sys, time
+        job = json.load(open(sys.argv[1]))
+        result_path = sys.argv[2]
+        def mark(byte):
+            os.write(job["marker_fd"], byte)
+        def done(result):
+            json.dump(result, open(result_path, "w"))
+    """) + textwrap.dedent(body))
+    return tree
+
+
+def test_an_honest_worker_is_timed_on_the_launchers_clock(tmp_path):
+    tree = worker_tree(tmp_path, """
+        mark(b"S"); t = time.perf_counter(); time.sleep(0.3); wall = time.perf_counter() - t; mark(b"E")
+        done({"metrics": {"total_time_s": wall}})
+    """)
+    done = run_worker(tree, {}, 60, "arm A")
+    assert 0.3 <= done.timed_s < 0.5 and done.result["metrics"]["total_time_s"] <= done.timed_s
+
+
+def test_a_worker_whose_clock_runs_slow_is_caught_by_the_external_clock(tmp_path):
+    tree = worker_tree(tmp_path, """
+        real = time.perf_counter
+        time.perf_counter = lambda: real() * 0.5   # what a cheat in the engine could do to the harness's clock
+        mark(b"S"); t = time.perf_counter(); time.sleep(0.4); wall = time.perf_counter() - t; mark(b"E")
+        done({"metrics": {"total_time_s": wall}})
+    """)
+    with pytest.raises(WorkerError, match=r"arm B: the worker reported a run of 0\.2.* \(external clock\)"):
+        run_worker(tree, {}, 60, "arm B")
+    unmarked = worker_tree(tmp_path / "u", 'done({"metrics": {"total_time_s": 1.0}})')
+    with pytest.raises(WorkerError, match="did not mark its timed part"):
+        run_worker(unmarked, {}, 60, "arm B")
+
+
+def test_clock_tolerance_allows_the_markers_margin_only():
+    check_clock("A", 0.99, 1.0)
+    check_clock("A", 0.96, 1.0)
+    for reported in (0.8, 1.2, None):
+        with pytest.raises(WorkerError, match="external clock"):
+            check_clock("A", reported, 1.0)
+
+
+def test_a_process_left_behind_is_killed_and_fails_the_run(tmp_path):
+    pid_file = tmp_path / "child.pid"
+    tree = worker_tree(tmp_path, f"""
+        import subprocess
+        # A new session escapes the worker's process group: only the run token finds it.
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+        open({str(pid_file)!r}, "w").write(str(child.pid))
+        mark(b"S"); mark(b"E")
+        done({{"metrics": {{"total_time_s": 0.0}}}})
+    """)
+    with pytest.raises(WorkerError, match=r"left 1 process\(es\) running .* \(process check\)"):
+        run_worker(tree, {}, 60, "arm B")
+    pid = int(pid_file.read_text())
+    deadline = time.monotonic() + 5
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(pid)
+    assert kill_stray_processes("no-such-token") == []
+
+
+def test_each_arm_gets_its_own_copy_of_the_native_cache(tmp_path, monkeypatch):
+    shared = tmp_path / "shared"
+    (shared / "native").mkdir(parents=True)
+    (shared / "native" / "kernel-abc.so").write_bytes(b"trusted build")
+    (shared / "some-model").mkdir()
+    monkeypatch.setenv("OXSERVE_CACHE_DIR", str(shared))
+    cache_b = private_cache(tmp_path / "cache-B")
+    tree = worker_tree(tmp_path, """
+        root = os.environ["OXSERVE_CACHE_DIR"]
+        open(os.path.join(root, "native", "kernel-abc.so"), "wb").write(b"planted by B")
+        mark(b"S"); mark(b"E")
+        done({"metrics": {"total_time_s": 0.0}, "cache": root, "tmp": os.environ["TMPDIR"]})
+    """)
+    done = run_worker(tree, {}, 60, "arm B", cache_b)
+    assert done.result["cache"] == str(cache_b) and done.result["tmp"] != os.environ.get("TMPDIR")
+    assert (shared / "native" / "kernel-abc.so").read_bytes() == b"trusted build"  # A's copy is untouched
+    assert (cache_b / "some-model").resolve() == shared / "some-model"  # models are shared, read-only by use
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
