@@ -8,6 +8,7 @@ import os
 import sys
 from pathlib import Path
 
+from oxserve.agent.approval import decide
 from oxserve.agent.goal import POLICIES, load_goal
 from oxserve.agent.journal import Journal
 from oxserve.agent.loop import AgentLoop, resumable_run, start_run
@@ -59,7 +60,9 @@ def run(args: argparse.Namespace) -> int:
             elif command == "show":
                 print(json.dumps(journal.change(args.id).__dict__, indent=1, default=str))
             elif command in ("approve", "reject"):
-                change = journal.decide(args.id, "approved" if command == "approve" else "rejected", args.note)
+                change, commit = decide(journal, args.id, "approved" if command == "approve" else "rejected", args.note)
+                if commit:
+                    print(f"change {change.id}: its patch landed as commit {commit}")
                 print(f"change {change.id}: {change.status}"
                       + ("; the run adopts it when it continues (`oxserve agent run --resume "
                          f"{change.run_id} ...`)" if change.status == "approved" else ""))
@@ -112,7 +115,8 @@ def _queue(journal: Journal) -> str:
     lines = [f"{'id':>4}  {'run':>4}  {'status':<9} changes (evidence: experiments, measured ratio)"]
     for c in journal.changes():
         if c.status in ("pending", "approved"):
-            changes = ", ".join(f"{k}={v}" for k, v in sorted(c.action["changes"].items()))
+            changes = ", ".join([f"{k}={v}" for k, v in sorted(c.action["changes"].items())]
+                                + ([f"patch ({c.action['rationale'].splitlines()[0][:60]})"] if c.action.get("patch") else []))
             lines.append(f"{c.id:>4}  {c.run_id:>4}  {c.status:<9} {changes} (experiments "
                          f"{c.evidence.get('experiment_ids')}, x{c.evidence.get('ratio') or 0:.3f})")
     return "\n".join(lines)

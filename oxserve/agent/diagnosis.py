@@ -42,9 +42,11 @@ class Diagnosis:
         return asdict(self)
 
 
-def diagnose(options: Mapping[str, Any], workload: Workload, out_dir: Path, timeout_s: float = 1800.0) -> Diagnosis:
+def diagnose(options: Mapping[str, Any], workload: Workload, out_dir: Path, timeout_s: float = 1800.0,
+             source: Path | None = None) -> Diagnosis:
     """Profile `options` on `workload` in a fresh process (as experiments measure: nothing
-    warmed up in this one), writing the profile to `out_dir`."""
+    warmed up in this one), writing the profile to `out_dir`; the engine comes from `source`
+    (an exported revision) when given, else from this tree."""
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         f.write(workload.to_json())
@@ -52,7 +54,10 @@ def diagnose(options: Mapping[str, Any], workload: Workload, out_dir: Path, time
     command = [sys.executable, "-m", "oxserve.cli", "profile", "--workload", workload_path, "--out", str(out_dir),
                "--overhead-repeats", "0", *option_flags(options)]
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
+        env = None
+        if source is not None:
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(source), os.environ.get("PYTHONPATH")) if p)}
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, cwd=source, env=env)
     finally:
         os.unlink(workload_path)
     if done.returncode != 0:

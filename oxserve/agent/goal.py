@@ -18,7 +18,13 @@
     confirm: true                        # a fresh confirmation experiment before accepting
     policy: rules                        # rules | search | llm (the command line may override)
     risk:
-      needs_approval: [quantization]     # changes to these wait for a person (`oxserve agent approve`)
+      needs_approval: [quantization, code]  # changes to these wait for a person (`oxserve agent approve`)
+    code:                                # code patches may be actions (optional; see patches.py)
+      allowed: ["oxserve/engine/*", "oxserve/kernels/*"]   # files a patch may touch (fnmatch globs)
+      tests: [tests/test_engine_api.py]  # run on the patched tree before any experiment
+      test_timeout_s: 900
+      patches:                           # candidates an engineer queued (the rules policy proposes them)
+        - {file: patches/fewer_copies.diff, rationale: "...", predicted_ratio: 1.05}
 
 Everything is checked on load: option names and values against the engine's own
 configuration, workloads by loading them; a bad goal is a ValueError naming the key.
@@ -35,15 +41,17 @@ from typing import Any
 
 import yaml
 
+from oxserve.agent.patches import Candidate, CodeRules
 from oxserve.experiment.arms import options_from_file, option_name
 from oxserve.feedback.workload import Workload, load_workload
 from oxserve.options import engine_config, flat_options, option_names
 
 POLICIES = ("rules", "search", "llm")
+CODE = "code"  # in risk.needs_approval: proven code patches wait for a person
 # Options that say where and how the engine runs rather than how fast it is: never searched.
 UNSEARCHABLE = frozenset({"model", "device", "seed", "master_addr", "master_port", "node_rank", "nnodes"})
 _KEYS = {"name", "description", "objective", "start", "base_options", "constraints", "search_space", "budget",
-         "experiment", "confirm", "policy", "risk"}
+         "experiment", "confirm", "policy", "risk", "code"}
 
 
 @dataclass(frozen=True)
@@ -92,6 +100,7 @@ class Goal:
     needs_approval: frozenset = frozenset()
     description: str = ""
     source: dict = field(default_factory=dict)  # the goal as read, for the journal
+    code: CodeRules | None = None  # None: code patches are not actions of this goal
 
     def current_options(self, incumbent: Mapping[str, Any]) -> dict[str, Any]:
         """Every engine option of `incumbent` over base_options, the engine's defaults filled in."""
@@ -131,7 +140,8 @@ def goal_from_dict(data: Any, base_dir: Path = Path(".")) -> Goal:
 
     base_options = _options(data.get("base_options") or {}, base_dir, "base_options")
     start = _options(data.get("start") or {}, base_dir, "start")
-    space = _search_space(_mapping(data, "search_space", required=True), base_options)
+    code = _code(_mapping(data, CODE), base_dir) if data.get(CODE) is not None else None
+    space = _search_space(_mapping(data, "search_space", required=code is None), base_options, code)
     engine_config({**base_options, **start})  # the start must be a valid configuration
     for name, value in start.items():
         if name in space and value not in space[name]:
@@ -141,7 +151,7 @@ def goal_from_dict(data: Any, base_dir: Path = Path(".")) -> Goal:
     limits = {str(k): float(v) for k, v in (constraints.get("max") or {}).items()}
     risk = _mapping(data, "risk")
     needs_approval = frozenset(option_name(n) for n in risk.get("needs_approval") or ())
-    unknown_risk = sorted(needs_approval - set(option_names()))
+    unknown_risk = sorted(needs_approval - set(option_names()) - {CODE})
     if unknown_risk:
         raise ValueError(f"risk.needs_approval: unknown option(s) {', '.join(unknown_risk)}")
     policy = str(data.get("policy", "rules"))
@@ -160,7 +170,7 @@ def goal_from_dict(data: Any, base_dir: Path = Path(".")) -> Goal:
         base_options=base_options, search_space=space, quality_bound=quality_bound, limits=limits, budget=budget,
         experiment=experiment, confirm=bool(data.get("confirm", True)), policy=policy, needs_approval=needs_approval,
         description=str(data.get("description", "")),
-        source=json.loads(json.dumps(dict(data), default=str)),
+        source=json.loads(json.dumps(dict(data), default=str)), code=code,
     )
 
 
@@ -198,7 +208,33 @@ def _options(spec: Any, base_dir: Path, key: str) -> dict[str, Any]:
     return options
 
 
-def _search_space(raw: Mapping, base_options: Mapping[str, Any]) -> dict[str, tuple]:
+def _code(raw: Mapping, base_dir: Path) -> CodeRules:
+    unknown = sorted(set(raw) - {"allowed", "tests", "test_timeout_s", "patches"})
+    if unknown:
+        raise ValueError(f"code: unknown key(s) {', '.join(unknown)}")
+    allowed = raw.get("allowed")
+    if not isinstance(allowed, list) or not allowed or not all(isinstance(g, str) and g for g in allowed):
+        raise ValueError("code.allowed must be a non-empty list of path globs (the files a patch may touch)")
+    tests = raw.get("tests") or []
+    if not isinstance(tests, list) or not all(isinstance(t, str) for t in tests):
+        raise ValueError("code.tests must be a list of pytest arguments")
+    candidates = []
+    for i, entry in enumerate(raw.get("patches") or []):
+        if not isinstance(entry, Mapping) or "file" not in entry:
+            raise ValueError(f"code.patches[{i}] must be a mapping with a file")
+        path = base_dir / str(entry["file"])
+        try:
+            diff = path.read_text(encoding="utf-8")
+        except OSError as e:
+            raise ValueError(f"code.patches[{i}]: cannot read {path}: {e.strerror or e}") from e
+        ratio = float(entry.get("predicted_ratio", 1.0))
+        if not (math.isfinite(ratio) and ratio > 0):
+            raise ValueError(f"code.patches[{i}].predicted_ratio must be a positive number")
+        candidates.append(Candidate(diff, str(entry.get("rationale", f"queued patch {path.name}")), ratio, path.name))
+    return CodeRules(tuple(allowed), tuple(tests), float(raw.get("test_timeout_s", 900.0)), tuple(candidates))
+
+
+def _search_space(raw: Mapping, base_options: Mapping[str, Any], code: CodeRules | None = None) -> dict[str, tuple]:
     space = {}
     for key, values in raw.items():
         name = option_name(key)
@@ -214,6 +250,6 @@ def _search_space(raw: Mapping, base_options: Mapping[str, Any]) -> dict[str, tu
             except ValueError as e:
                 raise ValueError(f"search_space.{name}: value {value!r} is not valid: {e}") from e
         space[name] = tuple(values)
-    if not space:
-        raise ValueError("search_space is empty: nothing to search")
+    if not space and code is None:
+        raise ValueError("search_space is empty and the goal has no code section: nothing to search")
     return space

@@ -28,6 +28,8 @@ class Run:
     start: dict
     incumbent: dict
     error: str | None
+    start_revision: str | None = None  # the commit the run started from (None: the working tree)
+    revision: str | None = None  # the incumbent's code
 
 
 @dataclass(frozen=True)
@@ -63,10 +65,11 @@ class Journal:
 
     # --- runs ---------------------------------------------------------------------------
 
-    def start_run(self, policy: str, goal: dict, start: dict) -> int:
+    def start_run(self, policy: str, goal: dict, start: dict, revision: str | None = None) -> int:
         cur = self._db.execute(
-            "INSERT INTO agent_runs (created_at, status, policy, goal, start, incumbent) VALUES (?, 'running', ?, ?, ?, ?)",
-            (_now(), policy, _dumps(goal), _dumps(start), _dumps(start)))
+            "INSERT INTO agent_runs (created_at, status, policy, goal, start, incumbent, start_revision, revision)"
+            " VALUES (?, 'running', ?, ?, ?, ?, ?, ?)",
+            (_now(), policy, _dumps(goal), _dumps(start), _dumps(start), revision, revision))
         return int(cur.lastrowid)
 
     def run(self, run_id: int) -> Run:
@@ -74,13 +77,15 @@ class Journal:
         if row is None:
             raise LedgerError(f"no agent run {run_id} in {self.ledger.path}")
         return Run(row["id"], row["created_at"], row["finished_at"], row["status"], row["policy"],
-                   json.loads(row["goal"]), json.loads(row["start"]), json.loads(row["incumbent"]), row["error"])
+                   json.loads(row["goal"]), json.loads(row["start"]), json.loads(row["incumbent"]), row["error"],
+                   row["start_revision"], row["revision"])
 
     def runs(self) -> list[Run]:
         return [self.run(r[0]) for r in self._db.execute("SELECT id FROM agent_runs ORDER BY id")]
 
-    def set_incumbent(self, run_id: int, options: dict) -> None:
-        self._db.execute("UPDATE agent_runs SET incumbent = ? WHERE id = ?", (_dumps(options), run_id))
+    def set_incumbent(self, run_id: int, options: dict, revision: str | None = None) -> None:
+        self._db.execute("UPDATE agent_runs SET incumbent = ?, revision = ? WHERE id = ?",
+                         (_dumps(options), revision, run_id))
 
     def set_status(self, run_id: int, status: str, error: str | None = None) -> None:
         if status not in RUN_STATUSES:

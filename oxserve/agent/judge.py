@@ -7,18 +7,28 @@ from oxserve.feedback.ledger import ExperimentRecord
 from oxserve.feedback.stats import B_FASTER, SUSPECT
 
 LIMIT_REPAIR_COST = 0.05  # the most speed a change that repairs a broken limit may cost
+# The most the incumbent (A) may fall below its last measured rate before the experiment is
+# distrusted: well past this machine's run-to-run noise (10-15%), so only a slowed baseline trips it.
+BASELINE_DROP = 0.3
 
 
-def judge(record: ExperimentRecord, goal: Goal) -> list[str]:
+def judge(record: ExperimentRecord, goal: Goal, baseline_rate: float | None = None) -> list[str]:
     """Why `record` does not prove B better than A under `goal` (empty: it does). B must be
     faster -- the CI of the median ratio excludes 1 in the right direction, the median moved
-    past the noise threshold, Mann-Whitney significant --, pass the quality gate, not be
-    suspect (faster than the roofline allows), and keep every limit of the goal. When the
-    incumbent (A) breaks a limit that B keeps, B need only not be slower by more than
-    LIMIT_REPAIR_COST: meeting the goal's limits comes before speed."""
+    past the noise threshold, Mann-Whitney significant --, pass the quality gate and the
+    output check, not be suspect (faster than the roofline allows), and keep every limit of
+    the goal. When the incumbent (A) breaks a limit that B keeps, B need only not be slower
+    by more than LIMIT_REPAIR_COST: meeting the goal's limits comes before speed. With
+    `baseline_rate` (the incumbent's last measured rate), A must not have run more than
+    BASELINE_DROP slower than that: a B that slows its baseline wins by cheating."""
     if record.status != "finished":
         return [f"experiment {record.id} {record.status}: {record.error}"] + _quality(record, goal)
     stats = record.stats or {}
+    median_a = stats.get("median_a")
+    baseline = []
+    if baseline_rate and median_a is not None and median_a < baseline_rate * (1 - BASELINE_DROP):
+        baseline = [f"baseline check: A ran at {median_a:.4g}, {median_a / baseline_rate:.2f}x its last measured "
+                    f"{baseline_rate:.4g}: something slowed the baseline"]
     limits = _limits(stats.get("medians", {}).get("B", {}), goal, "B")
     a_breaks = _limits(stats.get("medians", {}).get("A", {}), goal, "A", missing_breaks=False)
     reasons = []
@@ -32,7 +42,7 @@ def judge(record: ExperimentRecord, goal: Goal) -> list[str]:
     elif record.verdict != B_FASTER:
         reasons.append(f"{record.verdict}: {stats.get('reason', '')}".rstrip(": "))
     reasons += _quality(record, goal) if record.quality else ["quality gate: no result"]
-    return reasons + [f"limit {problem}" for problem in limits]
+    return reasons + baseline + [f"limit {problem}" for problem in limits]
 
 
 def _limits(medians: dict, goal: Goal, arm: str, missing_breaks: bool = True) -> list[str]:
@@ -56,5 +66,12 @@ def _quality(record: ExperimentRecord, goal: Goal) -> list[str]:
     q = record.quality
     if q is None or q.get("passed"):
         return []
-    return [f"quality gate failed: max divergence {q.get('max_divergence', float('nan')):.4g} nats "
-            f"(bound {q.get('bound', goal.quality_bound)})"]
+    reasons = []
+    if not q.get("gate_passed", False):
+        reasons.append(f"quality gate failed: max divergence {q.get('max_divergence', float('nan')):.4g} nats "
+                       f"(bound {q.get('bound', goal.quality_bound)})")
+    for name, check in (q.get("outputs") or {}).items():
+        if not check.get("passed"):
+            reasons.append(f"output check failed ({name}): B's workload outputs are {check.get('shortfall', float('nan')):.3g} "
+                           f"nats/token less likely than A's under A (bound {check.get('bound')})")
+    return reasons

@@ -2,11 +2,16 @@
 adopt (or queue for a person), until the budget is spent; then measure the result once on
 the held-out workload. Every step lands in the journal as it ends, so `--resume` continues
 where a stopped run left off and `oxserve agent report` can tell the whole story.
+
+The incumbent is engine options and, for a goal with a `code` section, a commit: the run
+starts from HEAD, a patch is tried as a commit on the incumbent's (patches.py), and both
+arms of every experiment are `git:` arms measured by this tree's harness.
 """
 
 from __future__ import annotations
 
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -18,8 +23,9 @@ from oxserve.agent.diagnosis import Diagnosis, diagnose
 from oxserve.agent.goal import Goal
 from oxserve.agent.journal import Journal
 from oxserve.agent.judge import judge, quality_failed
+from oxserve.agent.patches import PatchError, digest, prepare
 from oxserve.agent.policy import AgentState, Outcome, Policy
-from oxserve.experiment.arms import Arm
+from oxserve.experiment.arms import REPO_ROOT, Arm, export_revision, resolve_revision
 from oxserve.experiment.launch import WorkerError
 from oxserve.experiment.procedure import Settings, run_experiment
 from oxserve.feedback.ledger import ExperimentRecord, Ledger, LedgerError
@@ -41,6 +47,9 @@ class AgentLoop:
         run = self.journal.run(self.run_id)
         self.start: dict[str, Any] = run.start
         self.incumbent: dict[str, Any] = run.incumbent
+        self.start_revision: str | None = run.start_revision
+        self.revision: str | None = run.revision  # the incumbent's code
+        self._prepared: dict[tuple, str] = {}  # (action key, base commit) -> the patched commit
         self.history: list[Outcome] = outcomes_of(self.journal, self.run_id)
         self.incumbent_rate: float | None = _last_rate(self.journal, self.run_id)
         self.diagnosis: Diagnosis | None = None
@@ -74,7 +83,8 @@ class AgentLoop:
             return False
         if self.policy.needs_diagnosis and self.diagnosis is None:
             self._diagnose()
-        state = AgentState(self.goal, self.incumbent, self.incumbent_rate, self.diagnosis, list(self.history))
+        state = AgentState(self.goal, self.incumbent, self.incumbent_rate, self.diagnosis, list(self.history),
+                           self.revision)
         action = self._choose(state)
         if action is None:
             self.journal.add_step(self.run_id, "stop", "no untried action passes its checks")
@@ -88,7 +98,9 @@ class AgentLoop:
         t0 = time.monotonic()
         self.log(f"profiling the incumbent {_show(self.incumbent)}")
         out = self.workdir / f"run{self.run_id}-profile{len(self.history)}"
-        self.diagnosis = diagnose({**self.goal.base_options, **self.incumbent}, self.goal.workload, out)
+        with tempfile.TemporaryDirectory(prefix="oxserve-agent-profile-") as tmp:
+            source = None if self.revision is None else export_revision(self.revision, Path(tmp) / "tree")
+            self.diagnosis = diagnose({**self.goal.base_options, **self.incumbent}, self.goal.workload, out, source=source)
         self.journal.add_step(self.run_id, "profile", self.diagnosis.headline[0] if self.diagnosis.headline else "",
                               self.diagnosis.summary(), seconds=time.monotonic() - t0)
 
@@ -100,6 +112,8 @@ class AgentLoop:
             problems = check_action(action, self.goal, self.incumbent)
             if not problems and state.tried(action):
                 problems = ["tested already against this incumbent (or failed the quality gate)"]
+            if not problems and action.patch:
+                problems = self._prepare_patch(action)
             if problems:
                 self.journal.add_step(self.run_id, "check", "; ".join(problems), action=action.to_dict())
                 continue
@@ -107,6 +121,27 @@ class AgentLoop:
                                   action=action.to_dict(), seconds=time.monotonic() - t0)
             return action
         return None
+
+    def _prepare_patch(self, action: Action) -> list[str]:
+        """Apply the patch on the incumbent's commit in a worktree and run the goal's tests
+        there (the last cheap check); why not, if it fails."""
+        if (action.key(), self.revision) in self._prepared:
+            return []
+        if self.revision is None:
+            return ["this run measures the working tree: code patches need a goal with a code section"]
+        t0 = time.monotonic()
+        message = (f"agent: {action.rationale.splitlines()[0][:72] if action.rationale else 'patch'}\n\n"
+                   f"Proposed by {action.origin} (predicted x{action.predicted_ratio:.3f}); patch {digest(action.patch)} "
+                   f"on {self.revision[:12]}. Not yet measured.")
+        try:
+            prepared = prepare(action.patch, self.revision, self.goal.code, REPO_ROOT, message)
+        except PatchError as e:
+            return [str(e)]
+        self._prepared[(action.key(), self.revision)] = prepared.commit
+        self.journal.add_step(self.run_id, "check", f"patch {digest(action.patch)} applies on {self.revision[:12]} "
+                              f"and passes the tests: commit {prepared.commit[:12]}", {"tests": prepared.tests,
+                              "commit": prepared.commit}, action=action.to_dict(), seconds=time.monotonic() - t0)
+        return []
 
     def _fits(self, action: Action, spent_s: float, experiments: int) -> bool:
         """Whether one more experiment (and its confirmation) fits what is left of the budget,
@@ -121,15 +156,17 @@ class AgentLoop:
 
     def _test(self, action: Action) -> None:
         candidate = {**self.incumbent, **action.changes}
-        record = self._experiment("experiment", action, self.incumbent, candidate, self.goal.workload)
-        reasons = judge(record, self.goal)
+        revision = self._prepared[(action.key(), self.revision)] if action.patch else self.revision
+        a, b = (self.incumbent, self.revision), (candidate, revision)
+        record = self._experiment("experiment", action, a, b, self.goal.workload)
+        reasons = judge(record, self.goal, self.incumbent_rate)
         records = [record]
         if not reasons and self.goal.confirm:  # against the winner's curse: a fresh experiment must agree
-            records.append(self._experiment("confirm", action, self.incumbent, candidate, self.goal.workload))
-            reasons = [f"confirmation: {r}" for r in judge(records[-1], self.goal)]
+            records.append(self._experiment("confirm", action, a, b, self.goal.workload))
+            reasons = [f"confirmation: {r}" for r in judge(records[-1], self.goal, _stat(record, "median_a"))]
         outcome = Outcome(action, dict(self.incumbent), not reasons, tuple(reasons), tuple(r.id for r in records),
                           _stat(record, "median_ratio"), _stat(records[-1], "median_b"),
-                          any(quality_failed(r) for r in records))
+                          any(quality_failed(r) for r in records), self.revision, revision)
         self.policy.observe(outcome)
         self.history.append(outcome)
         if _stat(records[-1], "median_a") is not None:
@@ -144,13 +181,13 @@ class AgentLoop:
                                   outcome.to_dict(), action=action.to_dict())
             self.log(f"queued change {change}: {action.describe()}, x{outcome.ratio:.3f}; waits for approval")
         else:
-            self._adopt(candidate, outcome, f"accepted {action.describe()}: x{outcome.ratio:.3f}")
+            self._adopt(candidate, revision, outcome, f"accepted {action.describe()}: x{outcome.ratio:.3f}")
 
-    def _adopt(self, options: dict, outcome: Outcome, reasoning: str) -> None:
-        self.incumbent = options
+    def _adopt(self, options: dict, revision: str | None, outcome: Outcome, reasoning: str) -> None:
+        self.incumbent, self.revision = options, revision
         self.incumbent_rate = outcome.median_b
         self.diagnosis = None
-        self.journal.set_incumbent(self.run_id, options)
+        self.journal.set_incumbent(self.run_id, options, revision)
         self.journal.add_step(self.run_id, "accept", reasoning,
                               {**outcome.to_dict(), "incumbent": options, "incumbent_rate": outcome.median_b},
                               action=outcome.action.to_dict())
@@ -161,11 +198,14 @@ class AgentLoop:
         that still holds every option they change), else left for a re-test."""
         for change in self.journal.changes(self.run_id, status="approved"):
             changed = change.action["changes"]
+            outcome = Outcome.from_dict(change.evidence)
             if any(self.incumbent.get(k) != change.base.get(k) for k in changed):
                 continue
+            if outcome.action.patch and outcome.base_revision != self.revision:
+                continue  # measured on other code: a re-test decides
             self.journal.decide(change.id, "applied")
-            outcome = outcome_from_dict(change.evidence)
-            self._adopt({**self.incumbent, **changed}, outcome, f"applied approved change {change.id}")
+            self._adopt({**self.incumbent, **changed}, outcome.revision if outcome.action.patch else self.revision,
+                        outcome, f"applied approved change {change.id}")
 
     def _journal_llm_rejections(self) -> None:
         rejected = getattr(self.policy, "rejected", None)
@@ -176,7 +216,9 @@ class AgentLoop:
                                   {"answer": entry.get("answer", "")})
         self._llm_rejections_seen = len(rejected)
 
-    def _experiment(self, kind: str, action: Action, a: Mapping, b: Mapping, workload: Workload) -> ExperimentRecord:
+    def _experiment(self, kind: str, action: Action, a: tuple[Mapping, str | None], b: tuple[Mapping, str | None],
+                    workload: Workload) -> ExperimentRecord:
+        """Arms are (options, commit or None for the working tree)."""
         spent_s, experiments = self.journal.spent(self.run_id)
         self.log(f"[agent run {self.run_id} | {spent_s / 60:.1f}/{self.goal.budget.wall_time_s / 60:.1f} min, "
                  f"{experiments}/{self.goal.budget.experiments} experiments] incumbent "
@@ -184,7 +226,7 @@ class AgentLoop:
                  f"({action.origin}, predicted x{action.predicted_ratio:.3f})")
         e = self.goal.experiment
         settings = Settings(
-            a=Arm("A", _show(a), dict(a)), b=Arm("B", _show(b), dict(b)), workload=workload,
+            a=_arm("A", *a), b=_arm("B", *b), workload=workload,
             base_options=self.goal.base_options, pairs=e.pairs, max_pairs=e.max_pairs, noise_threshold=e.noise,
             alpha=e.alpha, metric=self.goal.metric, quality_bound=self.goal.quality_bound, seed=experiments,
             run_timeout_s=e.run_timeout_s, threads=self.threads, stop_on_quality_failure=kind != "held_out",
@@ -209,17 +251,19 @@ class AgentLoop:
 
     def _held_out(self) -> None:
         """The result, measured once on a workload the search never saw (outside the budget)."""
-        if self.goal.held_out is None or self.incumbent == self.start:
+        if self.goal.held_out is None or (self.incumbent, self.revision) == (self.start, self.start_revision):
             return
         if any(s.kind == "held_out" for s in self.journal.steps(self.run_id)):
             return
         final = Action({k: v for k, v in self.incumbent.items() if self.start.get(k) != v},
                        f"the final incumbent against the start, on {self.goal.held_out.name}", 1.0, "held-out")
-        self._experiment("held_out", final, self.start, self.incumbent, self.goal.held_out)
+        self._experiment("held_out", final, (self.start, self.start_revision), (self.incumbent, self.revision),
+                         self.goal.held_out)
 
 
 def start_run(journal: Journal, goal: Goal, policy: str) -> int:
-    return journal.start_run(policy, goal.source, goal.start)
+    """A new run; a goal with a code section starts from HEAD's commit."""
+    return journal.start_run(policy, goal.source, goal.start, resolve_revision("HEAD") if goal.code else None)
 
 
 def resumable_run(journal: Journal, run_id: int, goal: Goal, policy: str) -> int:
@@ -233,15 +277,9 @@ def resumable_run(journal: Journal, run_id: int, goal: Goal, policy: str) -> int
 
 def outcomes_of(journal: Journal, run_id: int) -> list[Outcome]:
     """The outcomes a run's steps recorded (for `--resume` and the report)."""
-    return [outcome_from_dict(s.evidence) for s in journal.steps(run_id) if s.kind in ("accept", "reject", "queue")
+    return [Outcome.from_dict(s.evidence) for s in journal.steps(run_id) if s.kind in ("accept", "reject", "queue")
             and "action" in s.evidence]
 
-
-def outcome_from_dict(d: Mapping) -> Outcome:
-    a = d["action"]
-    action = Action(a["changes"], a["rationale"], a["predicted_ratio"], a["origin"], a.get("evidence", {}))
-    return Outcome(action, d["base"], d["accepted"], tuple(d["reasons"]), tuple(d["experiment_ids"]), d["ratio"],
-                   d["median_b"], d["quality_failed"])
 
 
 def _last_rate(journal: Journal, run_id: int) -> float | None:
@@ -257,6 +295,11 @@ def _stat(record: ExperimentRecord, key: str) -> float | None:
 
 def _show(options: Mapping) -> str:
     return ",".join(f"{k}={v}" for k, v in sorted(options.items())) or "defaults"
+
+
+def _arm(label: str, options: Mapping, revision: str | None) -> Arm:
+    spec = _show(options) if revision is None else f"git:{revision[:12]}" + (f",{_show(options)}" if options else "")
+    return Arm(label, spec, dict(options), revision)
 
 
 def _rate(rate: float | None) -> str:

@@ -22,11 +22,20 @@ class Outcome:
     ratio: float | None = None  # median B/A of the first experiment
     median_b: float | None = None  # B's median of the goal's metric
     quality_failed: bool = False
+    base_revision: str | None = None  # the incumbent's code (None: the working tree)
+    revision: str | None = None  # the candidate's code: its patch committed on base_revision
 
     def to_dict(self) -> dict:
         return {"action": self.action.to_dict(), "base": self.base, "accepted": self.accepted,
                 "reasons": list(self.reasons), "experiment_ids": list(self.experiment_ids), "ratio": self.ratio,
-                "median_b": self.median_b, "quality_failed": self.quality_failed}
+                "median_b": self.median_b, "quality_failed": self.quality_failed,
+                "base_revision": self.base_revision, "revision": self.revision}
+
+    @classmethod
+    def from_dict(cls, d) -> Outcome:
+        return cls(Action.from_dict(d["action"]), d["base"], d["accepted"], tuple(d["reasons"]),
+                   tuple(d["experiment_ids"]), d["ratio"], d["median_b"], d["quality_failed"],
+                   d.get("base_revision"), d.get("revision"))
 
 
 @dataclass
@@ -36,14 +45,25 @@ class AgentState:
     incumbent_rate: float | None  # the incumbent's median metric when last measured
     diagnosis: Diagnosis | None  # the incumbent's profile (None for policies that do not read it)
     history: list[Outcome] = field(default_factory=list)
+    revision: str | None = None  # the incumbent's code (None: the working tree)
 
     def tried(self, action: Action) -> bool:
-        """Tested already against this incumbent, or failed the quality gate against any:
-        a precision that moved the outputs once will move them again."""
+        """Tested already against this incumbent, or holds every change of one that failed the
+        quality gate against any: a precision that moved the outputs once will move them
+        again, whatever else comes with it."""
         for o in self.history:
-            if o.action.key() == action.key() and (o.base == self.incumbent or o.quality_failed):
+            here = o.base == self.incumbent and o.base_revision == self.revision
+            if o.action.key() == action.key() and here:
+                return True
+            if o.quality_failed and _holds(action, o.action):
                 return True
         return False
+
+
+def _holds(action: Action, failed: Action) -> bool:
+    """Whether `action` makes every change `failed` made (its options and its patch)."""
+    same_options = all(k in action.changes and action.changes[k] == v for k, v in failed.changes.items())
+    return same_options and (not failed.patch or failed.patch == action.patch) and bool(failed.changes or failed.patch)
 
 
 class Policy(Protocol):

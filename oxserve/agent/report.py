@@ -8,6 +8,8 @@ from pathlib import Path
 
 from oxserve.agent.journal import Journal, Step
 from oxserve.agent.loop import outcomes_of
+from oxserve.agent.patches import digest
+from oxserve.agent.policy import Outcome
 
 
 def progress(steps: list[Step]) -> list[tuple[float, float]]:
@@ -40,12 +42,15 @@ def build_report(journal: Journal, run_id: int) -> dict:
     return {
         "run": run.id, "policy": run.policy, "status": run.status, "goal": run.goal.get("name", ""),
         "spent_minutes": spent_s / 60.0, "experiments": experiments, "budget": run.goal.get("budget", {}),
-        "start": run.start, "final": run.incumbent,
+        "start": run.start, "final": run.incumbent, "start_revision": run.start_revision, "revision": run.revision,
         "start_rate": curve[0][1] if curve else None, "final_rate": curve[-1][1] if curve else None,
         "held_out": None if held_out is None else {**held_out.evidence, "experiment_id": held_out.experiment_id},
-        "accepted": [o.to_dict() for o in outcomes if o.accepted],
+        # Adopted only: a proven change that waits for a person is listed under "queued".
+        "accepted": [Outcome.from_dict(s.evidence).to_dict() for s in steps if s.kind == "accept" and "action" in s.evidence],
         "rejected": [o.to_dict() for o in outcomes if not o.accepted],
-        "queued": [{"id": c.id, "status": c.status, "changes": c.action["changes"]} for c in journal.changes(run_id)],
+        "queued": [{"id": c.id, "status": c.status, "changes": c.action["changes"], "patch": c.action.get("patch", ""),
+                    "rationale": c.action.get("rationale", ""), "ratio": c.evidence.get("ratio")}
+                   for c in journal.changes(run_id)],
         "policy_answers_rejected": sum(1 for s in steps if s.kind == "reject" and "answer" in s.evidence),
         "prediction_error": sum(calibration) / len(calibration) if calibration else None,
         "curve": curve,
@@ -55,7 +60,8 @@ def build_report(journal: Journal, run_id: int) -> dict:
 def render_markdown(r: dict) -> str:
     lines = [f"# Agent run {r['run']} ({r['policy']}, {r['status']}): {r['goal']}", "",
              f"- budget used: {r['spent_minutes']:.1f} min, {r['experiments']} experiments (of {r['budget']})",
-             f"- start: {_options(r['start'])}", f"- final: {_options(r['final'])}"]
+             f"- start: {_options(r['start'])}{_code(r['start_revision'])}",
+             f"- final: {_options(r['final'])}{_code(r['revision'])}"]
     if r["start_rate"] and r["final_rate"]:
         lines.append(f"- search workload: {r['start_rate']:.4g} -> {r['final_rate']:.4g} "
                      f"(x{r['final_rate'] / r['start_rate']:.2f}; medians of separate experiments)")
@@ -77,7 +83,8 @@ def render_markdown(r: dict) -> str:
     lines += [_row(o) + f" {'; '.join(o['reasons'])} |" for o in r["rejected"]]
     if r["queued"]:
         lines += ["", "## Waiting for a person", ""]
-        lines += [f"- change {q['id']} ({q['status']}): {_options(q['changes'])}" for q in r["queued"]]
+        lines += [f"- change {q['id']} ({q['status']}): {_described(q['changes'], q['patch'])}, measured "
+                  f"x{q['ratio'] or 0:.3f} -- {q['rationale'].splitlines()[0] if q['rationale'] else ''}" for q in r["queued"]]
     return "\n".join(lines) + "\n"
 
 
@@ -104,8 +111,16 @@ def plot_runs(journal: Journal, run_ids: list[int], out_png: Path, metric: str =
 
 def _row(o: dict) -> str:
     measured = "-" if o["ratio"] is None else f"x{o['ratio']:.3f}"
-    return (f"| {_options(o['action']['changes'])} | {o['action']['origin']} | x{o['action']['predicted_ratio']:.3f} | "
+    return (f"| {_described(o['action']['changes'], o['action'].get('patch', ''))} | {o['action']['origin']} | x{o['action']['predicted_ratio']:.3f} | "
             f"{measured} | {', '.join(map(str, o['experiment_ids']))} |")
+
+
+def _described(changes: dict, patch: str) -> str:
+    return f"{_options(changes) if changes else ''}{', ' if changes and patch else ''}{'patch ' + digest(patch) if patch else ''}"
+
+
+def _code(revision: str | None) -> str:
+    return "" if revision is None else f" at commit {revision[:12]}"
 
 
 def _options(options: dict) -> str:

@@ -21,8 +21,11 @@ from urllib.parse import urlsplit
 
 from fastapi import FastAPI, Form, Request
 from fastapi.responses import HTMLResponse, RedirectResponse
+from starlette.middleware.trustedhost import TrustedHostMiddleware
 
+from oxserve.agent.approval import decide as decide_change
 from oxserve.agent.journal import Change, Journal, Run, Step
+from oxserve.agent.patches import digest
 from oxserve.feedback.ledger import ExperimentRecord, Ledger, LedgerError
 from oxserve.feedback.stats import SUSPECT
 
@@ -40,8 +43,14 @@ section.hyp{border-left:3px solid #ccd;padding-left:.8em;margin-bottom:1.2em}
 """
 
 
-def create_app(ledger_path: Path) -> FastAPI:
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def create_app(ledger_path: Path, hosts: tuple[str, ...] = LOOPBACK) -> FastAPI:
+    """The dashboard; it answers only requests whose Host header names one of `hosts`, so a
+    page on another site cannot reach it through a DNS name rebound to this machine."""
     app = FastAPI(title="oxserve agent", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(TrustedHostMiddleware, allowed_hosts=list(hosts))
     ledger_path = Path(ledger_path)
 
     @contextmanager
@@ -92,8 +101,8 @@ def create_app(ledger_path: Path) -> FastAPI:
                 return _conflict(change_id, f"change {change_id} is {current.status}: only a pending change "
                                             f"can be {status}")
             try:
-                j.decide(change_id, status, note.strip())
-            except LedgerError as e:  # decided by someone else in between
+                decide_change(j, change_id, status, note.strip())  # an approved patch lands first
+            except (LedgerError, ValueError) as e:  # decided by someone else in between; a patch that cannot land
                 return _conflict(change_id, str(e))
         return RedirectResponse(f"/changes/{change_id}", status_code=303)
 
@@ -117,7 +126,7 @@ def run_ui(ledger_path: Path, host: str, port: int) -> None:
 
     Ledger(ledger_path).close()  # a bad ledger path fails now, not on the first page view
     print(f"oxserve agent ui: http://{host}:{port}/ (ledger {ledger_path})", flush=True)
-    uvicorn.run(create_app(ledger_path), host=host, port=port, log_level="warning")
+    uvicorn.run(create_app(ledger_path, (*LOOPBACK, host)), host=host, port=port, log_level="warning")
 
 
 # --- pages ---------------------------------------------------------------------------------
@@ -136,7 +145,7 @@ def _index_body(j: Journal, ledger_path: Path) -> str:
     pending = j.changes(status="pending")
     queue = _table(["change", "run", "option changes", "measured B/A", "queued"],
                    [[f'<a href="/changes/{c.id}">{c.id}</a>', f'<a href="/runs/{c.run_id}">{c.run_id}</a>',
-                     _diff_html(c.base, c.action.get("changes", {})), _num(c.evidence.get("ratio"), ".3f"),
+                     _change_cell(c), _num(c.evidence.get("ratio"), ".3f"),
                      _e(c.created_at)] for c in pending]) if pending else "<p class=muted>nothing waits</p>"
     return (f"<p class=muted>ledger {_e(ledger_path)}</p><h2>Runs</h2>{runs}"
             f"<h2>Changes waiting for a person</h2>{queue}")
@@ -157,7 +166,7 @@ def _run_body(j: Journal, run: Run) -> str:
     changes = j.changes(run_id=run.id)
     queue = _table(["change", "status", "option changes", "note"],
                    [[f'<a href="/changes/{c.id}">{c.id}</a>', _status(c.status),
-                     _diff_html(c.base, c.action.get("changes", {})), _e(c.note)] for c in changes]) if changes else ""
+                     _change_cell(c), _e(c.note)] for c in changes]) if changes else ""
     return (f'<p><a href="/">all runs</a></p>{head}'
             f"<h2>Incumbent {_e(metric)} over the run</h2>{_chart(steps, records, metric)}"
             f"<h2>Experiments</h2>{_experiments_table(steps, records)}"
@@ -171,6 +180,7 @@ def _change_body(c: Change) -> str:
     rows = [["run", f'<a href="/runs/{c.run_id}">{c.run_id}</a>'], ["status", _status(c.status)],
             ["queued / decided", f"{_e(c.created_at)} / {_e(c.decided_at or '-')}"],
             ["option changes", _diff_html(c.base, action.get("changes", {}))],
+            *([["code patch", f"<pre class=diff>{_e(action['patch'])}</pre>"]] if action.get("patch") else []),
             ["measured against", _e(_options(c.base))],
             ["rationale", f"<span class=reason>{_e(action.get('rationale', ''))}</span> "
                           f"<span class=muted>({_e(action.get('origin', '?'))})</span>"],
@@ -260,7 +270,7 @@ def _experiments_table(steps: list[Step], records: dict[int, ExperimentRecord | 
         rec, action = records.get(s.experiment_id), s.action or {}
         predicted = s.evidence.get("predicted_ratio", action.get("predicted_ratio"))
         cells = [f'<span id="exp-{s.experiment_id}">{s.experiment_id}</span>', _e(s.kind),
-                 _e(_options(action.get("changes", {}))), _num(predicted, ".3f")]
+                 _e(_action_text(action)), _num(predicted, ".3f")]
         if rec is None:
             rows.append(cells + ['<span class=bad>not in the ledger</span>'] + [""] * 4)
             continue
@@ -424,3 +434,14 @@ def _page(title: str, body: str, status: int = 200) -> HTMLResponse:
     return HTMLResponse(
         f'<!doctype html><html lang="en"><head><meta charset="utf-8"><title>{_e(title)} - oxserve agent</title>'
         f"<style>{_CSS}</style></head><body><h1>{_e(title)}</h1>{body}</body></html>", status_code=status)
+
+
+def _action_text(action: Mapping[str, Any]) -> str:
+    """Its option changes, and its patch by digest (the diff is on the change's page)."""
+    text = _options(action.get("changes", {}))
+    return f"{text}, patch {digest(action['patch'])}" if action.get("patch") else text
+
+
+def _change_cell(c: Change) -> str:
+    cell = _diff_html(c.base, c.action.get("changes", {})) if c.action.get("changes") or not c.action.get("patch") else ""
+    return cell + (f" patch {_e(digest(c.action['patch']))}" if c.action.get("patch") else "")

@@ -29,7 +29,7 @@ from oxserve.feedback import machine
 from oxserve.feedback.stats import B_FASTER, B_SLOWER, NO_DIFFERENCE, SUSPECT
 from oxserve.feedback.workload import Workload
 
-SCHEMA_VERSION = 2  # stored in PRAGMA user_version; bump with a migration in _MIGRATIONS
+SCHEMA_VERSION = 3  # stored in PRAGMA user_version; bump with a migration in _MIGRATIONS
 VERDICTS = (B_FASTER, B_SLOWER, NO_DIFFERENCE, SUSPECT)
 _SQLITE_MAGIC = b"SQLite format 3\x00"
 
@@ -100,8 +100,14 @@ _AGENT_SCHEMA = (
         note         TEXT NOT NULL DEFAULT ''
     )""",
 )
-_SCHEMA = _SCHEMA + _AGENT_SCHEMA
-_MIGRATIONS = {1: _AGENT_SCHEMA}  # from version N to N + 1
+# Version 3: code patches as actions. The code each run started from and runs now (a commit;
+# NULL: the working tree, for runs that change options only).
+_AGENT_CODE_SCHEMA = (
+    "ALTER TABLE agent_runs ADD COLUMN start_revision TEXT",
+    "ALTER TABLE agent_runs ADD COLUMN revision TEXT",
+)
+_SCHEMA = _SCHEMA + _AGENT_SCHEMA + _AGENT_CODE_SCHEMA
+_MIGRATIONS = {1: _AGENT_SCHEMA, 2: _AGENT_CODE_SCHEMA}  # from version N to N + 1
 
 
 class LedgerError(Exception):

@@ -4,6 +4,8 @@ every proposal (`check_action`)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -98,3 +100,35 @@ def test_a_nonsense_prediction_is_refused_and_risky_options_wait_for_a_person():
     assert check_action(Action({"max_num_seqs": 8}, "", 2.0, "t"), GOAL, GOAL.start) == []
     assert needs_approval(Action({"dtype": "bfloat16", "max_num_seqs": 8}, "", 2.0, "t"), GOAL) == ["dtype"]
     assert needs_approval(Action({"max_num_seqs": 8}, "", 2.0, "t"), GOAL) == []
+
+
+def test_a_gain_won_by_slowing_the_baseline_is_refused_by_the_baseline_check():
+    rng = np.random.default_rng(5)
+    slowed_a, b = 60 * np.exp(rng.normal(0, 0.03, 6)), 100 * np.exp(rng.normal(0, 0.03, 6))
+    won = record(slowed_a, b)
+    assert judge(won, GOAL) == []  # on its own numbers it looks like a 1.67x win
+    (reason,) = judge(won, GOAL, baseline_rate=100.0)  # but A ran at 0.6x of what it ran before
+    assert reason.startswith("baseline check: A ran at") and "something slowed the baseline" in reason
+    assert judge(won, GOAL, baseline_rate=80.0) == []  # within noise of its last rate: no objection
+
+
+def test_the_output_check_is_named_apart_from_the_quality_gate():
+    rng = np.random.default_rng(6)
+    r = record(100 * np.exp(rng.normal(0, 0.03, 6)), 150 * np.exp(rng.normal(0, 0.03, 6)))
+    r = dataclasses.replace(r, quality={"passed": False, "gate_passed": True, "max_divergence": 0.0, "bound": 0.05,
+                                        "outputs": {"warm_up": {"passed": False, "shortfall": 2.5, "bound": 0.25}}})
+    (reason,) = judge(r, GOAL)
+    assert reason == ("output check failed (warm_up): B's workload outputs are 2.5 nats/token less likely than "
+                      "A's under A (bound 0.25)")
+
+
+def test_a_change_that_failed_the_quality_gate_is_never_retried_whatever_comes_with_it():
+    from oxserve.agent.policy import AgentState, Outcome
+
+    bf16 = Action({"dtype": "bfloat16"}, "r", 1.2, "rule")
+    history = [Outcome(bf16, {"max_num_seqs": 1}, False, ("quality gate failed",), (1,), 1.3, 10.0, True)]
+    state = AgentState(GOAL, {"max_num_seqs": 4}, 10.0, None, history)
+    assert state.tried(bf16)  # against another incumbent, still refused
+    assert state.tried(Action({"dtype": "bfloat16", "max_num_seqs": 8}, "r", 1.5, "rule"))  # bundled
+    assert not state.tried(Action({"max_num_seqs": 8}, "r", 1.5, "rule"))
+    assert not state.tried(Action({"dtype": "float32"}, "r", 1.5, "rule"))

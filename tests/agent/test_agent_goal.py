@@ -22,6 +22,8 @@ def test_the_shipped_goals_load():
     assert naive.held_out is not None and naive.held_out.name != naive.workload.name
     defaults = load_goal(REPO / "agent" / "from_defaults.yaml")
     assert {"quantization", "kv_cache_dtype"} <= defaults.needs_approval
+    code = load_goal(REPO / "agent" / "code_patches.yaml")
+    assert "code" in code.needs_approval and "oxserve/engine/*" in code.code.allowed and code.policy == "llm"
 
 
 @pytest.mark.parametrize("data, message", [
@@ -37,12 +39,27 @@ def test_the_shipped_goals_load():
     (goal(experiment={"pairs": 3}), "can never reach Mann-Whitney p < 0.05"),
     (goal(policy="random"), "policy must be one of"),
     (goal(risk={"needs_approval": ["quantisation"]}), "unknown option"),
+    ({"objective": {"workload": "smoke"}}, "search_space is required"),
+    (goal(code={"allowed": []}), "code.allowed must be a non-empty list"),
+    (goal(code={"allowed": ["oxserve/engine/*"], "patch": []}), "code: unknown key"),
+    (goal(code={"allowed": ["oxserve/engine/*"], "patches": [{"file": "no-such.diff"}]}), "cannot read"),
     (goal(start={"speculative_config": '{"method": "ngram", "num_speculative_tokens": 2}', "deterministic": True}),
      "deterministic"),
 ])
 def test_a_bad_goal_is_refused_naming_the_key(data, message):
     with pytest.raises(ValueError, match=message):
         goal_from_dict(data)
+
+
+def test_a_code_section_makes_patches_actions_with_queued_candidates(tmp_path):
+    (tmp_path / "p.diff").write_text("--- a/oxserve/engine/x.py\n+++ b/oxserve/engine/x.py\n")
+    g = goal_from_dict({"objective": {"workload": "smoke"}, "risk": {"needs_approval": ["code"]},
+                        "code": {"allowed": ["oxserve/engine/*"], "tests": ["tests/test_sampler.py"],
+                                 "patches": [{"file": "p.diff", "rationale": "fewer copies", "predicted_ratio": 1.1}]}},
+                       tmp_path)
+    assert g.search_space == {} and g.needs_approval == {"code"} and g.code.tests == ("tests/test_sampler.py",)
+    (candidate,) = g.code.candidates
+    assert (candidate.rationale, candidate.predicted_ratio, candidate.name) == ("fewer copies", 1.1, "p.diff")
 
 
 def test_inline_workloads_and_option_spellings(tmp_path):

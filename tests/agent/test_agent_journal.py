@@ -14,7 +14,7 @@ from oxserve.feedback.ledger import Ledger, LedgerError
 from oxserve.feedback.workload import load_workload
 
 
-def test_a_version_1_ledger_is_migrated_keeping_its_experiments(tmp_path):
+def test_a_version_1_ledger_is_migrated_through_every_version_keeping_its_experiments(tmp_path):
     path = tmp_path / "old.sqlite"
     conn = sqlite3.connect(path)
     for statement in ledger_module._SCHEMA[:2]:  # the experiments and samples tables of version 1
@@ -26,9 +26,12 @@ def test_a_version_1_ledger_is_migrated_keeping_its_experiments(tmp_path):
     conn.close()
     with Ledger(path) as ledger:
         assert ledger.get(1).description == "old one"
-        assert ledger.connection.execute("PRAGMA user_version").fetchone()[0] == ledger_module.SCHEMA_VERSION == 2
-        run = Journal(ledger).start_run("rules", {"name": "g"}, {"max_num_seqs": 1})
+        assert ledger.connection.execute("PRAGMA user_version").fetchone()[0] == ledger_module.SCHEMA_VERSION == 3
+        run = Journal(ledger).start_run("rules", {"name": "g"}, {"max_num_seqs": 1}, revision="abc")
         assert Journal(ledger).run(run).incumbent == {"max_num_seqs": 1}
+        Journal(ledger).set_incumbent(run, {"max_num_seqs": 2}, "def")
+        got = Journal(ledger).run(run)
+        assert (got.start_revision, got.revision, got.incumbent) == ("abc", "def", {"max_num_seqs": 2})
     with Ledger(path) as ledger:  # opened again: nothing to migrate, still valid
         assert Journal(ledger).runs()[0].policy == "rules"
 

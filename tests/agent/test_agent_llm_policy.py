@@ -21,7 +21,7 @@ from server_harness import free_port  # noqa: E402
 from oxserve.agent.actions import Action, check_action  # noqa: E402
 from oxserve.agent.diagnosis import Diagnosis  # noqa: E402
 from oxserve.agent.goal import goal_from_dict  # noqa: E402
-from oxserve.agent.policies.llm import MAX_ACTIONS, SYSTEM, LLMPolicy, parse_answer, prompt, schema  # noqa: E402
+from oxserve.agent.policies.llm import MAX_ACTIONS, LLMPolicy, parse_answer, prompt, schema, system_prompt  # noqa: E402
 from oxserve.agent.policy import AgentState, Outcome  # noqa: E402
 
 GOAL = goal_from_dict({
@@ -196,10 +196,11 @@ def test_the_prompt_carries_diagnosis_ledger_allowed_actions_and_guardrails():
         assert part in text, part
     assert "reason-3" not in text.replace("reason-23", "")  # older outcomes are cut
     assert len(text) < 5000
-    system = SYSTEM.format(metric="output_tokens_per_s", n=MAX_ACTIONS)
-    for rule in ["only the options listed", "cannot run commands, read or write files, or change code",
+    system = system_prompt(GOAL)
+    for rule in ["only the options listed", "cannot run commands or read or write files: propose option changes only",
                  f"At most {MAX_ACTIONS} actions", "JSON only"]:
         assert rule in system, rule
+    assert "patch" not in system  # this goal has no code section
     assert "Ledger: nothing tested yet." in prompt(AgentState(GOAL, dict(GOAL.start), None, None))
 
 
@@ -207,3 +208,28 @@ def test_an_empty_answer_ends_the_search_without_a_rejection():
     p = policy(answer(), attempts=2)
     assert p.propose(state()) == [] and p.answers == 1 and p.rejected == []
     assert parse_answer(answer(item({"max_num_seqs": 8})))[0]["changes"] == {"max_num_seqs": 8}
+
+
+CODE_GOAL = goal_from_dict({
+    "objective": {"metric": "output_tokens_per_s", "workload": "smoke"},
+    "start": {"max_num_seqs": 2}, "search_space": {"max_num_seqs": [1, 2, 4, 8]},
+    "code": {"allowed": ["oxserve/kernels/*"]},
+})
+KERNEL_PATCH = "--- a/oxserve/kernels/rows.py\n+++ b/oxserve/kernels/rows.py\n@@ -1 +1 @@\n-a\n+b\n"
+
+
+def test_with_a_code_section_answers_carry_patches_and_a_forbidden_file_is_refused():
+    harness = KERNEL_PATCH.replace("oxserve/kernels/rows.py", "oxserve/experiment/worker.py")
+    clock = KERNEL_PATCH.replace("+b", "+time.perf_counter = lambda: 0.0")
+    p = policy(answer(item({}, patch=harness), item({}, patch=clock), item({}, ratio=1.3, patch=KERNEL_PATCH),
+                      item({"max_num_seqs": 8}, patch="")))
+    code_state = AgentState(CODE_GOAL, dict(CODE_GOAL.start), 41.5, DIAGNOSIS, [], "abc")
+    kernel, batch = p.propose(code_state)
+    assert kernel.patch == KERNEL_PATCH and kernel.changes == {} and batch.changes == {"max_num_seqs": 8}
+    reasons = [r["reason"] for r in p.rejected]
+    assert len(reasons) == 2 and "oxserve/experiment/worker.py is protected" in reasons[0] and "(path rules)" in reasons[0]
+    assert "rebinds a clock" in reasons[1]
+    assert schema(CODE_GOAL)["properties"]["actions"]["items"]["required"][-1] == "patch"
+    assert "code patches" in system_prompt(CODE_GOAL) and "oxserve/kernels/*" in system_prompt(CODE_GOAL)
+    with pytest.raises(ValueError, match="unexpected key"):  # without a code section a patch is an extra key
+        parse_answer(answer(item({"max_num_seqs": 8}, patch=KERNEL_PATCH)))

@@ -233,5 +233,11 @@ def test_a_decision_posted_from_another_site_is_refused(page, world):
     assert answer.status == 403
 
 
+def test_a_request_for_another_host_name_is_refused_against_dns_rebinding(page, base_url):
+    port = base_url.rsplit(":", 1)[1]
+    assert page.request.get("/", headers={"Host": f"rebound.example:{port}"}).status == 400
+    assert page.request.get("/", headers={"Host": f"localhost:{port}"}).status == 200
+
+
 def test_missing_run_is_404(page):
     assert page.goto("/runs/999").status == 404

@@ -4,9 +4,11 @@ It sees the incumbent's diagnosis, the ledger, the allowed actions and the guard
 answers JSON, constrained by a JSON schema listing the search space where the endpoint can.
 The answer is data, never instructions: parsed, checked by hand against the schema's shape
 (`jsonschema` is only a test dependency), and every action passes `check_action`. Whatever
-fails -- prose, broken JSON, extra keys such as "command" or "patch", options or values
-outside the search space, ratios that are not positive numbers, endpoint errors -- is
-rejected and counted in `rejected` (the loop journals each entry); `propose` never raises.
+fails -- prose, broken JSON, extra keys such as "command" (or "patch", unless the goal has a
+`code` section), options or values outside the search space, ratios that are not positive
+numbers, patches outside the path rules, endpoint errors -- is rejected and counted in
+`rejected` (the loop journals each entry); `propose` never raises. Where the goal allows
+code, every item carries a "patch" (a unified diff, "" for none).
 
 Values must match the search space as typed (8 is not 8.0, and True is not 1). Models
 stringify, so a string is read as the one allowed value whose str() or JSON it is exactly
@@ -29,28 +31,51 @@ HISTORY = 20  # outcomes shown: the prompt must fit a small context
 ANSWER_CHARS = 500  # of each rejected answer kept for the journal
 RATIONALE_CHARS = 400  # a longer rationale is cut, not refused
 _ITEM_KEYS = ("changes", "rationale", "predicted_ratio")
+PATCH_CHARS = 20_000  # a longer diff is refused
 
 SYSTEM = """You tune the oxserve LLM inference engine by changing its options. Each change you propose is \
 measured in a controlled A/B experiment against the incumbent and adopted only if it proves a gain in {metric} \
 (higher is better) without hurting output quality.
 Rules:
 - Change only the options listed under "allowed", each to one of its listed values, typed exactly as listed.
-- You cannot run commands, read or write files, or change code: propose option changes only.
+- You cannot run commands or read or write files: propose {what} only.
 - At most {n} actions, best first; do not repeat a change the ledger shows was tested against this incumbent.
 - predicted_ratio is your predicted B/A ratio of {metric} (1.1 means 10% higher); it must be > 0.
 - Answer with JSON only, no prose: {{"actions": [{{"changes": {{"<option>": <value>}}, "rationale": "<why, from \
 the diagnosis>", "predicted_ratio": <number>}}]}}"""
+CODE_RULES = """
+You may also change code: give each action a "patch", a unified diff (git format, paths a/... b/...) against the \
+incumbent's code, or "" for none. A patch may touch only files matching {allowed}; the measuring harness, the \
+agent, tests and workloads are off limits, and a patch that reaches for clocks or the harness is refused. It must \
+pass {tests} before it is measured."""
 
 
 def schema(goal: Goal) -> dict:
     """The answer's JSON schema; `changes` may name only search-space options, with their values."""
     changes = {"type": "object", "additionalProperties": False, "minProperties": 1,
                "properties": {name: {"enum": list(values)} for name, values in goal.search_space.items()}}
-    item = {"type": "object", "additionalProperties": False, "required": list(_ITEM_KEYS),
+    keys = item_keys(goal)
+    item = {"type": "object", "additionalProperties": False, "required": list(keys),
             "properties": {"changes": changes, "rationale": {"type": "string", "maxLength": RATIONALE_CHARS},
                            "predicted_ratio": {"type": "number", "exclusiveMinimum": 0, "maximum": 100}}}
+    if "patch" in keys:
+        changes["minProperties"] = 0
+        item["properties"]["patch"] = {"type": "string", "maxLength": PATCH_CHARS}
     return {"type": "object", "additionalProperties": False, "required": ["actions"],
             "properties": {"actions": {"type": "array", "maxItems": MAX_ACTIONS, "items": item}}}
+
+
+def system_prompt(goal: Goal) -> str:
+    code = goal.code
+    text = SYSTEM.format(metric=goal.metric, n=MAX_ACTIONS,
+                         what="option changes" if code is None else "option changes and code patches")
+    if code is not None:
+        text += CODE_RULES.format(allowed=", ".join(code.allowed), tests=" ".join(code.tests) or "the tests")
+    return text
+
+
+def item_keys(goal: Goal) -> tuple[str, ...]:
+    return _ITEM_KEYS + (("patch",) if goal.code is not None else ())
 
 
 class LLMPolicy:
@@ -74,7 +99,7 @@ class LLMPolicy:
         pass
 
     def propose(self, state: AgentState) -> list[Action]:
-        messages = [{"role": "system", "content": SYSTEM.format(metric=state.goal.metric, n=MAX_ACTIONS)},
+        messages = [{"role": "system", "content": system_prompt(state.goal)},
                     {"role": "user", "content": prompt(state)}]
         for _ in range(self.attempts):
             answer = self._ask(messages, schema(state.goal))
@@ -117,7 +142,7 @@ class LLMPolicy:
     def _read(self, answer: str, state: AgentState) -> tuple[list[Action], list[str]]:
         """The answer's runnable actions, and why the others cannot run (each rejection recorded)."""
         try:
-            items = parse_answer(answer)
+            items = parse_answer(answer, item_keys(state.goal))
         except ValueError as e:
             self._reject(answer, str(e))
             return [], [str(e)]
@@ -127,7 +152,8 @@ class LLMPolicy:
             changes = {k: _typed(v, space[k]) if k in space else v for k, v in item["changes"].items()}
             why = [f"{k}={item['changes'][k]!r} is not among the allowed values {list(space[k])} (as typed)"
                    for k, v in changes.items() if v is _NONE]
-            action = Action(changes, item["rationale"][:RATIONALE_CHARS], item["predicted_ratio"], "llm")
+            action = Action(changes, item["rationale"][:RATIONALE_CHARS], item["predicted_ratio"], "llm",
+                            patch=item.get("patch", ""))
             why = why or check_action(action, state.goal, state.incumbent)
             if why:
                 problems.append(f"action {i}: {'; '.join(why)}")
@@ -143,7 +169,7 @@ class LLMPolicy:
         self.rejected.append({"answer": answer[:ANSWER_CHARS], "reason": reason})
 
 
-def parse_answer(answer: str) -> list[dict]:
+def parse_answer(answer: str, keys: tuple[str, ...] = _ITEM_KEYS) -> list[dict]:
     """The answer's action items, checked against `schema`'s shape (not its enums: `check_action`
     names the option or value at fault; nor the rationale's length: it is cut); ValueError says
     what is wrong."""
@@ -160,10 +186,12 @@ def parse_answer(answer: str) -> list[dict]:
     if not isinstance(items, list) or len(items) > MAX_ACTIONS:
         raise ValueError(f"'actions' must be a list of at most {MAX_ACTIONS}")
     for i, item in enumerate(items):
-        if not isinstance(item, dict) or set(item) != set(_ITEM_KEYS):
-            extra = sorted(set(item) - set(_ITEM_KEYS)) if isinstance(item, dict) else []
-            raise ValueError(f"action {i} must have exactly the keys {', '.join(_ITEM_KEYS)}"
+        if not isinstance(item, dict) or set(item) != set(keys):
+            extra = sorted(set(item) - set(keys)) if isinstance(item, dict) else []
+            raise ValueError(f"action {i} must have exactly the keys {', '.join(keys)}"
                              + (f"; unexpected key(s) {', '.join(map(str, extra))}" if extra else ""))
+        if "patch" in keys and (not isinstance(item["patch"], str) or len(item["patch"]) > PATCH_CHARS):
+            raise ValueError(f"action {i}: patch must be a unified diff of at most {PATCH_CHARS} characters")
         ratio = item["predicted_ratio"]
         if not isinstance(item["changes"], dict) or not isinstance(item["rationale"], str):
             raise ValueError(f"action {i}: changes must be an object and rationale a string")

@@ -89,6 +89,13 @@ class Context:
                       {"phase_ratio": round(phase_ratio, 4), "phase_share": round(shares, 4), **evidence})
 
 
+def queued_patches(state: AgentState) -> list[Action]:
+    """The goal's candidate patches (code.patches), predicted as their authors wrote."""
+    code = state.goal.code
+    return [Action({}, c.rationale, c.predicted_ratio, "rules:queued-patch", {"file": c.name}, c.diff)
+            for c in (code.candidates if code else ())]
+
+
 def amdahl(share: float, ratio: float) -> float:
     share = min(max(share, 0.0), 1.0)
     return 1.0 / ((1.0 - share) + share / ratio)
@@ -265,6 +272,7 @@ class RulesPolicy:
         repairs = [a for a in proposed if a.evidence.get("repairs")]  # the goal's limits come first
         # A remedy its own model expects to lose is not worth an experiment.
         gains = [a for a in proposed if a not in repairs and a.predicted_ratio > 1.0 + MIN_GAIN]
+        gains += queued_patches(state)  # an engineer queued them to be settled: whatever their prediction
         minutes = experiment_minutes(state)
         return repairs + sorted(gains, key=lambda a: (a.predicted_ratio - 1) / minutes(a.predicted_ratio), reverse=True)
 
