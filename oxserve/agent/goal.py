@@ -43,6 +43,7 @@ import yaml
 
 from oxserve.agent.patches import Candidate, CodeRules
 from oxserve.experiment.arms import options_from_file, option_name
+from oxserve.feedback.drive import RUN_METRICS
 from oxserve.feedback.workload import Workload, load_workload
 from oxserve.options import engine_config, flat_options, option_names
 
@@ -131,6 +132,8 @@ def goal_from_dict(data: Any, base_dir: Path = Path(".")) -> Goal:
     metric = str(objective.get("metric", "output_tokens_per_s"))
     if not metric.endswith("_per_s"):
         raise ValueError(f"objective.metric must be a rate (*_per_s, higher is better), got {metric!r}")
+    if metric not in RUN_METRICS:
+        raise ValueError(f"objective.metric {metric!r} is not a metric runs report ({', '.join(RUN_METRICS)})")
     if "workload" not in objective:
         raise ValueError("objective.workload is required")
     workload = _workload(objective["workload"], base_dir, "objective.workload")
@@ -149,6 +152,10 @@ def goal_from_dict(data: Any, base_dir: Path = Path(".")) -> Goal:
 
     constraints = _mapping(data, "constraints")
     limits = {str(k): float(v) for k, v in (constraints.get("max") or {}).items()}
+    unknown_limits = sorted(set(limits) - set(RUN_METRICS))
+    if unknown_limits:
+        raise ValueError(f"constraints.max: {', '.join(unknown_limits)} not among the metrics runs report "
+                         f"({', '.join(RUN_METRICS)})")
     risk = _mapping(data, "risk")
     needs_approval = frozenset(option_name(n) for n in risk.get("needs_approval") or ())
     unknown_risk = sorted(needs_approval - set(option_names()) - {CODE})

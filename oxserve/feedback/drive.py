@@ -27,6 +27,14 @@ from oxserve.telemetry import Tracer, span
 
 # Random prompt ids start here: small ids are where GLM-style tokenizers keep special tokens.
 PROMPT_MIN_TOKEN_ID = 16
+# Every name `RunResult.metrics` can report (the last six only for conversations or with a
+# prefix cache): what goals and experiments may name.
+RUN_METRICS = (
+    "output_tokens_per_s", "total_time_s", "num_output_tokens", "num_requests", "num_steps",
+    *(f"{name}_{stat}_s" for name in ("ttft", "tpot") for stat in ("mean", "p50", "p90")),
+    "ttft_first_turn_mean_s", "ttft_later_turns_mean_s", "later_turn_first_tokens_per_s",
+    "prefix_hit_tokens", "prefix_reusable_tokens", "prefix_hit_rate",
+)
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,8 @@ def test_the_shipped_goals_load():
     (goal(start={"max_num_seqs": 8}), "not among search_space.max_num_seqs"),
     (goal(objective={"workload": "smoke", "held_out": "smoke"}), "must differ"),
     (goal(objective={"workload": "smoke", "metric": "ttft_p50_s"}), "must be a rate"),
+    (goal(objective={"workload": "smoke", "metric": "output_token_per_s"}), "not a metric runs report"),
+    (goal(constraints={"max": {"tpot_p99_s": 0.1}}), "tpot_p99_s not among the metrics"),
     (goal(experiment={"pairs": 3}), "can never reach Mann-Whitney p < 0.05"),
     (goal(policy="random"), "policy must be one of"),
     (goal(risk={"needs_approval": ["quantisation"]}), "unknown option"),

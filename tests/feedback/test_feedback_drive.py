@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from oxserve.engine.engine import LLMEngine
-from oxserve.feedback.drive import PROMPT_MIN_TOKEN_ID, run_workload
+from oxserve.feedback.drive import PROMPT_MIN_TOKEN_ID, RUN_METRICS, run_workload
 from oxserve.options import engine_config
 from oxserve.feedback.workload import Workload
 from oxserve.profiling.spans import group_spans
@@ -75,6 +75,11 @@ def test_conversations_send_each_turn_after_the_last_with_its_history(engine):
     m = result.metrics()
     assert m["ttft_later_turns_mean_s"] > 0 and m["later_turn_first_tokens_per_s"] == 1 / m["ttft_later_turns_mean_s"]
     assert 0.9 <= m["prefix_hit_rate"] <= 1.0, m
+    assert set(m) == set(RUN_METRICS)  # a conversation with a prefix cache reports every metric there is
+    for r in requests:  # what was sent and what came back, for the experiments' output checks
+        this = by_index[r.index]
+        assert len(this.prompt) == this.prompt_len and len(this.output) == this.num_output_tokens
+        assert this.prompt[len(this.prompt) - len(r.prompt_token_ids):] == r.prompt_token_ids
 
 
 def test_a_conversation_needs_whole_turns_and_a_system_prompt_length():
