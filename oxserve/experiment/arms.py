@@ -17,6 +17,7 @@ are measured by the same code and only the engine differs.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import shutil
@@ -103,6 +104,23 @@ def export_revision(commit: str, dest: Path, repo: Path = REPO_ROOT) -> Path:
         else:
             shutil.copy2(REPO_ROOT / part, dest / part)
     return dest
+
+
+def tree_digest(root: Path) -> str:
+    """Every file under `root` (a file or a directory) by path and content; bytecode caches
+    and links are not followed."""
+    digest = hashlib.blake2b(digest_size=16)
+    files = [root] if root.is_file() else root.rglob("*")
+    for path in sorted(p for p in files if p.is_file() and not p.is_symlink() and "__pycache__" not in p.parts):
+        digest.update(str(path.relative_to(root.parent)).encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
+
+
+def harness_digest() -> str:
+    """This tree's measuring harness, as every git arm gets it: an agent run refuses to go on
+    if it changes under it (a patch's tests or runs writing to it)."""
+    parts = "".join(tree_digest(REPO_ROOT / part) for part in HARNESS)
+    return hashlib.blake2b(parts.encode(), digest_size=16).hexdigest()
 
 
 def _parse_options(text: str) -> dict[str, Any]:

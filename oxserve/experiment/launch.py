@@ -3,15 +3,18 @@
 A worker runs an arm's engine, which may be code under test (a `git:` arm the agent wrote).
 So the launcher trusts nothing the worker's process could arrange on its own:
 
-- it times the workload itself, on its own clock, from two markers the worker writes to a
-  pipe as the timed part starts and ends; a reported run time that disagrees with it fails
-  the run (a worker whose clock was slowed or rebound);
-- the worker runs in a session of its own with a private temporary directory and a private
-  copy of the native-kernel cache (`cache_dir`), so nothing it writes there reaches the
-  other arm's runs;
-- when it ends, every process that carries its run token (inherited through the
-  environment) is killed, and a run that left any behind fails: a process outliving its run
-  could slow the other arm's.
+- **late prompts**: the worker builds and warms up its engine, says it is ready ("R" on a
+  pipe), and only then receives the seed of its prompts' contents, drawn by the launcher at
+  that moment: nothing can be computed for them ahead of the clock;
+- **external clock**: the timed part runs from that seed to the moment the worker's outputs
+  have arrived whole over the pipe ("E", a length, JSON), on the launcher's clock; the run's
+  rate is computed from it, and a worker whose own clock disagrees fails (a slowed or
+  rebound clock);
+- **process check**: the worker runs under a small reaper process (a subreaper, in a session
+  of its own): processes it leaves behind, even in new sessions and with a clean
+  environment, are adopted by the reaper and killed; so is anything else carrying the run's
+  token in its environment. A run that left any fails: it could slow the other arm's runs;
+- a private temporary directory and a private copy of the native-kernel cache (`cache_dir`).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import struct
 import subprocess
 import sys
 import tempfile
@@ -30,11 +34,53 @@ from pathlib import Path
 
 STDERR_TAIL = 2000  # characters of a failed worker's stderr kept in the error
 RUN_TOKEN = "OXSERVE_WORKER_RUN"  # environment variable naming the run, inherited by its children
-# A worker's own run time may fall short of the launcher's by this share, plus the slack:
-# the markers are written just outside the worker's clock, and the pipe adds microseconds.
-CLOCK_TOLERANCE = 0.05
-CLOCK_SLACK_S = 0.05
+# The worker's own run time may differ from the launcher's by this share, plus the slack (the
+# launcher's span also holds making the requests and sending the outputs).
+CLOCK_TOLERANCE = 0.02
+CLOCK_SLACK_S = 0.02
+LENGTH = struct.Struct("!Q")  # the outputs' byte count, before them on the pipe
 
+# Runs the worker as a subreaper: orphans it leaves are reparented here, killed and reported.
+# Standard library only, started with -I: it imports nothing from the arm's tree.
+REAPER = r"""
+import ctypes, json, os, signal, subprocess, sys, time
+report, command = sys.argv[1], sys.argv[2:]
+ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+fds = tuple(int(fd) for fd in os.environ.pop("OXSERVE_PASS_FDS", "").split(",") if fd)
+worker = subprocess.Popen(command, pass_fds=fds)
+code = worker.wait()
+
+def children():
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                state, ppid = open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()[:2]
+            except (OSError, ValueError):
+                continue
+            if int(ppid) == os.getpid() and state != "Z":
+                found.append(int(entry))
+    return found
+
+orphans = set()
+for _ in range(100):  # an orphan's own children come to us when it dies: until none is left
+    found = children()
+    if not found:
+        break
+    orphans.update(found)
+    for pid in found:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    time.sleep(0.01)
+    try:
+        while os.waitpid(-1, os.WNOHANG)[0]:
+            pass
+    except ChildProcessError:
+        pass
+json.dump({"returncode": code, "orphans": sorted(orphans)}, open(report, "w"))
+"""
 
 class WorkerError(RuntimeError):
     """A worker failed: crashed, timed out, wrote no result or broke the launcher's rules."""
@@ -44,15 +90,19 @@ class WorkerError(RuntimeError):
 class WorkerResult:
     result: dict
     wall_time_s: float  # the whole process, start-up included
-    timed_s: float | None = None  # the timed part, on the launcher's clock (None: the job runs no workload)
+    timed_s: float | None = None  # the timed part on the launcher's clock (None: the job runs no workload)
+    outputs: list | None = None  # the timed run's outputs, as they arrived over the pipe
 
 
-def run_worker(source: Path, job: dict, timeout_s: float, label: str, cache_dir: Path | None = None) -> WorkerResult:
+def run_worker(source: Path, job: dict, timeout_s: float, label: str, cache_dir: Path | None = None,
+               token_seed: int | None = None) -> WorkerResult:
     """Run `python -m oxserve.experiment.worker` with `source` first on the import path, so the
-    engine comes from that tree (this checkout, or an exported revision). `cache_dir` becomes
+    engine comes from that tree (this checkout, or an exported revision). A job with a
+    workload is sent `token_seed` when it is ready and timed from then; `cache_dir` becomes
     its `OXSERVE_CACHE_DIR`."""
+    timed_job = "workload" in job
     with tempfile.TemporaryDirectory(prefix="oxserve-worker-") as tmp:
-        job_path, result_path = Path(tmp) / "job.json", Path(tmp) / "result.json"
+        job_path, result_path, reaped = Path(tmp) / "job.json", Path(tmp) / "result.json", Path(tmp) / "reaped.json"
         private_tmp = Path(tmp) / "tmp"
         private_tmp.mkdir()
         token = uuid.uuid4().hex
@@ -60,50 +110,62 @@ def run_worker(source: Path, job: dict, timeout_s: float, label: str, cache_dir:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(source), env.get("PYTHONPATH")) if p)
         if cache_dir is not None:
             env["OXSERVE_CACHE_DIR"] = str(cache_dir)
-        read_end, write_end = os.pipe()
-        timer = _MarkerTimer(read_end)
-        job_path.write_text(json.dumps({**job, "marker_fd": write_end}), encoding="utf-8")
+        marker_read, marker_write = os.pipe()
+        seed_read, seed_write = os.pipe()
+        env["OXSERVE_PASS_FDS"] = f"{marker_write},{seed_read}"
+        channel = _Channel(marker_read, seed_write, token_seed)
+        job_path.write_text(json.dumps({**job, "marker_fd": marker_write, "seed_fd": seed_read}), encoding="utf-8")
         log_path = Path(tmp) / "stderr.log"
+        command = [sys.executable, "-I", "-c", REAPER, str(reaped),
+                   sys.executable, "-m", "oxserve.experiment.worker", str(job_path), str(result_path)]
         start = time.perf_counter()
         # Output to a file, not a pipe: a process the worker leaves behind would hold a pipe open.
         with open(log_path, "w+", encoding="utf-8", errors="replace") as log:
             try:
-                process = subprocess.Popen(
-                    [sys.executable, "-m", "oxserve.experiment.worker", str(job_path), str(result_path)],
-                    cwd=source, env=env, stdout=log, stderr=log, pass_fds=(write_end,), start_new_session=True,
-                )
+                process = subprocess.Popen(command, cwd=source, env=env, stdout=log, stderr=log,
+                                           pass_fds=(marker_write, seed_read), start_new_session=True)
+            except OSError:
+                channel.close()
+                raise
             finally:
-                os.close(write_end)  # the worker holds the only write end: EOF when it (and its children) end
-            timer.start()
+                os.close(marker_write)  # the worker holds the only write end: EOF when it (and its children) end
+                os.close(seed_read)
+            channel.start()
             try:
                 process.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired as e:
                 raise WorkerError(f"{label}: worker timed out after {timeout_s:.0f} s") from e
             finally:
+                stray = kill_stray_processes(token)  # before the session: what outlived the worker counts
                 _kill_session(process.pid)
                 process.wait()
-                stray = kill_stray_processes(token)
             wall = time.perf_counter() - start
             log.seek(0)
             stderr = log.read()
-        timer.join(timeout=5.0)
+        channel.join(timeout=5.0)
+        channel.close()
+        report = json.loads(reaped.read_text()) if reaped.exists() else {"returncode": process.returncode, "orphans": []}
+        stray = sorted(set(stray) | set(report["orphans"]))
         if stray:
             raise WorkerError(f"{label}: left {len(stray)} process(es) running after its run (killed: "
                               f"{', '.join(map(str, stray))}); a run must not outlive its worker (process check)")
-        if process.returncode != 0 or not result_path.exists():
-            raise WorkerError(f"{label}: worker exited with status {process.returncode}:\n{stderr[-STDERR_TAIL:].strip()}")
+        if report["returncode"] != 0 or not result_path.exists():
+            raise WorkerError(f"{label}: worker exited with status {report['returncode']}:\n{stderr[-STDERR_TAIL:].strip()}")
         result = json.loads(result_path.read_text(encoding="utf-8"))
-        timed = timer.span_s()
-        if "metrics" in result:
-            check_clock(label, result["metrics"].get("total_time_s"), timed)
-        return WorkerResult(result, wall, timed)
+        if not timed_job:
+            return WorkerResult(result, wall)
+        if channel.error:
+            raise WorkerError(f"{label}: {channel.error} (external clock)")
+        check_clock(label, result.get("metrics", {}).get("total_time_s"), channel.timed_s)
+        return WorkerResult(result, wall, channel.timed_s, channel.outputs)
 
 
 def check_clock(label: str, reported_s: float | None, timed_s: float | None) -> None:
     """The worker's own run time must agree with the launcher's (external clock)."""
     if timed_s is None:
         raise WorkerError(f"{label}: the worker did not mark its timed part: its run time cannot be checked (external clock)")
-    if reported_s is None or not (timed_s * (1 - CLOCK_TOLERANCE) - CLOCK_SLACK_S <= reported_s <= timed_s + CLOCK_SLACK_S):
+    low, high = timed_s * (1 - CLOCK_TOLERANCE) - CLOCK_SLACK_S, timed_s + CLOCK_SLACK_S
+    if reported_s is None or not low <= reported_s <= high:
         raise WorkerError(f"{label}: the worker reported a run of {reported_s} s but the launcher timed {timed_s:.3f} s: "
                           f"its clock disagrees with the harness's (external clock)")
 
@@ -135,24 +197,53 @@ def _kill_session(pid: int) -> None:
         pass
 
 
-class _MarkerTimer(threading.Thread):
-    """Reads the worker's markers and stamps them with this process's clock."""
+class _Channel(threading.Thread):
+    """The launcher's side of the pipes: on "R" it draws nothing itself but sends the seed it
+    was given and starts the clock; it stops the clock when "E" and the outputs have arrived
+    whole. Anything else is a broken protocol (`error`)."""
 
-    def __init__(self, fd: int) -> None:
+    def __init__(self, marker_fd: int, seed_fd: int, token_seed: int | None) -> None:
         super().__init__(daemon=True)
-        self.fd = fd
-        self.stamps: dict[bytes, float] = {}
+        self.marker, self.seed_fd, self.token_seed = os.fdopen(marker_fd, "rb", buffering=0), seed_fd, token_seed
+        self.timed_s: float | None = None
+        self.outputs: list | None = None
+        self.error: str | None = None
 
     def run(self) -> None:
         try:
-            while chunk := os.read(self.fd, 64):
-                now = time.perf_counter()
-                for byte in chunk:
-                    self.stamps.setdefault(bytes([byte]), now)
-        finally:
-            os.close(self.fd)
+            if self.marker.read(1) != b"R":
+                return self._fail("the worker did not announce it was ready")
+            if self.token_seed is None:
+                return self._fail("a timed job needs a token seed")
+            os.write(self.seed_fd, f"{self.token_seed}\n".encode())
+            start = time.perf_counter()
+            if self.marker.read(1) != b"E":
+                return self._fail("the worker did not end its timed part with its outputs")
+            (size,) = LENGTH.unpack(self._read(LENGTH.size))
+            payload = self._read(size)
+            self.timed_s = time.perf_counter() - start
+            self.outputs = json.loads(payload)
+            if self.marker.read(1):
+                self.timed_s, self.outputs = None, None
+                return self._fail("the worker wrote past its outputs")
+        except (OSError, ValueError, struct.error) as e:
+            self._fail(f"the worker's markers are broken ({type(e).__name__}: {e})")
 
-    def span_s(self) -> float | None:
-        if b"S" in self.stamps and b"E" in self.stamps:
-            return self.stamps[b"E"] - self.stamps[b"S"]
-        return None
+    def _read(self, n: int) -> bytes:
+        data = b""
+        while len(data) < n:
+            chunk = self.marker.read(n - len(data))
+            if not chunk:
+                raise ValueError("the pipe closed early")
+            data += chunk
+        return data
+
+    def _fail(self, message: str) -> None:
+        self.error = self.error or message
+
+    def close(self) -> None:
+        for close in (self.marker.close, lambda: os.close(self.seed_fd)):
+            try:
+                close()
+            except OSError:
+                pass

@@ -8,10 +8,13 @@
     pairs      runs in ABBA/BAAB blocks (`interleaved_order`), each in a fresh process,
                each committed to the ledger as it finishes; more blocks while the CI of
                the median ratio is wider than twice the noise threshold. Each pair gets
-               prompts of its own (same lengths, other tokens), so nothing one run learns
-               about its prompts can serve another; one pair, drawn in advance, has its
+               prompts of its own (same lengths, other tokens, from a seed drawn
+               unpredictably and sent once the engine is ready), so no run can prepare for
+               its prompts or reuse another's; one pair, drawn after the runs, has its
                outputs checked like the warm-up's. Every run must return every request's
-               tokens, answer the prompts it was given, and agree with the launcher's clock.
+               tokens on the prompts it was given, agree with the launcher's clock (whose
+               time the rate uses), leave no process behind, and find its files as it left
+               them (`TreeGuard`).
     verdict    `compare`: median B/A ratio, bootstrap CI, Mann-Whitney p, noise threshold;
                a rate above the decode roofline in either arm is "suspect"
 
@@ -21,7 +24,7 @@ recorded stay.
 
 from __future__ import annotations
 
-import random
+import secrets
 import shutil
 import statistics
 import sys
@@ -42,6 +45,7 @@ from oxserve.experiment.arms import (
     export_revision,
     resolve_revision,
     resolved_options,
+    tree_digest,
 )
 from oxserve.experiment.launch import WorkerError, WorkerResult, run_worker
 from oxserve.experiment.quality import compare_outputs, compare_scores, quality_prompts
@@ -94,6 +98,8 @@ class Settings:
             raise ValueError(f"the metric must be a rate (higher is better, *_per_s), got {self.metric!r}")
         if self.quality_bound < 0 or self.quality_prompts < 1 or self.quality_tokens < 1:
             raise ValueError("quality_bound must be >= 0, quality_prompts and quality_tokens >= 1")
+        if not self.output_bound >= 0:
+            raise ValueError(f"output_bound must be >= 0, got {self.output_bound}")
 
 
 @dataclass(frozen=True)
@@ -109,7 +115,7 @@ class Plan:
     cache_dirs: Mapping[str, Path]  # arm -> its private OXSERVE_CACHE_DIR
     vocab_size: int
     model_dir: Path
-    checked_pair: int  # the pair whose outputs are checked, drawn before any run
+    guard: TreeGuard  # an arm's files change only while that arm runs
 
 
 def prepare(settings: Settings, workdir: Path) -> Plan:
@@ -134,7 +140,7 @@ def prepare(settings: Settings, workdir: Path) -> Plan:
         cache_dirs={label: private_cache(workdir / f"cache-{label}") for label in arms},
         vocab_size=model_cfg.vocab_size,
         model_dir=Path(model_dir),
-        checked_pair=int(random.Random(settings.seed).randrange(settings.pairs)),
+        guard=TreeGuard(),
     )
 
 
@@ -154,33 +160,69 @@ def private_cache(dest: Path) -> Path:
     return dest
 
 
-def token_seed(settings: Settings, pair: int | None) -> int:
-    """The prompts' contents of a pair (None: the warm-up), fresh for every pair and experiment."""
-    return settings.seed * 100_003 + (0 if pair is None else pair + 1)
+def new_token_seed() -> int:
+    """The prompts' contents of a pair (or the warm-up): drawn unpredictably, and sent to each
+    worker only once its engine is ready (launch.py), so no run can prepare for them."""
+    return secrets.randbits(62)
 
 
-def run_arm(plan: Plan, label: str, pair: int | None, quality: dict | None = None) -> WorkerResult:
-    """One workload run of an arm on the prompts of `pair` (None: the warm-up's), checked:
-    every request answered in full, on the prompts it was given."""
+class TreeGuard:
+    """An arm's files -- an exported tree's `oxserve` package and its private cache -- change
+    only while that arm runs (a compiled kernel, bytecode): what the other arm's process wrote
+    there between two runs would be a message or a trap (tree check)."""
+
+    def __init__(self) -> None:
+        self.seen: dict[Path, str] = {}
+
+    def check(self, label: str, paths: list[Path]) -> None:
+        for path in paths:
+            if path in self.seen and tree_digest(path) != self.seen[path]:
+                raise WorkerError(f"arm {label}: {path} changed while it was not running (tree check)")
+
+    def record(self, paths: list[Path]) -> None:
+        for path in paths:
+            self.seen[path] = tree_digest(path)
+
+
+def guarded(plan: Plan, label: str) -> list[Path]:
+    """What the tree check watches for an arm: its export's package (not this checkout, which
+    people edit) and its cache's kernel builds."""
+    paths = [plan.cache_dirs[label] / "native"]
+    return paths + ([plan.sources[label] / "oxserve"] if plan.sources[label] != REPO_ROOT else [])
+
+
+def run_arm(plan: Plan, label: str, seed: int, quality: dict | None = None) -> WorkerResult:
+    """One workload run of an arm on the prompts of `seed`, checked: its files untouched since
+    its last run, every request answered in full on the prompts it was given; its rate and
+    total time are the launcher's (the worker's own are kept as worker_*)."""
     s = plan.settings
-    seed = token_seed(s, pair)
     job = {"options": dict(plan.options[label]), "workload": s.workload.to_dict(), "threads": s.threads,
-           "quality": quality, "token_seed": seed}
-    done = run_worker(plan.sources[label], job, s.run_timeout_s, f"arm {label}", plan.cache_dirs[label])
-    check_completeness(plan, label, seed, done.result["outputs"])
+           "quality": quality}
+    plan.guard.check(label, guarded(plan, label))
+    done = run_worker(plan.sources[label], job, s.run_timeout_s, f"arm {label}", plan.cache_dirs[label], seed)
+    plan.guard.record(guarded(plan, label))
+    check_completeness(plan, label, seed, done.outputs)
+    metrics = done.result["metrics"]
+    metrics["worker_total_time_s"], metrics["worker_output_tokens_per_s"] = metrics["total_time_s"], metrics["output_tokens_per_s"]
+    metrics["total_time_s"] = done.timed_s
+    metrics["output_tokens_per_s"] = metrics["num_output_tokens"] / done.timed_s
     return done
 
 
 def check_completeness(plan: Plan, label: str, seed: int, outputs: list[dict]) -> None:
-    """Every request answered, on its own prompt, with all its tokens where nothing could stop
-    it early (ignore_eos, no stop strings); never more than it asked for (output check)."""
+    """Every request answered, on its own prompt (a later turn's: the previous turn's prompt
+    and output, then its own message), with all its tokens where nothing could stop it early
+    (ignore_eos, no stop strings); never more than it asked for (output check)."""
     requests = plan.settings.workload.requests(plan.vocab_size, min_token_id=PROMPT_MIN_TOKEN_ID,
                                                model_dir=plan.model_dir, token_seed=seed)
     if len(outputs) != len(requests):
         raise WorkerError(f"arm {label}: answered {len(outputs)} of the workload's {len(requests)} requests (output check)")
-    for request, out in zip(requests, outputs, strict=True):
+    for k, (request, out) in enumerate(zip(requests, outputs, strict=True)):
         sampling = request.sampling
-        if request.turn == 0 and tuple(out["prompt"]) != request.prompt_token_ids:
+        expected = request.prompt_token_ids
+        if request.turn > 0:
+            expected = tuple(outputs[k - 1]["prompt"]) + tuple(outputs[k - 1]["output"]) + expected
+        if tuple(out["prompt"]) != tuple(expected):
             raise WorkerError(f"arm {label}: request {request.index} was not answered on its own prompt (output check)")
         wanted, got = sampling["max_tokens"], len(out["output"])
         exact = sampling.get("ignore_eos") and not sampling.get("stop") and not sampling.get("stop_token_ids")
@@ -189,24 +231,30 @@ def check_completeness(plan: Plan, label: str, seed: int, outputs: list[dict]) -
                               f"{wanted}{' (ignore_eos)' if exact else ''} (output check)")
 
 
-def check_outputs(plan: Plan, a: WorkerResult, b: WorkerResult) -> dict:
-    """A's engine scores both arms' outputs of one pair (or the warm-up): see `compare_outputs`."""
+def check_outputs(plan: Plan, seed: int, a: WorkerResult, b: WorkerResult) -> dict:
+    """A's engine scores both arms' outputs on the prompts of `seed`: see `compare_outputs`."""
     s = plan.settings
-    job = {"options": dict(plan.options["A"]), "threads": s.threads,
-           "verify": {"runs": {"A": a.result["outputs"], "B": b.result["outputs"]}}}
+    job = {"options": dict(plan.options["A"]), "threads": s.threads, "verify": {"runs": {"A": a.outputs, "B": b.outputs}}}
+    plan.guard.check("A", guarded(plan, "A"))
     scored = run_worker(plan.sources["A"], job, s.run_timeout_s, "output check (arm A)", plan.cache_dirs["A"]).result["verify"]
-    return compare_outputs(scored["A"], scored["B"], s.output_bound)
+    plan.guard.record(guarded(plan, "A"))
+    requests = s.workload.requests(plan.vocab_size, min_token_id=PROMPT_MIN_TOKEN_ID, model_dir=plan.model_dir,
+                                   token_seed=seed)
+    greedy = [not r.sampling.get("temperature", 1.0) for r in requests]
+    return {**compare_outputs(scored["A"], scored["B"], s.output_bound, greedy, [o["output"] for o in a.outputs],
+                              [o["output"] for o in b.outputs]), "token_seed": seed}
 
 
 def warm_up_with_quality_gate(plan: Plan) -> dict:
     """The discarded warm-up run of each arm, carrying the quality gate and the output check;
     returns their result (passed only if both pass)."""
     prompts = [list(p) for p in plan.prompts]
-    a = run_arm(plan, "A", None, {"prompts": prompts, "max_tokens": plan.settings.quality_tokens})
+    seed = new_token_seed()
+    a = run_arm(plan, "A", seed, {"prompts": prompts, "max_tokens": plan.settings.quality_tokens})
     reference = a.result["quality"]
-    b = run_arm(plan, "B", None, {"prompts": prompts, "tokens": reference["tokens"]})
+    b = run_arm(plan, "B", seed, {"prompts": prompts, "tokens": reference["tokens"]})
     gate = compare_scores(reference["scores"], b.result["quality"]["scores"], plan.settings.quality_bound)
-    return with_outputs(gate, "warm_up", check_outputs(plan, a, b))
+    return with_outputs(gate, "warm_up", check_outputs(plan, seed, a, b))
 
 
 def with_outputs(quality: dict, name: str, outputs: dict) -> dict:
@@ -234,9 +282,11 @@ def run_experiment(settings: Settings, ledger: Ledger, log: Callable[[str], None
             if not quality["passed"] and settings.stop_on_quality_failure:
                 ledger.fail_experiment(eid, STOPPED_BY_QUALITY_GATE, quality)
                 return ledger.get(eid)
-            a, b, checked = _measure_pairs(plan, ledger, eid, log)
-            quality = with_outputs(quality, f"pair_{plan.checked_pair}", check_outputs(plan, *checked))
-            log(f"output check of pair {plan.checked_pair}: {'passed' if quality['passed'] else 'FAILED'}")
+            a, b, runs = _measure_pairs(plan, ledger, eid, log)
+            pair = secrets.randbelow(len(runs))  # drawn now: no run could know whether it would be checked
+            seed, checked = runs[pair]
+            quality = with_outputs(quality, f"pair_{pair}", check_outputs(plan, seed, checked["A"], checked["B"]))
+            log(f"output check of pair {pair}: {'passed' if quality['passed'] else 'FAILED'}")
             comparison = compare(a, b, noise_threshold=settings.noise_threshold, alpha=settings.alpha,
                                  roofline=max(plan.rooflines.values()))
             stats = {**comparison.to_dict(), "metric": settings.metric, "rooflines": dict(plan.rooflines),
@@ -250,18 +300,18 @@ def run_experiment(settings: Settings, ledger: Ledger, log: Callable[[str], None
 
 def _measure_pairs(plan: Plan, ledger: Ledger, eid: int, log) -> tuple:
     """Interleaved runs, each committed as it ends, until enough pairs; (a, b) paired samples
-    and the runs (A, B) of the pair whose outputs are checked."""
+    and, per pair, its token seed and runs {label: WorkerResult} (for the output check)."""
     s = plan.settings
     order: list[str] = []
     values: list[float] = []
-    checked: dict[str, WorkerResult] = {}
+    runs: list[tuple[int, dict[str, WorkerResult]]] = []
     wanted, block = s.pairs, 0
     while wanted:
         for label in interleaved_order(wanted, seed=s.seed + block):
-            pair = len(order) // 2  # runs 2k and 2k+1 form pair k
-            done = run_arm(plan, label, pair)
-            if pair == plan.checked_pair:
-                checked[label] = done
+            if len(order) % 2 == 0:  # runs 2k and 2k+1 form pair k, on prompts of their own
+                runs.append((new_token_seed(), {}))
+            seed, pair = runs[-1]
+            pair[label] = done = run_arm(plan, label, seed)
             metrics = done.result["metrics"]
             ledger.add_sample(eid, len(order), label, metrics, done.wall_time_s)
             order.append(label)
@@ -270,7 +320,7 @@ def _measure_pairs(plan: Plan, ledger: Ledger, eid: int, log) -> tuple:
         block += 1
         a, b = split_by_arm(order, values)
         wanted = more_pairs_needed(a, b, max_pairs=s.max_pairs, ci_width_threshold=2 * s.noise_threshold)
-    return a, b, (checked["A"], checked["B"])
+    return a, b, runs
 
 
 def tokens_per_s_roofline(cfg: TextModelConfig, options: Mapping[str, Any], workload: Workload, ceilings: Ceilings) -> float:

@@ -56,13 +56,13 @@ def score_tokens(engine, prompts: list[list[int]], tokens: list[list[int]]) -> l
 
 def output_loglikelihoods(engine, runs: list[dict]) -> list[list[float]]:
     """For each {"prompt", "output"} of a workload run: the logprob, under `engine`, of every
-    output token but the last, teacher-forced in one prefill (prompt logprobs), so the
-    request is never longer than the one that produced the output."""
-    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, prompt_logprobs=0)
-    ids = {}
-    for k, run in enumerate(runs):
-        if len(run["output"]) > 1:
-            ids[k] = engine.add_request(f"q-verify-{k}", list(run["prompt"]) + list(run["output"][:-1]), params)
+    output token, teacher-forced in one prefill of the prompt and all but the last output
+    token (prompt logprobs; the last from the next-token top-`TOP_LOGPROBS`, or at most the
+    lowest reported when outside it), so the request is never longer than the one that
+    produced the output."""
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, prompt_logprobs=0, logprobs=TOP_LOGPROBS)
+    ids = {k: engine.add_request(f"q-verify-{k}", list(run["prompt"]) + list(run["output"][:-1]), params)
+           for k, run in enumerate(runs) if run["output"]}
     finished = _run_to_completion(engine)
     scores: list[list[float]] = [[] for _ in runs]
     for k, rid in ids.items():
@@ -70,20 +70,49 @@ def output_loglikelihoods(engine, runs: list[dict]) -> list[list[float]]:
         start = len(run["prompt"])
         for position, token in enumerate(run["output"][:-1], start):
             scores[k].append(float(out.prompt_logprobs[position][int(token)]))
+        last = {int(t): float(lp) for t, lp in out.outputs[0].logprobs[0].items()}
+        scores[k].append(last.get(int(run["output"][-1]), min(last.values())))
     return scores
 
 
-def compare_outputs(reference: list[list[float]], candidate: list[list[float]], bound: float) -> dict:
-    """Are B's outputs as likely, under A, as A's own on the same prompts? Mean logprob per
-    token of each (scored by A's engine); B may fall short by at most `bound` nats. Outputs
-    that are cached from other prompts, computed by a cut-down model or made up fall far
-    below; a legitimate change (batching, a kernel, a careful precision cut) does not."""
-    ref = [lp for row in reference for lp in row]
-    cand = [lp for row in candidate for lp in row]
-    mean_ref = float(np.mean(ref)) if ref else 0.0
-    mean_cand = float(np.mean(cand)) if cand else 0.0
-    return {"passed": bool(cand) and mean_cand >= mean_ref - bound, "bound": bound, "reference_mean_logprob": mean_ref,
-            "candidate_mean_logprob": mean_cand, "shortfall": mean_ref - mean_cand, "tokens": len(cand)}
+GREEDY_MARGIN = 1.0  # nats: how far below A's own choice B's first different greedy token may be
+
+
+def compare_outputs(reference: list[list[float]], candidate: list[list[float]], bound: float,
+                    greedy: list[bool] | None = None, reference_tokens: list[list[int]] | None = None,
+                    candidate_tokens: list[list[int]] | None = None) -> dict:
+    """Are B's outputs as likely, under A, as A's own on the same prompts? Both are scored by
+    A's engine (`output_loglikelihoods`), request by request.
+
+    - mean logprob per token: B's may fall short of A's by `bound` nats plus three standard
+      errors (over requests: sampled outputs vary). Outputs cached from other prompts, made
+      up, cut short by an early stop, or computed by a cut-down model fall far below; a
+      legitimate change (batching, a kernel, a careful precision cut) does not.
+    - greedy requests: where B's output first differs from A's, A's logprob of B's token
+      must be within GREEDY_MARGIN of A's own choice there -- a legitimate change flips only
+      near-ties (degenerate but likely outputs pass the mean and fail this)."""
+    ref_means = [float(np.mean(row)) for row in reference if row]
+    cand_means = [float(np.mean(row)) for row in candidate if row]
+    ref_all = [lp for row in reference for lp in row]
+    cand_all = [lp for row in candidate for lp in row]
+    mean_ref = float(np.mean(ref_all)) if ref_all else 0.0
+    mean_cand = float(np.mean(cand_all)) if cand_all else 0.0
+    se = 0.0
+    if len(ref_means) > 1 and len(cand_means) > 1:
+        se = float(np.sqrt(np.var(ref_means, ddof=1) / len(ref_means) + np.var(cand_means, ddof=1) / len(cand_means)))
+    margins = []
+    if greedy and reference_tokens is not None and candidate_tokens is not None:
+        for k, is_greedy in enumerate(greedy):
+            a, b = reference_tokens[k], candidate_tokens[k]
+            d = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+            if is_greedy and d is not None:
+                margins.append(reference[k][d] - candidate[k][d])
+    worst_margin = max(margins, default=0.0)
+    allowed = bound + 3 * se
+    return {"passed": (mean_cand >= mean_ref - allowed) and worst_margin <= GREEDY_MARGIN, "bound": bound,
+            "allowed_shortfall": allowed, "reference_mean_logprob": mean_ref, "candidate_mean_logprob": mean_cand,
+            "shortfall": mean_ref - mean_cand, "tokens": len(cand_all), "greedy_divergences": len(margins),
+            "worst_greedy_margin": worst_margin, "greedy_margin_bound": GREEDY_MARGIN}
 
 
 def compare_scores(reference: list[list[dict]], candidate: list[list[dict]], bound: float) -> dict:

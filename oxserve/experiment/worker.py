@@ -3,20 +3,21 @@
     python -m oxserve.experiment.worker JOB.json RESULT.json
 
 JOB: {"options": engine options, "workload": workload dict, "threads": int | null,
-      "token_seed": int | null (the prompts' contents; null: the workload's own),
-      "marker_fd": int | null (a pipe to the launcher: "S" as the timed part starts, "E" as it ends),
+      "marker_fd", "seed_fd": the pipes to the launcher (see launch.py),
       "quality": null | {"prompts", "max_tokens"}   (arm A: generate greedily, score)
                       | {"prompts", "tokens"}}      (arm B: score A's tokens)
-RESULT: {"metrics": {...}, "outputs": [{"prompt", "output"}, ...], "quality": {"tokens"?, "scores"}?,
-         "engine": {...}}
+RESULT: {"metrics": {...}, "quality": {"tokens"?, "scores"}?, "engine": {...}}
 
-or, to check another run's outputs (the launcher gives it the reference arm's tree):
+The engine is built and warmed up (one short request on a prompt of its own),
+then the worker writes "R" and waits for the seed of its prompts' contents; the timed part is
+making those requests and running them, and ends with "E", the outputs' length and the
+outputs ([{"prompt", "output"}, ...] as JSON) written to the launcher, which times it all.
+
+or, to check other runs' outputs (the launcher gives it the reference arm's tree):
 
 JOB:    {"options", "threads", "verify": {"runs": {label: [{"prompt", "output"}, ...]}}}
-RESULT: {"verify": {label: [log-likelihood of each output under this engine, ...]}, "engine": {...}}
+RESULT: {"verify": {label: [the logprobs of each output's tokens under this engine, ...]}, "engine": {...}}
 
-The engine is built and warmed up (one short request) before the clock starts; the timed
-part is the workload alone, and the launcher times it too, on its own clock, from the markers.
 Only the result file says the run succeeded; errors go to stderr and a non-zero exit status.
 """
 
@@ -25,6 +26,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import secrets
+import struct
 import sys
 from pathlib import Path
 
@@ -49,19 +52,22 @@ def run_job(job: dict) -> dict:
         return {"verify": {label: output_loglikelihoods(engine, outputs) for label, outputs in runs.items()},
                 "engine": about}
     workload = Workload.from_dict(job["workload"])
-    requests = workload.requests(engine.model_config.vocab_size, min_token_id=PROMPT_MIN_TOKEN_ID,
-                                 model_dir=engine.model_path, token_seed=job.get("token_seed"))
-    warm = dataclasses.replace(requests[0], sampling={**dict(requests[0].sampling), "max_tokens": 2})
-    run_workload(engine, [warm], Arrival(concurrency=1))
-    marker = job.get("marker_fd")
-    _mark(marker, b"S")
-    run = run_workload(engine, requests, workload.arrival)
-    _mark(marker, b"E")
-    result = {
-        "metrics": run.metrics(),
-        "outputs": [{"prompt": list(r.prompt), "output": list(r.output)} for r in run.requests],
-        "engine": about,
-    }
+
+    def make_requests(token_seed: int | None):
+        return workload.requests(engine.model_config.vocab_size, min_token_id=PROMPT_MIN_TOKEN_ID,
+                                 model_dir=engine.model_path, token_seed=token_seed)
+
+    first = make_requests(secrets.randbits(62))[0]  # the warm-up's own prompt: no run shares it
+    run_workload(engine, [dataclasses.replace(first, sampling={**dict(first.sampling), "max_tokens": 2})],
+                 Arrival(concurrency=1))
+    os.write(job["marker_fd"], b"R")
+    with os.fdopen(job["seed_fd"], "rb", buffering=0) as seeds:
+        token_seed = int(seeds.readline())
+    run = run_workload(engine, make_requests(token_seed), workload.arrival)
+    outputs = json.dumps([{"prompt": list(r.prompt), "output": list(r.output)} for r in run.requests]).encode()
+    with os.fdopen(job["marker_fd"], "wb") as marker:  # buffered: writes it all, then closes the pipe
+        marker.write(b"E" + struct.pack("!Q", len(outputs)) + outputs)
+    result = {"metrics": run.metrics(), "engine": about}
     quality = job.get("quality")
     if quality:
         prompts = quality["prompts"]
@@ -70,11 +76,6 @@ def run_job(job: dict) -> dict:
         engine.reset_prefix_cache()
         result["quality"] = {"tokens": tokens, "scores": score_tokens(engine, prompts, tokens)}
     return result
-
-
-def _mark(fd: int | None, byte: bytes) -> None:
-    if fd is not None:
-        os.write(fd, byte)
 
 
 def main(argv: list[str]) -> int:

@@ -310,8 +310,8 @@ class Workload:
         `model_dir` (`prompts: held_out_code`). Same seed, same requests; independent
         random streams keep, e.g., the prompts unchanged when only the arrival changes.
         `token_seed` draws other prompt contents for the same lengths, arrivals and sampling
-        (experiments give each pair fresh prompts, so nothing learned from one run's prompts
-        can serve another's)."""
+        (experiments give each pair prompts of their own, from a seed drawn at random, so
+        nothing learned from one run's prompts can serve another's)."""
         _require_int(vocab_size, "vocab_size", minimum=1)
         _require_int(min_token_id, "min_token_id", minimum=0)
         if min_token_id >= vocab_size:
