@@ -14,7 +14,7 @@
       max_num_seqs: [1, 2, 4, 8, 16]
       dtype: [float32, bfloat16]
     budget: {wall_time_s: 3600, experiments: 20}
-    experiment: {pairs: 4, max_pairs: 6, noise: 0.02, alpha: 0.05, run_timeout_s: 900}
+    experiment: {pairs: 4, max_pairs: 6, noise: 0.02, alpha: 0.05, run_timeout_s: 900, output_bound: 0.25}
     confirm: true                        # a fresh confirmation experiment before accepting
     policy: rules                        # rules | search | llm (the command line may override)
     risk:
@@ -72,12 +72,15 @@ class ExperimentSettings:
     noise: float = 0.02
     alpha: float = 0.05
     run_timeout_s: float = 900.0
+    output_bound: float = 0.25  # nats/token: the experiments' output check
 
     def __post_init__(self) -> None:
         if not 1 <= self.pairs <= self.max_pairs:
             raise ValueError(f"experiment: need 1 <= pairs <= max_pairs, got {self.pairs}, {self.max_pairs}")
         if not 0 < self.noise < 1 or not 0 < self.alpha < 1:
             raise ValueError(f"experiment: noise and alpha must be in (0, 1), got {self.noise}, {self.alpha}")
+        if not self.output_bound >= 0:
+            raise ValueError(f"experiment: output_bound must be >= 0, got {self.output_bound}")
         if 2 / math.comb(2 * self.pairs, self.pairs) >= self.alpha:
             raise ValueError(f"experiment: {self.pairs} pairs can never reach Mann-Whitney p < {self.alpha} "
                              f"(the least p is {2 / math.comb(2 * self.pairs, self.pairs):.3g}): nothing could be accepted")

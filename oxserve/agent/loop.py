@@ -25,7 +25,7 @@ from oxserve.agent.journal import Journal
 from oxserve.agent.judge import judge, quality_failed
 from oxserve.agent.patches import PatchError, digest, prepare
 from oxserve.agent.policy import AgentState, Outcome, Policy
-from oxserve.experiment.arms import REPO_ROOT, Arm, export_revision, resolve_revision
+from oxserve.experiment.arms import REPO_ROOT, Arm, export_revision, harness_digest, resolve_revision
 from oxserve.experiment.launch import WorkerError
 from oxserve.experiment.procedure import Settings, run_experiment
 from oxserve.feedback.ledger import ExperimentRecord, Ledger, LedgerError
@@ -50,6 +50,7 @@ class AgentLoop:
         self.start_revision: str | None = run.start_revision
         self.revision: str | None = run.revision  # the incumbent's code
         self._prepared: dict[tuple, str] = {}  # (action key, base commit) -> the patched commit
+        self._harness = harness_digest()  # what measures every experiment of this run
         self.history: list[Outcome] = outcomes_of(self.journal, self.run_id)
         self.incumbent_rate: float | None = _last_rate(self.journal, self.run_id)
         self.diagnosis: Diagnosis | None = None
@@ -159,18 +160,20 @@ class AgentLoop:
         revision = self._prepared[(action.key(), self.revision)] if action.patch else self.revision
         a, b = (self.incumbent, self.revision), (candidate, revision)
         record = self._experiment("experiment", action, a, b, self.goal.workload)
+        # The incumbent's rate as first measured (at adoption, or the run's first experiment)
+        # anchors the baseline check: a rejected experiment never lowers it.
+        if self.incumbent_rate is None:
+            self.incumbent_rate = _stat(record, "median_a")
         reasons = judge(record, self.goal, self.incumbent_rate)
         records = [record]
         if not reasons and self.goal.confirm:  # against the winner's curse: a fresh experiment must agree
             records.append(self._experiment("confirm", action, a, b, self.goal.workload))
-            reasons = [f"confirmation: {r}" for r in judge(records[-1], self.goal, _stat(record, "median_a"))]
+            reasons = [f"confirmation: {r}" for r in judge(records[-1], self.goal, self.incumbent_rate)]
         outcome = Outcome(action, dict(self.incumbent), not reasons, tuple(reasons), tuple(r.id for r in records),
                           _stat(record, "median_ratio"), _stat(records[-1], "median_b"),
                           any(quality_failed(r) for r in records), self.revision, revision)
         self.policy.observe(outcome)
         self.history.append(outcome)
-        if _stat(records[-1], "median_a") is not None:
-            self.incumbent_rate = _stat(records[-1], "median_a")
         if reasons:
             self.journal.add_step(self.run_id, "reject", "; ".join(reasons), outcome.to_dict(), action=action.to_dict())
             self.log(f"rejected {action.describe()}: {'; '.join(reasons)}")
@@ -228,11 +231,15 @@ class AgentLoop:
         settings = Settings(
             a=_arm("A", *a), b=_arm("B", *b), workload=workload,
             base_options=self.goal.base_options, pairs=e.pairs, max_pairs=e.max_pairs, noise_threshold=e.noise,
-            alpha=e.alpha, metric=self.goal.metric, quality_bound=self.goal.quality_bound, seed=experiments,
+            alpha=e.alpha, metric=self.goal.metric, quality_bound=self.goal.quality_bound, output_bound=e.output_bound,
+            seed=experiments,
             run_timeout_s=e.run_timeout_s, threads=self.threads, stop_on_quality_failure=kind != "held_out",
             description=f"agent run {self.run_id} {kind}: {action.describe()} ({action.origin}, predicted "
                         f"x{action.predicted_ratio:.3f}) -- {action.rationale}",
         )
+        if harness_digest() != self._harness:
+            raise RuntimeError("the measuring harness (oxserve/feedback, oxserve/experiment, oxserve/options.py) "
+                               "changed during this run: its experiments would not be comparable; stopped")
         t0 = time.monotonic()
         newest = max((r.id for r in self.ledger.list(1)), default=0)
         try:
@@ -244,7 +251,8 @@ class AgentLoop:
                     "p_value": _stat(record, "p_value"), "median_a": _stat(record, "median_a"),
                     "median_b": _stat(record, "median_b"),
                     "predicted_ratio": action.predicted_ratio, "verdict": record.verdict,
-                    "quality_passed": (record.quality or {}).get("passed"), "workload": workload.name}
+                    "quality_passed": (record.quality or {}).get("passed"), "workload": workload.name,
+                    "arms": {"A": {"options": dict(a[0]), "revision": a[1]}, "B": {"options": dict(b[0]), "revision": b[1]}}}
         self.journal.add_step(self.run_id, kind, record.description, evidence, action=action.to_dict(),
                               experiment_id=record.id, seconds=time.monotonic() - t0)
         return record
@@ -253,8 +261,10 @@ class AgentLoop:
         """The result, measured once on a workload the search never saw (outside the budget)."""
         if self.goal.held_out is None or (self.incumbent, self.revision) == (self.start, self.start_revision):
             return
-        if any(s.kind == "held_out" for s in self.journal.steps(self.run_id)):
-            return
+        measured = [s for s in self.journal.steps(self.run_id) if s.kind == "held_out"]
+        if measured and measured[-1].evidence.get("arms", {}).get("B") == {"options": self.incumbent,
+                                                                            "revision": self.revision}:
+            return  # this incumbent's held-out figure stands; one adopted since (an approval) is measured again
         final = Action({k: v for k, v in self.incumbent.items() if self.start.get(k) != v},
                        f"the final incumbent against the start, on {self.goal.held_out.name}", 1.0, "held-out")
         self._experiment("held_out", final, (self.start, self.start_revision), (self.incumbent, self.revision),

@@ -40,7 +40,8 @@ PROTECTED = (
 )
 # Added lines that reach for the measurement (a tripwire: see the module docstring).
 HARNESS_REACH = (
-    (re.compile(r"\.(perf_counter|monotonic|process_time|thread_time|time|sleep)(_ns)?\s*=(?!=)"), "rebinds a clock"),
+    (re.compile(r"(?<!self)\.(perf_counter|monotonic|process_time|thread_time|time|sleep)(_ns)?\s*=(?!=)"),
+     "rebinds a clock"),
     (re.compile(r"\bsetattr\s*\(\s*(time|_?clock)\b"), "rebinds a clock"),
     (re.compile(r"\bsys\.modules\b"), "reaches into sys.modules"),
     (re.compile(r"\bbuiltins\b"), "reaches into builtins"),
@@ -107,17 +108,45 @@ def touched_files(diff: str, repo: Path) -> list[str]:
         if "mode 120000" in line or "mode change" in line:
             raise PatchError(f"symlinks and mode changes are refused (path rules): {line.strip()}")
     # git's count names a rename by its new path only: the old one (deleted) comes from the headers.
-    for line in diff.splitlines():
-        for prefix in ("rename from ", "copy from ", "--- a/", "+++ b/"):
-            if line.startswith(prefix):
-                path = line[len(prefix):].rstrip("\t")
-                if path.startswith('"'):
-                    raise PatchError(f"quoted (unusual) paths are refused (path rules): {path}")
-                if path not in paths:
-                    paths.append(path)
+    for path in read_diff(diff).paths:
+        if path.startswith('"'):
+            raise PatchError(f"quoted (unusual) paths are refused (path rules): {path}")
+        if path not in paths:
+            paths.append(path)
     if not paths:
         raise PatchError("the patch touches no file")
     return paths
+
+
+@dataclass(frozen=True)
+class DiffText:
+    paths: list[str]  # from the file headers (old and new names)
+    added: list[tuple[int, str]]  # (line number in the diff, text) of every added line
+
+
+def read_diff(diff: str) -> DiffText:
+    """The headers' paths and the added lines of a unified diff, read hunk by hunk (an added
+    line whose text starts with "++ b/" is content, not a header)."""
+    paths, added = [], []
+    old_left = new_left = 0
+    for number, line in enumerate(diff.splitlines(), 1):
+        if old_left > 0 or new_left > 0:  # inside a hunk: count its lines off
+            if line.startswith("+"):
+                added.append((number, line[1:]))
+                new_left -= 1
+            elif line.startswith("-"):
+                old_left -= 1
+            elif line.startswith(" ") or line == "":
+                old_left, new_left = old_left - 1, new_left - 1
+            continue  # "\ No newline at end of file" counts nothing
+        if hunk := re.match(r"@@ -\d+(?:,(\d+))? \+\d+(?:,(\d+))? @@", line):
+            old_left = int(hunk.group(1)) if hunk.group(1) is not None else 1
+            new_left = int(hunk.group(2)) if hunk.group(2) is not None else 1
+            continue
+        for prefix in ("rename from ", "rename to ", "copy from ", "copy to ", "--- a/", "+++ b/"):
+            if line.startswith(prefix):
+                paths.append(line[len(prefix):].rstrip("\t"))
+    return DiffText(paths, added)
 
 
 def check_patch(diff: str, rules: CodeRules | None, repo: Path) -> list[str]:
@@ -135,11 +164,11 @@ def check_patch(diff: str, rules: CodeRules | None, repo: Path) -> list[str]:
                             "build are never patched (path rules)")
         elif not any(fnmatch.fnmatchcase(path, p) for p in rules.allowed):
             problems.append(f"{path} is outside the goal's code.allowed ({', '.join(rules.allowed)}) (path rules)")
-    for number, line in enumerate(diff.splitlines(), 1):
-        if line.startswith("+") and not line.startswith("+++"):
-            for pattern, why in HARNESS_REACH:
-                if pattern.search(line[1:]):
-                    problems.append(f"line {number} {why}: {line[1:].strip()[:80]!r} (harness reach)")
+    for number, text in read_diff(diff).added:
+        code = re.sub(r"(^|\s)#[^'\"]*$", "", text)  # a comment may name the harness (one with quotes is read)
+        for pattern, why in HARNESS_REACH:
+            if pattern.search(code):
+                problems.append(f"line {number} {why}: {text.strip()[:80]!r} (harness reach)")
     return problems
 
 
@@ -176,11 +205,18 @@ def run_tests(tree: Path, rules: CodeRules) -> str:
     return tail
 
 
-def land(diff: str, repo: Path, message: str, paths: Sequence[str]) -> str:
+def land(diff: str, repo: Path, message: str, paths: Sequence[str], base: str) -> str:
     """Commit an approved patch onto the checked-out branch of `repo`; the new commit id.
-    Refused when those files have local changes or the patch does not apply there."""
+    Refused unless the branch holds exactly the code the patch was measured on (`base`'s
+    tree: another landing since makes an unmeasured combination), or when those files have
+    local changes."""
     if shutil.which("git") is None:
         raise PatchError("git is not installed")
+    head_tree = _git(repo, "rev-parse", "HEAD^{tree}", what="read the branch").strip()
+    base_tree = _git(repo, "rev-parse", f"{base}^{{tree}}", what=f"find the measured commit {base[:12]}").strip()
+    if head_tree != base_tree:
+        raise PatchError(f"the branch's code is not what the patch was measured on ({base[:12]}): "
+                         "another change landed since; the agent must test it again on the branch")
     dirty = _git(repo, "status", "--porcelain", "--", *paths, what="read the working tree").strip()
     if dirty:
         raise PatchError(f"the files the patch touches have local changes; commit or stash them first:\n{dirty}")

@@ -36,7 +36,7 @@ def build_report(journal: Journal, run_id: int) -> dict:
     outcomes = outcomes_of(journal, run_id)
     spent_s, experiments = journal.spent(run_id)
     curve = progress(steps)
-    held_out = next((s for s in steps if s.kind == "held_out"), None)
+    held_out = next((s for s in reversed(steps) if s.kind == "held_out"), None)  # the final incumbent's
     calibration = [abs(math.log(o.ratio / o.action.predicted_ratio)) for o in outcomes
                    if o.ratio and o.action.predicted_ratio > 0 and o.action.origin != "search"]
     return {

@@ -230,9 +230,9 @@ def test_every_planted_cheat_is_rejected_by_its_defence_and_a_genuine_gain_lands
                      and s.action["patch"] == cheats["memo"].patch)
     tree = export_revision(with_memo, tmp_path / "memo-tree")
     job = {"options": {**goal.base_options, **goal.start}, "workload": goal.workload.to_dict(), "threads": 1,
-           "quality": None, "token_seed": 12345}
+           "quality": None}
     for _ in range(2):
-        run_worker(tree, job, 300, "memo")
+        run_worker(tree, job, 300, "memo", token_seed=12345)
     assert Path(str(memo_path) + ".hits").read_text().count("\n") >= 10
 
 
