@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import difflib
 import subprocess
+import sys
 import textwrap
 import time
 from pathlib import Path
@@ -23,10 +24,12 @@ from oxserve.agent.goal import goal_from_dict
 from oxserve.agent.journal import Journal
 from oxserve.agent.loop import AgentLoop
 from oxserve.agent.patches import AGENT_REF, CodeRules, prepare
-from oxserve.agent.policy import AgentState
 from oxserve.experiment.arms import REPO_ROOT, export_revision
 from oxserve.experiment.launch import run_worker
 from oxserve.feedback.ledger import Ledger
+
+sys.path.insert(0, str(REPO_ROOT / "tests" / "agent"))
+from planted import Planted  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -119,19 +122,6 @@ def diff(path: str, before: str, after: str) -> str:
 
 def git(*args: str, repo: Path = REPO_ROOT) -> str:
     return subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, check=True).stdout
-
-
-class Planted:
-    name, needs_diagnosis = "planted", False
-
-    def __init__(self, actions: list[Action]) -> None:
-        self.actions = actions
-
-    def propose(self, state: AgentState) -> list[Action]:
-        return list(self.actions)
-
-    def observe(self, outcome) -> None:
-        pass
 
 
 @pytest.fixture

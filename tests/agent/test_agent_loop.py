@@ -30,6 +30,9 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests" / "server"))  # the server tests' harness
 from server_harness import serve  # noqa: E402
 
+sys.path.insert(0, str(REPO / "tests" / "agent"))
+from planted import Planted  # noqa: E402
+
 pytestmark = pytest.mark.slow
 
 
@@ -45,22 +48,6 @@ def goal_dict(model: Path, **over) -> dict:
         "experiment": {"pairs": 4, "max_pairs": 4},
         **over,
     }
-
-
-class Planted:
-    """A policy that proposes fixed actions, to plant what the loop's defences must catch."""
-
-    name = "planted"
-    needs_diagnosis = False
-
-    def __init__(self, actions: list[Action]) -> None:
-        self.actions = actions
-
-    def propose(self, state: AgentState) -> list[Action]:
-        return list(self.actions)
-
-    def observe(self, outcome) -> None:
-        pass
 
 
 def test_lowered_precision_is_caught_a_proven_change_waits_for_approval_then_holds_out(tiny_model_dir, data_dir, tmp_path):
