@@ -13,6 +13,7 @@
     search_space:                        # engine option -> the values the agent may choose
       max_num_seqs: [1, 2, 4, 8, 16]
       dtype: [float32, bfloat16]
+      quantization_plan: [null, sensitivity@0.01]   # a plan the agent makes within 0.01 nats/token
     budget: {wall_time_s: 3600, experiments: 20}
     experiment: {pairs: 4, max_pairs: 6, noise: 0.02, alpha: 0.05, run_timeout_s: 900, output_bound: 0.25}
     confirm: true                        # a fresh confirmation experiment before accepting
@@ -42,6 +43,9 @@ from typing import Any
 import yaml
 
 from oxserve.agent.patches import Candidate, CodeRules
+from oxserve.agent.plans import MARKER as PLAN_MARKER
+from oxserve.agent.plans import OPTION as PLAN_OPTION
+from oxserve.agent.plans import kl_budget
 from oxserve.experiment.arms import options_from_file, option_name
 from oxserve.feedback.drive import RUN_METRICS
 from oxserve.feedback.workload import Workload, load_workload
@@ -147,7 +151,7 @@ def goal_from_dict(data: Any, base_dir: Path = Path(".")) -> Goal:
     base_options = _options(data.get("base_options") or {}, base_dir, "base_options")
     start = _options(data.get("start") or {}, base_dir, "start")
     code = _code(_mapping(data, CODE), base_dir) if data.get(CODE) is not None else None
-    space = _search_space(_mapping(data, "search_space", required=code is None), base_options, code)
+    space = _search_space(_mapping(data, "search_space", required=code is None), base_options, code, base_dir)
     engine_config({**base_options, **start})  # the start must be a valid configuration
     for name, value in start.items():
         if name in space and value not in space[name]:
@@ -244,7 +248,19 @@ def _code(raw: Mapping, base_dir: Path) -> CodeRules:
     return CodeRules(tuple(allowed), tuple(tests), float(raw.get("test_timeout_s", 900.0)), tuple(candidates))
 
 
-def _search_space(raw: Mapping, base_options: Mapping[str, Any], code: CodeRules | None = None) -> dict[str, tuple]:
+def _plan_value(value: Any, base_dir: Path) -> Any:
+    """A quantization plan in the search space: none, a `sensitivity@B` marker (a plan the
+    agent makes, plans.py) or a plan file (made absolute; it must exist)."""
+    if value is None or kl_budget(value) is not None:
+        return value
+    path = base_dir / str(value)
+    if not path.is_file():
+        raise ValueError(f"search_space.{PLAN_OPTION}: {value!r} is neither a plan file nor {PLAN_MARKER}<KL budget>")
+    return str(path.resolve())
+
+
+def _search_space(raw: Mapping, base_options: Mapping[str, Any], code: CodeRules | None = None,
+                  base_dir: Path = Path(".")) -> dict[str, tuple]:
     space = {}
     for key, values in raw.items():
         name = option_name(key)
@@ -254,6 +270,8 @@ def _search_space(raw: Mapping, base_options: Mapping[str, Any], code: CodeRules
             raise ValueError(f"search_space: {name} is fixed (where the engine runs, or in base_options), not searched")
         if not isinstance(values, (list, tuple)) or not values:
             raise ValueError(f"search_space.{name} must be a non-empty list of values, got {values!r}")
+        if name == PLAN_OPTION:
+            values = [_plan_value(v, base_dir) for v in values]
         for value in values:
             try:
                 engine_config({**base_options, name: value})

@@ -24,12 +24,15 @@ from oxserve.agent.goal import Goal
 from oxserve.agent.journal import Journal
 from oxserve.agent.judge import judge, quality_failed
 from oxserve.agent.patches import PatchError, digest, prepare
+from oxserve.agent.plans import OPTION as PLAN_OPTION
+from oxserve.agent.plans import PlanError, concrete, kl_budget
 from oxserve.agent.policy import AgentState, Outcome, Policy
 from oxserve.experiment.arms import REPO_ROOT, Arm, export_revision, harness_digest, resolve_revision
 from oxserve.experiment.launch import WorkerError
 from oxserve.experiment.procedure import Settings, run_experiment
 from oxserve.feedback.ledger import ExperimentRecord, Ledger, LedgerError
 from oxserve.feedback.workload import Workload
+from oxserve.quantization.plan import QuantizationPlan
 
 
 @dataclass
@@ -101,7 +104,8 @@ class AgentLoop:
         out = self.workdir / f"run{self.run_id}-profile{len(self.history)}"
         with tempfile.TemporaryDirectory(prefix="oxserve-agent-profile-") as tmp:
             source = None if self.revision is None else export_revision(self.revision, Path(tmp) / "tree")
-            self.diagnosis = diagnose({**self.goal.base_options, **self.incumbent}, self.goal.workload, out, source=source)
+            self.diagnosis = diagnose({**self.goal.base_options, **self._concrete(self.incumbent)}, self.goal.workload, out,
+                                      source=source)
         self.journal.add_step(self.run_id, "profile", self.diagnosis.headline[0] if self.diagnosis.headline else "",
                               self.diagnosis.summary(), seconds=time.monotonic() - t0)
 
@@ -115,6 +119,8 @@ class AgentLoop:
                 problems = ["tested already against this incumbent (or failed the quality gate)"]
             if not problems and action.patch:
                 problems = self._prepare_patch(action)
+            if not problems:
+                problems = self._prepare_plan(action)
             if problems:
                 self.journal.add_step(self.run_id, "check", "; ".join(problems), action=action.to_dict())
                 continue
@@ -143,6 +149,29 @@ class AgentLoop:
                               f"and passes the tests: commit {prepared.commit[:12]}", {"tests": prepared.tests,
                               "commit": prepared.commit}, action=action.to_dict(), seconds=time.monotonic() - t0)
         return []
+
+    def _prepare_plan(self, action: Action) -> list[str]:
+        """Make the quantization plan a `sensitivity@B` marker stands for (the sensitivity
+        command, once per model, dtype and budget); why not, if it fails."""
+        budget = kl_budget(action.changes.get(PLAN_OPTION))
+        if budget is None:
+            return []
+        t0 = time.monotonic()
+        try:
+            path = self._concrete({**self.incumbent, **action.changes})[PLAN_OPTION]
+        except PlanError as e:
+            return [str(e)]
+        layers = QuantizationPlan.load(path).layers
+        self.journal.add_step(self.run_id, "check", f"quantization plan within {budget} nats/token: {path} "
+                              f"({sum(e.get('weights') == 'w8a8' for e in layers.values())} layers W8A8, "
+                              f"{sum(len(e) - ('weights' in e) for e in layers.values())} cache choices)",
+                              {"plan": path, "layers": {str(k): v for k, v in layers.items()}},
+                              action=action.to_dict(), seconds=time.monotonic() - t0)
+        return []
+
+    def _concrete(self, options: Mapping[str, Any]) -> dict[str, Any]:
+        """`options` as an engine takes them: a plan marker replaced by its plan file."""
+        return concrete(options, self.goal.current_options(options), self.workdir)
 
     def _fits(self, action: Action, spent_s: float, experiments: int) -> bool:
         """Whether one more experiment (and its confirmation) fits what is left of the budget,
@@ -229,7 +258,7 @@ class AgentLoop:
                  f"({action.origin}, predicted x{action.predicted_ratio:.3f})")
         e = self.goal.experiment
         settings = Settings(
-            a=_arm("A", *a), b=_arm("B", *b), workload=workload,
+            a=_arm("A", self._concrete(a[0]), a[1]), b=_arm("B", self._concrete(b[0]), b[1]), workload=workload,
             base_options=self.goal.base_options, pairs=e.pairs, max_pairs=e.max_pairs, noise_threshold=e.noise,
             alpha=e.alpha, metric=self.goal.metric, quality_bound=self.goal.quality_bound, output_bound=e.output_bound,
             seed=experiments,

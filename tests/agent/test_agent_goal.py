@@ -53,6 +53,16 @@ def test_a_bad_goal_is_refused_naming_the_key(data, message):
         goal_from_dict(data)
 
 
+def test_a_plan_in_the_search_space_is_a_file_or_a_sensitivity_marker(tmp_path):
+    (tmp_path / "plan.yaml").write_text("layers: {0: {weights: w8a8}}\n")
+    g = goal_from_dict(goal(search_space={"quantization_plan": [None, "plan.yaml", "sensitivity@0.01"]}), tmp_path)
+    assert g.search_space["quantization_plan"] == (None, str((tmp_path / "plan.yaml").resolve()), "sensitivity@0.01")
+    for bad, message in [("sensitivity@lots", "a plan marker is sensitivity@"), ("sensitivity@0", "must be > 0"),
+                         ("no-such-plan.yaml", "neither a plan file nor sensitivity@")]:
+        with pytest.raises(ValueError, match=message):
+            goal_from_dict(goal(search_space={"quantization_plan": [None, bad]}), tmp_path)
+
+
 def test_a_code_section_makes_patches_actions_with_queued_candidates(tmp_path):
     (tmp_path / "p.diff").write_text("--- a/oxserve/engine/x.py\n+++ b/oxserve/engine/x.py\n")
     g = goal_from_dict({"objective": {"workload": "smoke"}, "risk": {"needs_approval": ["code"]},

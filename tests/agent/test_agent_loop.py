@@ -172,3 +172,19 @@ def _samples(ledger_path: Path) -> int:
     with Ledger(ledger_path) as ledger:
         records = ledger.list(1)
         return len(records[0].samples) if records else 0
+
+
+def test_a_sensitivity_marker_becomes_a_plan_made_once_and_measured_as_a_file(tiny_model_dir, data_dir, tmp_path):
+    goal = goal_from_dict(goal_dict(tiny_model_dir, search_space={"quantization_plan": [None, "sensitivity@0.05"]},
+                                    confirm=False, budget={"experiments": 1}))
+    marker = Action({"quantization_plan": "sensitivity@0.05"}, "planted: a plan within 0.05 nats", 1.2, "planted")
+    with Ledger(tmp_path / "ledger.sqlite") as ledger:
+        journal = Journal(ledger)
+        run = start_run(journal, goal, "planted")
+        AgentLoop(goal, Planted([marker]), ledger, run, tmp_path, threads=1, log=lambda line: None).run()
+        (made,) = [s for s in journal.steps(run) if s.kind == "check" and "quantization plan" in s.reasoning]
+        plan = Path(made.evidence["plan"])
+        assert plan.is_file() and plan.is_relative_to(tmp_path / "plans") and made.evidence["layers"]
+        (record,) = ledger.list(5)
+        assert record.config_b["options"]["quantization_plan"] == str(plan)  # the experiment ran the file
+        assert "quantization_plan" not in record.config_a["options"] or not record.config_a["options"]["quantization_plan"]

@@ -7,7 +7,7 @@ import pytest
 
 from oxserve.agent.diagnosis import diagnose
 from oxserve.agent.goal import goal_from_dict
-from oxserve.agent.policies.rules import RulesPolicy, amdahl
+from oxserve.agent.policies.rules import MIN_GAIN, Context, RulesPolicy, amdahl, sensitivity_plan
 from oxserve.agent.policy import AgentState
 
 WORKLOAD = {"name": "eight", "num_requests": 8, "input_len": {"uniform": [24, 40]}, "output_len": 12,
@@ -70,3 +70,22 @@ def test_a_broken_latency_limit_comes_first_even_at_a_predicted_cost(naive, tiny
 def test_amdahl():
     assert amdahl(0.5, 2.0) == pytest.approx(1 / 0.75)
     assert amdahl(0.0, 10.0) == 1.0 and amdahl(1.0, 3.0) == pytest.approx(3.0)
+
+
+
+def test_a_sensitivity_plan_is_proposed_where_decode_dominates_bounded_by_w8a8s_bytes(naive, tiny_model_dir):
+    g, d = naive
+    with_plans = goal(tiny_model_dir, search_space={**{k: list(v) for k, v in g.search_space.items()},
+                                                    "quantization_plan": [None, "sensitivity@0.05", "sensitivity@0.01"]})
+    state, policy = AgentState(with_plans, g.start, None, d), RulesPolicy()
+    options = with_plans.current_options(g.start)
+    context = Context(state, d, options, policy._step_bytes(state), policy._bench(state, options))
+    (plan,) = sensitivity_plan(context)
+    assert plan.changes == {"quantization_plan": "sensitivity@0.01"}  # the most careful budget first
+    w8a8 = context.bytes_ratio({"quantization": "w8a8"})
+    assert plan.evidence["bytes_ratio"] == pytest.approx(w8a8, abs=1e-4) and "at most" in plan.rationale
+    assert plan.predicted_ratio == pytest.approx(1 + (w8a8 - 1) * context.byte_fraction(), abs=1e-3)
+    # On this tiny model its bound is under the 1% a remedy must promise: the policy does not propose it.
+    assert (plan.predicted_ratio > 1 + MIN_GAIN) == any(a.origin == "rules:sensitivity_plan" for a in policy.propose(state))
+    assert sensitivity_plan(Context(AgentState(g, g.start, None, d), d, options, policy._step_bytes(state),
+                                    policy._bench(state, options))) == []  # no marker in the space

@@ -33,6 +33,8 @@ from typing import Any
 import numpy as np
 from oxserve.agent.actions import Action
 from oxserve.agent.diagnosis import Diagnosis
+from oxserve.agent.plans import OPTION as PLAN_OPTION
+from oxserve.agent.plans import kl_budget
 from oxserve.agent.policy import AgentState, Outcome
 from oxserve.experiment.procedure import _model_path, decode_step_cost
 from oxserve.model.config import TextModelConfig
@@ -182,6 +184,22 @@ def _byte_change(rule: str, option: str, value: Any, when: Callable[[Context], s
     return propose
 
 
+def sensitivity_plan(c: Context) -> list[Action]:
+    """A per-layer plan made by `oxserve quantize sensitivity` within a KL budget (plans.py):
+    it quantizes at most every layer, so W8A8's byte model bounds its gain from above."""
+    markers = sorted((v for v in c.space(PLAN_OPTION) if kl_budget(v) is not None), key=kl_budget)
+    if not markers or c.options.get(PLAN_OPTION) or c.options["quantization"] == "w8a8":
+        return []
+    reason = _decode_dominates(c)
+    if reason is None:
+        return []
+    big_r, f, marker = c.bytes_ratio({"quantization": "w8a8"}), c.byte_fraction(), markers[0]  # the most careful first
+    return [c.action("sensitivity_plan", {PLAN_OPTION: marker},
+                     f"{reason}: a plan from `oxserve quantize sensitivity` within {kl_budget(marker)} nats/token moves "
+                     f"at most x{big_r:.2f} fewer bytes per decode step, which runs at {f:.0%} of its roofline",
+                     1 + (big_r - 1) * f, 1.0, bytes_ratio=round(big_r, 4), byte_fraction=round(f, 4))]
+
+
 def _decode_dominates(c: Context) -> str | None:
     share = c.share("decode")
     return f"decode is {share:.0%} of the time" if share >= 0.3 else None
@@ -251,6 +269,7 @@ CATALOGUE: tuple[Callable[[Context], list[Action]], ...] = (
     _byte_change("int8_cache", "kv_cache_dtype", "int8", _cache_limits_batch),
     _byte_change("fp8_cache", "kv_cache_dtype", "fp8", _cache_limits_batch),
     _byte_change("replay_ssm", "kda_decode", "replay", _kda_state_traffic),
+    sensitivity_plan,
     packed_linears,
     prefix_caching,
 )
