@@ -138,7 +138,9 @@ def test_disconnect_aborts_and_frees_the_cache(server, stream):
 
 
 def test_full_queue_answers_429_with_retry_after(tiny_model, tmp_path):
-    """One running slot and two waiting places: of 8 requests at once, some must get 429."""
+    """One running slot and two waiting places: of 8 requests at once, some must get 429, and
+    at most three are served. At least two: the first may still be waiting (not yet scheduled
+    by the engine's thread) when the others arrive, so it takes one of the two places."""
     with serve(tiny_model, "--max-num-seqs", "1", "--max-waiting", "2", log_dir=tmp_path) as s:
         body = {"prompt": [11, 12, 13], "max_tokens": 30, "temperature": 0.0, "ignore_eos": True}
         responses: list[httpx.Response] = []
@@ -148,7 +150,7 @@ def test_full_queue_answers_429_with_retry_after(tiny_model, tmp_path):
         for t in threads:
             t.join()
         codes = sorted(r.status_code for r in responses)
-        assert codes.count(200) >= 3 and 429 in codes, codes
+        assert 2 <= codes.count(200) <= 3 and 429 in codes, codes
         for r in responses:
             if r.status_code == 429:
                 assert r.headers["Retry-After"].isdigit()
