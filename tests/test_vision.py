@@ -163,13 +163,11 @@ def test_vision_tower_matches_reference(vision, tmp_path):
     assert torch.allclose(ours, expected, atol=1e-5 * float(expected.abs().max()), rtol=0)
 
 
-@pytest.fixture(scope="module")
-def vision_model(tmp_path_factory) -> Path:
+def _vision_checkpoint(path: Path, layers: int = 4) -> Path:
     """A tiny model whose every discrete choice is stable (dense MLPs; the indexer keeps every
     pool of these short prompts), with random non-trivial weights everywhere, vision included."""
-    path = tmp_path_factory.mktemp("vision-model")
-    text = make_text_config(**{**TINY_SHAPE, "mlp_layer_types": ["dense"] * 4, "index_topk": 64})
-    build_checkpoint(path, text, seed=1, dtype=torch.float32, vision=dict(depth=2, hidden_size=32, num_heads=4))
+    shape = {**TINY_SHAPE, "num_hidden_layers": layers, "mlp_layer_types": ["dense"] * layers, "index_topk": 64}
+    build_checkpoint(path, make_text_config(**shape), seed=1, dtype=torch.float32, vision=dict(depth=2, hidden_size=32, num_heads=4))
     torch.manual_seed(random.SystemRandom().randrange(2**31))
     hf = Glm5NextForConditionalGeneration.from_pretrained(path, dtype=torch.float32)
     with torch.no_grad():
@@ -177,6 +175,11 @@ def vision_model(tmp_path_factory) -> Path:
             p.add_(torch.randn_like(p) * (0.05 if p.dim() > 1 else 0.3))
     hf.save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="module")
+def vision_model(tmp_path_factory) -> Path:
+    return _vision_checkpoint(tmp_path_factory.mktemp("vision-model"))
 
 
 def _media(seed: int):
@@ -196,24 +199,57 @@ def test_logits_with_images_and_video_match_reference(vision_model, chunk):
     llm = LLM(model=str(vision_model), dtype="float32", max_num_batched_tokens=chunk, enable_prefix_caching=False)
     prompt = {"prompt": PROMPT, "multi_modal_data": {"image": images, "video": video}}
     out = llm.generate([prompt], SamplingParams(max_tokens=6, temperature=0, logprobs=1))[0]
+    _assert_hf_would_say(vision_model, out, images, video)
+    # The pictures matter: the same prompt with the images swapped continues differently.
+    swapped = {"prompt": PROMPT, "multi_modal_data": {"image": images[::-1], "video": video}}
+    other = llm.generate([swapped], SamplingParams(max_tokens=6, temperature=0, logprobs=1))[0].outputs[0]
+    assert other.logprobs[0] != out.outputs[0].logprobs[0]
+
+
+@pytest.fixture(scope="module")
+def two_mla_vision_model(tmp_path_factory) -> Path:
+    """8 layers: two MLA layers, one for each Layer Split rank."""
+    return _vision_checkpoint(tmp_path_factory.mktemp("vision-two-mla"), layers=8)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp,ls", [(2, 1), (1, 2)], ids=["tp2", "ls2"])
+def test_images_and_video_on_parallel_ranks_match_reference(two_mla_vision_model, tp, ls):
+    """Rank 0 encodes and broadcasts; the other ranks' placeholder rows get the same embeddings.
+    Two requests with different images in one batch, prefilled in chunks of 16 (a chunk ends
+    inside an image), then a third request with a new image."""
+    images, video = _media(10)
+    third = _random_image(np.random.default_rng(11), 60, 60, "RGB")
+    prompts = [{"prompt": PROMPT, "multi_modal_data": {"image": pair, "video": video}} for pair in (images, images[::-1])]
+    params = SamplingParams(max_tokens=6, temperature=0, logprobs=1)
+    with LLM(model=str(two_mla_vision_model), dtype="float32", max_num_batched_tokens=16, enable_prefix_caching=False,
+             tensor_parallel_size=tp, layer_split_size=ls) as llm:  # fmt: skip
+        outs = llm.generate(prompts, params)
+        last = llm.generate([{"prompt": "<|begin_of_image|><|image|><|end_of_image|> what", "multi_modal_data": {"image": third}}],
+                            params)[0]  # fmt: skip
+    for out, prompt in zip(outs, prompts):
+        _assert_hf_would_say(two_mla_vision_model, out, prompt["multi_modal_data"]["image"], video)
+    _assert_hf_would_say(two_mla_vision_model, last, [third], None)
+
+
+def _assert_hf_would_say(model: Path, out, images, video) -> None:
+    """Each greedy token is HF's argmax, its logprob HF's (fp32), for the prompt with these media."""
     tokens = out.prompt_token_ids + out.outputs[0].token_ids
     media = MediaProcessor(ProcessorConfig())
     pics = [media.image(i) for i in images]
-    clip = media.video(video)
-    hf = Glm5NextForConditionalGeneration.from_pretrained(vision_model, dtype=torch.float32).eval()
+    videos = {}
+    if video is not None:
+        clip = media.video(video)
+        videos = dict(pixel_values_videos=clip.patches, video_grid_thw=torch.tensor([clip.grid]))
+    hf = Glm5NextForConditionalGeneration.from_pretrained(model, dtype=torch.float32).eval()
     with torch.no_grad():
         logits = hf(input_ids=torch.tensor([tokens]), pixel_values=torch.cat([p.patches for p in pics]),
-                    image_grid_thw=torch.tensor([p.grid for p in pics]), pixel_values_videos=clip.patches,
-                    video_grid_thw=torch.tensor([clip.grid])).logits[0]  # fmt: skip
+                    image_grid_thw=torch.tensor([p.grid for p in pics]), **videos).logits[0]  # fmt: skip
     n = len(out.prompt_token_ids)
     for i, token in enumerate(out.outputs[0].token_ids):
         row = logits[n - 1 + i]
         assert float(row.max() - row[token]) <= 1e-4 * float(row.abs().max()), f"step {i}: not HF's argmax"
         assert abs(out.outputs[0].logprobs[i][token] - float(row.log_softmax(-1)[token])) < 1e-4
-    # The pictures matter: the same prompt with the images swapped continues differently.
-    swapped = {"prompt": PROMPT, "multi_modal_data": {"image": images[::-1], "video": video}}
-    other = llm.generate([swapped], SamplingParams(max_tokens=6, temperature=0, logprobs=1))[0].outputs[0]
-    assert other.logprobs[0] != out.outputs[0].logprobs[0]
 
 
 def test_prefix_cache_and_encoder_cache_keep_images_apart(vision_model):
@@ -280,3 +316,17 @@ def test_images_survive_preemption(vision_model):
     together = tight.generate(prompts, params)
     assert tight.engine.stats().num_preemptions > 0
     assert [o.outputs[0].token_ids for o in together] == [o.outputs[0].token_ids for o in alone]
+
+
+def test_parallel_ranks_get_the_positions_of_images_not_their_pixels():
+    from oxserve.engine.interface import NewRequestData, SchedulerOutput
+    from oxserve.multimodal.inputs import MultiModalItem
+
+    item = MultiModalItem("image", b"h" * 16, torch.randn(16, 8), (1, 4, 4), (3, 4, 5, 6))
+    out = SchedulerOutput([NewRequestData("a", [1] * 8, SamplingParams(), mm_items=(item,)), NewRequestData("b", [2], SamplingParams())], [])
+    bare = out.without_pixels()
+    [sent] = bare.new_requests[0].mm_items
+    assert sent.patches.numel() == 0 and (sent.positions, sent.grid, sent.content_hash) == (item.positions, item.grid, item.content_hash)
+    assert out.new_requests[0].mm_items[0].patches.shape == (16, 8)  # rank 0's own step keeps them
+    text_only = SchedulerOutput([NewRequestData("b", [2], SamplingParams())], [])
+    assert text_only.without_pixels() is text_only

@@ -203,14 +203,12 @@ class LLMEngine:
             self.mm_off_reason = "the model has no vision tower"
         elif not any(self.mm_limits.values()):
             self.mm_off_reason = "--limit-mm-per-prompt allows none"
-        elif world_size > 1:
-            self.mm_off_reason = "the vision tower runs on one rank; it is off with parallel ranks"
         elif self.tokenizer is None:
             self.mm_off_reason = "the model has no tokenizer to place image tokens with"
         else:
             tower = load_vision_tower(path, self.dtype, self.device)
             self.media = MediaProcessor(ProcessorConfig.for_model(path, self.mm.vision))
-            return MultiModalEmbedder(tower, config.model.mm_encoder_cache_tokens, self.device)
+            return MultiModalEmbedder(tower, config.model.mm_encoder_cache_tokens, self.device, share=world_size > 1)
         return None
 
     # ---- requests ---------------------------------------------------------------------------

@@ -14,11 +14,15 @@ drops it when the request's id comes back in `finished_request_ids`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+
+import torch
 
 from oxserve.cache.manager import CacheOps
 from oxserve.multimodal.inputs import MultiModalItem
 from oxserve.sampling_params import SamplingParams
+
+_NO_PIXELS = torch.empty(0)
 
 
 @dataclass(frozen=True)
@@ -75,6 +79,15 @@ class SchedulerOutput:
     @property
     def num_tokens(self) -> int:
         return sum(s.num_new_tokens for s in self.scheduled)
+
+    def without_pixels(self) -> SchedulerOutput:
+        """The step for parallel ranks but the first: their images' positions without the
+        patches (rank 0 alone encodes, see `oxserve.multimodal.embedder`)."""
+        if not any(new.mm_items for new in self.new_requests):
+            return self
+        bare = [replace(new, mm_items=tuple(replace(item, patches=_NO_PIXELS) for item in new.mm_items))
+                for new in self.new_requests]  # fmt: skip
+        return replace(self, new_requests=bare)
 
     @property
     def num_decode_tokens(self) -> int:

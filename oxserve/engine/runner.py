@@ -38,7 +38,7 @@ from oxserve.engine.sampler import SamplingRow, make_generator, sample
 from oxserve.engine.speculative import verify
 from oxserve.model.batch import BatchRequest, BlockIds, make_forward_batch
 from oxserve.model.glm5_next import Glm5NextForCausalLM
-from oxserve.multimodal.embedder import MultiModalEmbedder, RowSpan
+from oxserve.multimodal.embedder import MultiModalEmbedder, ReceivedEmbeddings, RowSpan
 from oxserve.multimodal.inputs import MultiModalItem
 from oxserve.parallel.workers import WorkerGroup, share_accepted
 from oxserve.sampling_params import SamplingParams
@@ -73,7 +73,7 @@ class ModelRunner:
         num_checkpoints: int = 0,
         workers: WorkerGroup | None = None,
         mtp_drafts: bool = False,
-        embedder: MultiModalEmbedder | None = None,
+        embedder: MultiModalEmbedder | ReceivedEmbeddings | None = None,
         capture: bool = False,
         capture_sizes: frozenset[int] | None = None,
     ):

@@ -118,7 +118,8 @@ class WorkerGroup:
 
     def send(self, kind: str, message) -> None:
         """Every other rank runs `kind` ("step" or "settle") on `message` (a SchedulerOutput)."""
-        self._collective(lambda: dist.broadcast_object_list([(kind, message)], src=0), "sending a step")
+        bare = message.without_pixels()
+        self._collective(lambda: dist.broadcast_object_list([(kind, bare)], src=0), "sending a step")
 
     def guard(self, what: str):
         """A context for rank 0's own part of a step: a failed collective becomes ParallelError."""
@@ -232,6 +233,7 @@ def _build_runner(plan: RankPlan, placement: Placement):
     from oxserve.engine.runner import ModelRunner
     from oxserve.kernels.onednn import choose_linear_kernel
     from oxserve.model.loader import load_model
+    from oxserve.multimodal.embedder import ReceivedEmbeddings
 
     device, dtype = torch.device(plan.device), DTYPES[plan.dtype]
     torch.set_num_threads(plan.threads)
@@ -240,7 +242,8 @@ def _build_runner(plan: RankPlan, placement: Placement):
     model = load_model(plan.model_path, dtype=dtype, device=device, transform=kernel, tp=placement.tp, ls=placement.ls).model
     specs = model.cache_specs(dtype, plan.cache_plan, kda_replay=plan.kda_replay)
     runner = ModelRunner(model, plan.layout, specs, device, deterministic=plan.deterministic,
-                         num_checkpoints=plan.num_checkpoints)  # fmt: skip
+                         num_checkpoints=plan.num_checkpoints,
+                         embedder=ReceivedEmbeddings(model.config.hidden_size, dtype, device))  # fmt: skip
     return runner, model
 
 
