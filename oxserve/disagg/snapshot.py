@@ -9,6 +9,12 @@ The blocks go whole (the last one's unused rows too), in block-table order, so t
 writes them into its own blocks row for row. Both sides must store the same tables the same
 way: `layout_of` describes a runner's caches, and instances compare descriptions when they
 connect (a mismatch would otherwise decode garbage).
+
+A snapshot is the whole model's, however an instance is cut among parallel ranks: each rank
+exports its piece (`export_caches`), rank 0 joins them (`join_pieces`: an MLA layer's tables
+from a rank that stores them, every tensor-parallel rank's KDA heads), and on import each rank
+cuts its own heads out of the whole (`import_caches` with the rank's `TensorCut`). So a prefill
+instance at TP 2 hands over to a decode instance at TP 1, or at Layer Split 2, unchanged.
 """
 
 from __future__ import annotations
@@ -55,6 +61,64 @@ class CacheSnapshot:
                    None if state is None else bytes.fromhex(state), parcel.tensors)  # fmt: skip
 
 
+@dataclass(frozen=True)
+class TensorCut:
+    """A rank's share of every KDA layer's heads: the `rank`-th of `size` equal runs."""
+
+    rank: int = 0
+    size: int = 1
+
+    def conv(self, whole: torch.Tensor) -> torch.Tensor:
+        """[K-1, 3 x heads x d] (q | k | v channels, each head-major) -> this rank's heads of each."""
+        return whole.unflatten(-1, (3, -1)).chunk(self.size, -1)[self.rank].flatten(-2)
+
+    def recurrent(self, whole: torch.Tensor) -> torch.Tensor:
+        return whole.chunk(self.size, 0)[self.rank]
+
+
+WHOLE_MODEL = TensorCut()
+
+
+def _join_conv(pieces: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([p.unflatten(-1, (3, -1)) for p in pieces], -1).flatten(-2)
+
+
+def join_pieces(pieces: list[dict[str, torch.Tensor]], tp: int) -> dict[str, torch.Tensor]:
+    """The whole model's snapshot from every rank's piece (global rank order: tensor-parallel
+    rank r % tp). MLA tables are the same on every rank that stores them; KDA heads are cut
+    among the tensor-parallel ranks, so they come from ranks 0..tp-1 (one Layer Split group)."""
+    whole: dict[str, torch.Tensor] = {}
+    for piece in pieces:
+        for name, t in piece.items():
+            if not _is_state(name):
+                whole.setdefault(name, t)
+    for name in (n for n in pieces[0] if _is_state(n)):
+        parts = [pieces[r][name] for r in range(tp)]
+        whole[name] = _join_conv(parts) if name.endswith(".conv") else torch.cat(parts, 0)
+    return whole
+
+
+def whole_layout(layouts: list[list[list]], tp: int) -> list[list]:
+    """`layout_of` for the whole model, from the layouts of one rank per Layer Split rank (each
+    describes its own MLA layers and its piece of every KDA layer)."""
+    found: dict[str, tuple[tuple[int, int], list]] = {}
+    for layout in layouts:
+        for order, entry in enumerate(layout[1:]):
+            name = entry[0]
+            if name in found:
+                continue
+            if _is_state(name):
+                shape = list(entry[2])
+                shape[-1 if name.endswith(".conv") else 0] *= tp
+                entry = [name, entry[1], shape, entry[3]]
+            found[name] = ((int(name[1:].split(".")[0]), order), entry)
+    return [layouts[0][0]] + [entry for _, entry in sorted(found.values(), key=lambda item: item[0])]
+
+
+def _is_state(name: str) -> bool:
+    return name.endswith((".conv", ".recurrent"))
+
+
 def _tables(cache: MLACache) -> list[tuple[str, Table]]:
     return [(name, getattr(cache, name)) for name in MLA_TABLES if getattr(cache, name) is not None]
 
@@ -86,7 +150,7 @@ def _block_rows(blocks: list[int], per_block: int, device) -> torch.Tensor:
 
 
 def export_caches(caches: list, num_blocks: int, blocks: list[int], slot: int, rings=None) -> dict[str, torch.Tensor]:
-    """Copies of the request's cache rows: its `blocks` and its state `slot`."""
+    """Copies of the request's cache rows: its `blocks` and its state `slot` (this rank's piece)."""
     out: dict[str, torch.Tensor] = {}
     pending = [rings.counts[slot]] if rings is not None else [0]  # ReplaySSM steps not yet in the state
     for i, cache in enumerate(caches):
@@ -105,8 +169,10 @@ def export_caches(caches: list, num_blocks: int, blocks: list[int], slot: int, r
     return out
 
 
-def import_caches(caches: list, num_blocks: int, blocks: list[int], slot: int, tensors: dict[str, torch.Tensor]) -> None:
-    """Write an exported request's rows into this runner's `blocks` and state `slot`."""
+def import_caches(caches: list, num_blocks: int, blocks: list[int], slot: int, tensors: dict[str, torch.Tensor],
+                  cut: TensorCut = WHOLE_MODEL) -> None:  # fmt: skip
+    """Write an exported request's rows (the whole model's) into this runner's `blocks` and
+    state `slot`: its MLA layers' tables, and its `cut` of the KDA heads."""
     for i, cache in enumerate(caches):
         if isinstance(cache, MLACache):
             for name, table in _tables(cache):
@@ -114,5 +180,5 @@ def import_caches(caches: list, num_blocks: int, blocks: list[int], slot: int, t
                     rows = _block_rows(blocks, t.shape[0] // num_blocks, t.device)
                     t.index_copy_(0, rows, tensors[part].to(t.device))
         elif isinstance(cache, KDACache):
-            cache.conv[slot].copy_(tensors[f"L{i}.conv"])
-            cache.recurrent[slot].copy_(tensors[f"L{i}.recurrent"])
+            cache.conv[slot].copy_(cut.conv(tensors[f"L{i}.conv"]))
+            cache.recurrent[slot].copy_(cut.recurrent(tensors[f"L{i}.recurrent"]))

@@ -22,7 +22,7 @@ from oxserve.cache.precision import CachePlan, LayerCachePrecision
 from oxserve.cache.spec import CacheLayout
 from oxserve.config import EngineConfig
 from oxserve.disagg.connector import embedding_description, model_fingerprint
-from oxserve.disagg.snapshot import CacheSnapshot, layout_of
+from oxserve.disagg.snapshot import CacheSnapshot, layout_of, whole_layout
 from oxserve.engine.interface import SchedulerOutput
 from oxserve.engine.memory import keep_freed_memory
 from oxserve.engine.prefill_cost import prefill_cost
@@ -167,6 +167,9 @@ class LLMEngine:
             specs_by_rank[0].append(loaded.model.mtp.cache_spec(self.dtype, self.cache_plan.for_layer(len(loaded.model.layers))))
         cache_specs = specs_by_rank[placement.ls.rank]
         layout = plan_split_cache(config.cache, config.scheduler, specs_by_rank, limit)
+        # Disaggregation hands over the whole model's caches, however the ranks cut them
+        self.kv_layout = whole_layout([layout_of([spec.allocate(layout, "meta") for spec in specs], layout.num_blocks,
+                                                 layout.block_size) for specs in specs_by_rank], placement.tp.size)  # fmt: skip
         self.prefix_caching = plan_prefix_caching(config.cache, cache_specs, layout, prefill_cost(loaded.model))
         self.cache = CacheManager(layout.num_blocks, layout.block_size, layout.num_slots, self.prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.cache)
@@ -258,8 +261,6 @@ class LLMEngine:
     def _check_transfer(self, request: Request, export: bool, snap: CacheSnapshot | None) -> None:
         """Refuse a disaggregated request that cannot be handed over exactly; prepare the rest."""
         params = request.params
-        if self.workers is not None:
-            raise ValueError("prefill/decode disaggregation runs on single-rank instances")
         if params.prompt_logprobs is not None:
             raise ValueError("prompt_logprobs need the whole prompt computed where they are asked for; send such "
                              "requests colocated")  # fmt: skip
@@ -428,8 +429,7 @@ class LLMEngine:
     def kv_description(self) -> dict:
         """What a cache handover needs both sides to agree on: the model's weights and dtype, and
         the caches' tables (see `oxserve.disagg.connector`)."""
-        return {"model": model_fingerprint(self.model_path, self.config.model.dtype), "layout": layout_of(self.runner.caches, self.runner.layout.num_blocks,
-                                                     self.runner.layout.block_size)}
+        return {"model": model_fingerprint(self.model_path, self.config.model.dtype), "layout": self.kv_layout}
 
     def _output(self, request: Request) -> RequestOutput:
         completion = CompletionOutput(

@@ -30,7 +30,7 @@ from oxserve.engine.interface import (
     ScheduledRequest,
     SchedulerOutput,
 )
-from oxserve.disagg.snapshot import CacheSnapshot, export_caches, import_caches
+from oxserve.disagg.snapshot import CacheSnapshot, TensorCut, export_caches, import_caches, join_pieces
 from oxserve.engine.capture import CapturedDecode, has_forward_hooks
 from oxserve.engine.mtp_drafter import MTPDrafter
 from oxserve.engine.prompt_logprobs import score_prompt_tokens
@@ -40,7 +40,7 @@ from oxserve.model.batch import BatchRequest, BlockIds, make_forward_batch
 from oxserve.model.glm5_next import Glm5NextForCausalLM
 from oxserve.multimodal.embedder import MultiModalEmbedder, ReceivedEmbeddings, RowSpan
 from oxserve.multimodal.inputs import MultiModalItem
-from oxserve.parallel.workers import WorkerGroup, share_accepted
+from oxserve.parallel.workers import WorkerGroup, gather_pieces, share_accepted
 from oxserve.sampling_params import SamplingParams
 from oxserve.structured.grammar import GrammarCompiler
 from oxserve.structured.masks import BatchMasks, RequestGrammar
@@ -126,7 +126,7 @@ class ModelRunner:
     def settle(self, out: SchedulerOutput) -> None:
         """A step with nothing to compute: forget finished requests, apply prefix-cache ops."""
         if self.workers is not None:
-            self.workers.send("settle", out)
+            self.workers.send("settle", out.without_pixels())
         with self._guard("settling a step"):
             self.drop(out.finished_request_ids)
             self.apply_cache_ops(out)
@@ -143,8 +143,9 @@ class ModelRunner:
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput | None:
         """The step's accepted tokens (None on a tensor-parallel rank but the first)."""
-        if self.workers is not None:
-            self.workers.send("step", out)
+        if self.workers is not None:  # (with the caches of the requests it imports: each rank takes its piece)
+            self.workers.send("step", out.without_pixels(), {s.request_id: self.imports[s.request_id]
+                                                             for s in out.scheduled if s.request_id in self.imports})
         with self._guard("running a step"):
             return self._execute(out)
 
@@ -291,10 +292,18 @@ class ModelRunner:
         return (self.captured is not None and self.drafter is None and mm_embeds is None and self.captured.wants(batch)
                 and not any(s.prompt_logprob_positions for s in scheduled) and not has_forward_hooks(self.model))  # fmt: skip
 
-    @torch.inference_mode()
     def export_caches(self, request_id: str, num_tokens: int) -> dict[str, torch.Tensor]:
-        """Copies of the caches of a request's first `num_tokens` tokens (right after the step
-        that computed them, before its blocks can be reused)."""
+        """Copies of the caches of a request's first `num_tokens` tokens, the whole model's
+        (right after the step that computed them, before its blocks can be reused)."""
+        if self.workers is None:
+            return self.export_piece(request_id, num_tokens)
+        self.workers.send("export", request_id, num_tokens)
+        with self._guard("gathering a request's caches"):
+            return join_pieces(gather_pieces(self.export_piece(request_id, num_tokens)), self.model.tp.size)
+
+    @torch.inference_mode()
+    def export_piece(self, request_id: str, num_tokens: int) -> dict[str, torch.Tensor]:
+        """This rank's piece of `export_caches`."""
         state = self.requests[request_id]
         blocks = state.blocks.ids[: -(-num_tokens // self.layout.block_size)]
         return export_caches(self.caches, self.layout.num_blocks, blocks, state.slot, self.rings)
@@ -306,7 +315,8 @@ class ModelRunner:
     def _import(self, state: RequestState, snap: CacheSnapshot) -> None:
         blocks = state.blocks.ids[: -(-snap.num_tokens // self.layout.block_size)]
         with torch.inference_mode():
-            import_caches(self.caches, self.layout.num_blocks, blocks, state.slot, snap.tensors)
+            import_caches(self.caches, self.layout.num_blocks, blocks, state.slot, snap.tensors,
+                          TensorCut(self.model.tp.rank, self.model.tp.size))  # fmt: skip
         if self.rings is not None:
             self.rings.counts[state.slot] = 0
         if state.generator is not None and snap.generator_state is not None:

@@ -116,10 +116,9 @@ class WorkerGroup:
             self.broken = True
             raise ParallelError(problem)
 
-    def send(self, kind: str, message) -> None:
-        """Every other rank runs `kind` ("step" or "settle") on `message` (a SchedulerOutput)."""
-        bare = message.without_pixels()
-        self._collective(lambda: dist.broadcast_object_list([(kind, bare)], src=0), "sending a step")
+    def send(self, kind: str, *args) -> None:
+        """Every other rank does `kind` with `args` (see `serve_rank`)."""
+        self._collective(lambda: dist.broadcast_object_list([(kind, *args)], src=0), f"sending a {kind} message")
 
     def guard(self, what: str):
         """A context for rank 0's own part of a step: a failed collective becomes ParallelError."""
@@ -216,10 +215,31 @@ def serve_rank(rank: int, tp: int, ls: int, init: str, backend: str, timeout_s: 
         runner, model = _build_runner(plan, placement)
         dist.all_gather_object([None] * tp * ls, fingerprint(model, plan.layout))
         while (message := _receive()[0]) is not None:
-            kind, out = message
-            runner.execute(out) if kind == "step" else runner.settle(out)
+            _run_message(runner, *message)
     finally:
         dist.destroy_process_group()
+
+
+def _run_message(runner, kind: str, *args) -> None:
+    """What rank 0's runner asks of the others: ("step", SchedulerOutput, {request id: the
+    CacheSnapshot it imports}), ("settle", SchedulerOutput), ("export", request id, tokens)."""
+    if kind == "step":
+        out, imports = args
+        runner.imports.update(imports)
+        runner.execute(out)
+    elif kind == "settle":
+        runner.settle(*args)
+    elif kind == "export":
+        gather_pieces(runner.export_piece(*args))
+    else:
+        raise ParallelError(f"rank 0 sent an unknown message {kind!r}")
+
+
+def gather_pieces(piece: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]] | None:
+    """Every rank's piece of a request's caches, on rank 0 (global rank order); None elsewhere."""
+    pieces = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(piece, pieces, dst=0)
+    return pieces
 
 
 def _receive() -> list:
