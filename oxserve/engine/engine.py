@@ -150,7 +150,7 @@ class LLMEngine:
         Faults.from_env().plant_in_model(loaded.model)  # none unless the reliability suite asks
         self.tokenizer = Tokenizer.from_dir(path)
         embedder = self._vision(config, path, placement.world_size)
-        if quantize is not None:
+        if quantize is not None and self.workers is None:  # (parallel ranks calibrate together, once started)
             log.info("oxserve: %s", quantize.finish(loaded.model, self.tokenizer))
         limit = config.model.max_model_len or min(self.model_config.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
         kv = config.cache.kv_cache_dtype
@@ -180,8 +180,13 @@ class LLMEngine:
         if self.workers is not None:
             self.workers.start(RankPlan(str(path), config.model.dtype, str(self.device), config.model.linear_kernel,
                                         max(1, self.threads), self.cache_plan, self.kda_replay, layout,
-                                        config.scheduler.deterministic, num_checkpoints, config.model.seed),
+                                        config.scheduler.deterministic, num_checkpoints, config.model.seed,
+                                        config.model.quantization, config.model.smoothquant_alpha, plan_file),
                                loaded.model)  # fmt: skip
+            if quantize is not None:  # SmoothQuant's calibration passes run on every rank in step
+                with self.workers.guard("calibrating W8A8"):
+                    log.info("oxserve: %s", quantize.finish(loaded.model, self.tokenizer))
+                self.workers.compare(loaded.model, layout)  # every rank quantized the same modules
         self.runner = ModelRunner(loaded.model, layout, cache_specs, self.device, deterministic=config.scheduler.deterministic,
                                   grammars=self.grammars, num_checkpoints=num_checkpoints, workers=self.workers,
                                   mtp_drafts=mtp, embedder=embedder, capture=not config.model.enforce_eager,
@@ -599,16 +604,11 @@ def check_prompt_ids(token_ids: list[int], vocab_size: int, max_model_len: int, 
 
 
 def check_parallel(config: EngineConfig) -> None:
-    """ValueError for what tensor parallelism and Layer Split do not run yet."""
+    """ValueError for parallel options the engine's process cannot take."""
     parallel = config.parallel
     if parallel.node_rank > 0:
         raise ValueError(f"node_rank={parallel.node_rank}: only host 0 runs the engine; the others run their ranks with "
                          "`oxserve serve --node-rank N` and the same parallel options")  # fmt: skip
-    if parallel.world_size == 1:
-        return
-    layout = f"tensor_parallel_size={parallel.tensor_parallel_size} x layer_split_size={parallel.layer_split_size}"
-    if config.model.quantization != "none" or config.model.quantization_plan:
-        raise ValueError(f"{layout} does not combine with W8A8 quantization yet")
 
 
 def _fit_to_cache(limit: int, layout: CacheLayout) -> int:

@@ -63,6 +63,9 @@ class RankPlan:
     deterministic: bool
     num_checkpoints: int
     seed: int
+    quantization: str = "none"  # W8A8 on load: every rank quantizes its piece, and calibrates with the others
+    smoothquant_alpha: float = 0.0
+    quantization_plan: str | None = None  # a plan file (per-layer weights), at the same path on every host
 
 
 def fingerprint(model: torch.nn.Module, layout: CacheLayout) -> dict:
@@ -110,8 +113,12 @@ class WorkerGroup:
     def start(self, plan: RankPlan, model: torch.nn.Module) -> None:
         """Hand every rank the plan, then check that they all built the same thing."""
         self._collective(lambda: dist.broadcast_object_list([plan], src=0), "sharing the plan")
+        self.compare(model, plan.layout)
+
+    def compare(self, model: torch.nn.Module, layout: CacheLayout) -> None:
+        """ParallelError unless every rank's fingerprint is rank 0's (every rank calls it)."""
         prints: list = [None] * self.size
-        self._collective(lambda: dist.all_gather_object(prints, fingerprint(model, plan.layout)), "comparing ranks")
+        self._collective(lambda: dist.all_gather_object(prints, fingerprint(model, layout)), "comparing ranks")
         if (problem := mismatch(prints)) is not None:
             self.broken = True
             raise ParallelError(problem)
@@ -212,8 +219,13 @@ def serve_rank(rank: int, tp: int, ls: int, init: str, backend: str, timeout_s: 
         [plan] = _receive()
         if plan is None:  # rank 0 could not build its part: it stops the group before it starts
             return
-        runner, model = _build_runner(plan, placement)
+        runner, model, quantize = _build_runner(plan, placement)
         dist.all_gather_object([None] * tp * ls, fingerprint(model, plan.layout))
+        if quantize is not None:  # in step with rank 0's calibration passes, then compared again
+            from oxserve.tokenizer import Tokenizer
+
+            quantize.finish(model, Tokenizer.from_dir(plan.model_path))
+            dist.all_gather_object([None] * tp * ls, fingerprint(model, plan.layout))
         while (message := _receive()[0]) is not None:
             _run_message(runner, *message)
     finally:
@@ -254,17 +266,23 @@ def _build_runner(plan: RankPlan, placement: Placement):
     from oxserve.kernels.onednn import choose_linear_kernel
     from oxserve.model.loader import load_model
     from oxserve.multimodal.embedder import ReceivedEmbeddings
+    from oxserve.quantization.on_load import choose_quantization
+    from oxserve.quantization.plan import QuantizationPlan
 
     device, dtype = torch.device(plan.device), DTYPES[plan.dtype]
     torch.set_num_threads(plan.threads)
     torch.manual_seed(plan.seed)
     _, kernel = choose_linear_kernel(plan.linear_kernel, device, dtype)
-    model = load_model(plan.model_path, dtype=dtype, device=device, transform=kernel, tp=placement.tp, ls=placement.ls).model
+    layers = QuantizationPlan.load(plan.quantization_plan) if plan.quantization_plan else None
+    quantize = choose_quantization(plan.quantization, device, plan.smoothquant_alpha, layers)
+    transforms = [t for t in (quantize and quantize.transform, kernel) if t is not None]  # as rank 0's, in its order
+    model = load_model(plan.model_path, dtype=dtype, device=device, transform=lambda m: [t(m) for t in transforms],
+                       tp=placement.tp, ls=placement.ls).model  # fmt: skip
     specs = model.cache_specs(dtype, plan.cache_plan, kda_replay=plan.kda_replay)
     runner = ModelRunner(model, plan.layout, specs, device, deterministic=plan.deterministic,
                          num_checkpoints=plan.num_checkpoints,
                          embedder=ReceivedEmbeddings(model.config.hidden_size, dtype, device))  # fmt: skip
-    return runner, model
+    return runner, model, quantize
 
 
 def _die_with_parent() -> None:
