@@ -125,6 +125,14 @@ class LoadedModel:
     config: TextModelConfig
 
 
+def _scale_splits(model: torch.nn.Module, splits: dict[str, Split]) -> dict[str, Split]:
+    """A pre-quantized weight's per-row scales are cut as its rows or experts are, and not
+    where its inputs are: each row's scale covers the whole row."""
+    params = dict(model.named_parameters())
+    return {f"{name}_scale": split for name, split in splits.items()
+            if f"{name}_scale" in params and split.axis % params[name].dim() != params[name].dim() - 1}  # fmt: skip
+
+
 def load_model(
     path: str | Path,
     dtype: torch.dtype = torch.bfloat16,
@@ -142,8 +150,6 @@ def load_model(
     path = Path(path)
     cfg = TextModelConfig.from_file(path)
     prequantized = read_scheme(json.loads((path / "config.json").read_text()))
-    if prequantized and tp.size > 1:
-        raise ValueError("tensor parallelism does not load pre-quantized (compressed-tensors) checkpoints yet")
     if with_mtp and not any(_is_mtp_tensor(_strip_prefix(name), cfg) for name in _tensor_names(path)):
         raise CheckpointError(f"{path} has no MTP layer (layer {cfg.num_hidden_layers}'s tensors): "
                               "MTP speculative decoding needs one; the ngram method does not")
@@ -153,6 +159,7 @@ def load_model(
         splits = {name: p.tp_split for name, p in model.named_parameters() if getattr(p, "tp_split", None) is not None}
         if prequantized:
             use_prequantized_w8a8(model, _quantized_modules(path, cfg, with_mtp))
+            splits |= _scale_splits(model, splits)
         if transform is not None:
             transform(model)
     load = CheckpointLoad(model, splits)

@@ -13,7 +13,6 @@ import time
 
 import pytest
 import torch
-from support_compressed import write_w8a8_checkpoint
 from test_speculative import SPEC, OracleProposer
 from tiny_models import two_mla_checkpoint
 
@@ -168,9 +167,6 @@ def test_speculative_greedy_on_parallel_ranks_equals_plain_greedy(tiny_model_dir
     assert spec == plain
 
 
-def test_what_parallel_ranks_do_not_run_yet_is_refused_by_name(tiny_model_dir, tmp_path):
-    write_w8a8_checkpoint(tiny_model_dir, tmp_path / "w8a8")
-    with pytest.raises(ValueError, match="pre-quantized"):
-        LLM(str(tmp_path / "w8a8"), tensor_parallel_size=2, **OPTIONS)
+def test_an_engine_on_a_host_other_than_the_first_is_refused_by_name():
     with pytest.raises(ValueError, match="only host 0 runs the engine"):
         check_parallel(engine_config({"tensor_parallel_size": 2, "nnodes": 2, "node_rank": 1, "master_port": 29500}))
