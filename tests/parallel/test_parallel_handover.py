@@ -24,32 +24,33 @@ def model_dir(tmp_path_factory):
     return two_mla_checkpoint(tmp_path_factory.mktemp("two-mla-handover"))
 
 
-def _handover(prefill: LLM, decode: LLM, rid: str, prompt: dict, params: SamplingParams):
-    prefill.engine.add_request(f"p-{rid}", prompt, replace(params, max_tokens=1), export_caches=True)
-    snap = run_to_completion(prefill.engine, {f"p-{rid}"})[f"p-{rid}"].kv_snapshot
-    decode.engine.add_request(f"d-{rid}", prompt, params, kv_import=snap)
-    return run_to_completion(decode.engine, {f"d-{rid}"})[f"d-{rid}"].outputs[0]
+def _export(llm: LLM, rid: str, prompt: dict, params: SamplingParams):
+    llm.engine.add_request(rid, prompt, replace(params, max_tokens=1), export_caches=True)
+    return run_to_completion(llm.engine, {rid})[rid].kv_snapshot
 
 
-BOTH = dict(tensor_parallel_size=2, layer_split_size=2)  # 4 ranks: heads and MLA layers both cut
+def _import(llm: LLM, rid: str, prompt: dict, params: SamplingParams, snap):
+    llm.engine.add_request(rid, prompt, params, kv_import=snap)
+    return run_to_completion(llm.engine, {rid})[rid].outputs[0]
 
 
-# (Two parallel instances cannot share this process: it has one default process group.)
-@pytest.mark.parametrize("prefill_cut,decode_cut,kda", [(BOTH, {}, "write-back"), ({}, BOTH, "replay")],
-                         ids=["tp2xls2-to-one", "one-to-tp2xls2"])  # fmt: skip
-def test_handover_between_differently_cut_instances(model_dir, prefill_cut, decode_cut, kda):
-    kw = dict(BASE, model=str(model_dir), kda_decode=kda)
+def test_handover_between_differently_cut_instances(model_dir):
+    """One process hands over to 4 ranks (TP 2 x LS 2: heads and MLA layers both cut), and the
+    4 ranks hand back: exported with ReplaySSM rings to fold, imported into write-back states."""
     params = SamplingParams(max_tokens=12, temperature=0, logprobs=2, ignore_eos=True)
     rng = random.Random()
     prompts = [{"prompt_token_ids": [rng.randrange(3, 8000) for _ in range(n)]} for n in (5, 16, 37)]
-    with LLM(**kw) as alone:
-        want = [o.outputs[0] for o in alone.generate(prompts, params)]
-        whole_layout = alone.engine.kv_description()
-    with LLM(**kw, **prefill_cut) as prefill, LLM(**kw, **decode_cut) as decode:
-        # The handshake's layout is the whole model's on every side, however it is cut.
-        assert prefill.engine.kv_description() == whole_layout == decode.engine.kv_description()
-        got = [_handover(prefill, decode, f"{i}-{rng.random()}", p, params) for i, p in enumerate(prompts)]
-    for g, w in zip(got, want):
+    with LLM(**BASE, model=str(model_dir)) as one:
+        want = [o.outputs[0] for o in one.generate(prompts, params)]
+        from_one = [_export(one, f"to-{i}", p, params) for i, p in enumerate(prompts)]
+        # (Two parallel instances cannot share this process: it has one default process group.)
+        with LLM(**BASE, model=str(model_dir), kda_decode="replay", tensor_parallel_size=2, layer_split_size=2) as four:
+            # The handshake's layout is the whole model's on every side, however it is cut.
+            assert four.engine.kv_description() == one.engine.kv_description()
+            got = [_import(four, f"in-{i}", p, params, snap) for i, (p, snap) in enumerate(zip(prompts, from_one))]
+            from_four = [_export(four, f"back-{i}", p, params) for i, p in enumerate(prompts)]
+        got += [_import(one, f"home-{i}", p, params, snap) for i, (p, snap) in enumerate(zip(prompts, from_four))]
+    for g, w in zip(got, want + want):
         assert g.token_ids == w.token_ids
         for token, a, b in zip(g.token_ids, g.logprobs, w.logprobs):
             assert abs(a[token] - b[token]) < 1e-3
