@@ -290,6 +290,9 @@ def test_bad_multimodal_prompts_are_clear_errors(vision_model):
     text_only = LLM(model=str(vision_model), dtype="float32", limit_mm_per_prompt='{"image": 0}')
     with pytest.raises(ValueError, match="allows none"):
         text_only.engine.add_request(None, {"prompt": "<|image|>", "multi_modal_data": {"image": images[0]}})
+    placed = llm.engine.check_prompt({"prompt": "<|image|>", "multi_modal_data": {"image": images[0]}}).as_prompt()
+    with pytest.raises(ValueError, match="allows none"):  # images already placed (a server's handover) too
+        text_only.engine.add_request(None, placed)
     assert text_only.engine.runner.embedder is None
 
 
@@ -330,3 +333,29 @@ def test_parallel_ranks_get_the_positions_of_images_not_their_pixels():
     assert out.new_requests[0].mm_items[0].patches.shape == (16, 8)  # rank 0's own step keeps them
     text_only = SchedulerOutput([NewRequestData("b", [2], SamplingParams())], [])
     assert text_only.without_pixels() is text_only
+
+
+@pytest.mark.slow
+def test_an_image_that_breaks_the_tower_fails_alone_on_parallel_ranks(two_mla_vision_model):
+    """Rank 0 encodes a step's images before the other ranks start the step: a failure there
+    fails its request, as in one process, and the ranks go on serving."""
+    images, video = _media(12)
+    bad = _random_image(np.random.default_rng(13), 84, 84, "RGB")  # a size no other image here has
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    with LLM(model=str(two_mla_vision_model), dtype="float32", tensor_parallel_size=2) as llm:
+        tower = llm.engine.runner.embedder.tower
+        bad_rows = llm.engine.media.image(bad).patches.shape[0]
+        original = tower.forward
+
+        def breaks_on_the_bad_image(patches, grids):
+            if any(g == tuple(llm.engine.media.image(bad).grid) for g in grids) and patches.shape[0] >= bad_rows:
+                raise RuntimeError("planted: the vision tower fails on this image")
+            return original(patches, grids)
+
+        tower.forward = breaks_on_the_bad_image
+        prompts = [{"prompt": PROMPT, "multi_modal_data": {"image": images, "video": video}},
+                   {"prompt": "<|begin_of_image|><|image|><|end_of_image|> what", "multi_modal_data": {"image": bad}}]
+        outs = llm.generate(prompts, params)
+        assert [o.outputs[0].finish_reason for o in outs] == ["length", "error"]
+        again = llm.generate([prompts[0]], params)[0].outputs[0]  # the ranks still serve
+        assert again.token_ids == outs[0].outputs[0].token_ids

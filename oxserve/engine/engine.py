@@ -181,12 +181,13 @@ class LLMEngine:
             self.workers.start(RankPlan(str(path), config.model.dtype, str(self.device), config.model.linear_kernel,
                                         max(1, self.threads), self.cache_plan, self.kda_replay, layout,
                                         config.scheduler.deterministic, num_checkpoints, config.model.seed,
-                                        config.model.quantization, config.model.smoothquant_alpha, plan_file),
+                                        config.model.quantization, config.model.smoothquant_alpha, plan_file,
+                                        embedder is not None),
                                loaded.model)  # fmt: skip
             if quantize is not None:  # SmoothQuant's calibration passes run on every rank in step
                 with self.workers.guard("calibrating W8A8"):
                     log.info("oxserve: %s", quantize.finish(loaded.model, self.tokenizer))
-                self.workers.compare(loaded.model, layout)  # every rank quantized the same modules
+                self.workers.compare(loaded.model, layout)  # every rank quantized the same modules (each smoothed its own)
         self.runner = ModelRunner(loaded.model, layout, cache_specs, self.device, deterministic=config.scheduler.deterministic,
                                   grammars=self.grammars, num_checkpoints=num_checkpoints, workers=self.workers,
                                   mtp_drafts=mtp, embedder=embedder, capture=not config.model.enforce_eager,
@@ -477,6 +478,8 @@ class LLMEngine:
         if isinstance(prompt, dict) and "multi_modal_data" in prompt:
             checked = self._multimodal(prompt)
         elif isinstance(prompt, dict) and prompt.get("mm_items"):
+            if self.media is None:
+                raise ValueError(f"this server takes no images or video: {self.mm_off_reason}")
             checked = PromptInputs(prompt.get("prompt"), self._tokenize(prompt)[1], tuple(prompt["mm_items"]))
         else:
             checked = PromptInputs(*self._tokenize(prompt))

@@ -144,6 +144,7 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput | None:
         """The step's accepted tokens (None on a tensor-parallel rank but the first)."""
         if self.workers is not None:  # (with the caches of the requests it imports: each rank takes its piece)
+            self._encode_ahead(out)
             self.workers.send("step", out.without_pixels(), {s.request_id: self.imports[s.request_id]
                                                              for s in out.scheduled if s.request_id in self.imports})
         with self._guard("running a step"):
@@ -321,6 +322,23 @@ class ModelRunner:
             self.rings.counts[state.slot] = 0
         if state.generator is not None and snap.generator_state is not None:
             state.generator.set_state(torch.frombuffer(bytearray(snap.generator_state), dtype=torch.uint8))
+
+    def _encode_ahead(self, out: SchedulerOutput) -> None:
+        """Rank 0 of parallel ranks: encode the images this step reaches before the other ranks
+        start it, so that one that breaks the vision tower fails its request, as in one
+        process, and not the ranks' step (the forward then finds them in the encoder cache)."""
+        if self.embedder is None:
+            return
+        new = {n.request_id: n.mm_items for n in out.new_requests}
+        items = []
+        for s in out.scheduled:
+            state = self.requests.get(s.request_id)
+            end = s.num_computed_tokens + s.num_new_tokens
+            for item in new.get(s.request_id, state.mm_items if state is not None else ()):
+                if any(s.num_computed_tokens <= p < end for p in item.positions):
+                    items.append(item)
+        if items:
+            self.embedder.encode(items, self.tracer)
 
     def _mm_embeddings(self, scheduled: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Image and video embeddings for the placeholder rows of this step (None: no such rows)."""

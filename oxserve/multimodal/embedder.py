@@ -64,14 +64,14 @@ class MultiModalEmbedder:
         wanted = placeholder_rows(spans)
         if not wanted:
             return None
-        encoded = self._encode([item for item, _, _ in wanted], tracer)
+        encoded = self.encode([item for item, _, _ in wanted], tracer)
         embeds = torch.cat([encoded[item.content_hash][ks] for item, ks, _ in wanted])
         if self.share:  # the other ranks' ReceivedEmbeddings wait for exactly these rows
             dist.broadcast(embeds, src=0)
         return _row_tensor(wanted, self.device), embeds
 
     @torch.inference_mode()
-    def _encode(self, items: list[MultiModalItem], tracer: Tracer | None) -> dict[bytes, torch.Tensor]:
+    def encode(self, items: list[MultiModalItem], tracer: Tracer | None = None) -> dict[bytes, torch.Tensor]:
         """Every item's embeddings: from the cache, or encoded together in one tower pass."""
         found = {i.content_hash: e for i in items if (e := self.cache.get(i.content_hash)) is not None}
         missing = list({i.content_hash: i for i in items if i.content_hash not in found}.values())

@@ -7,10 +7,14 @@ layers (all of them without Layer Split), and runs the same step from the same m
     rank 0 (engine)                                ranks 1..N-1 (`serve_rank`)
     init_process_group ──────────────────────────> init_process_group
     load its piece, plan the cache
-    broadcast RankPlan (layout, dtypes) ─────────> load its piece, build a ModelRunner
+    broadcast RankPlan (layout, dtypes) ─────────> load its piece
     all_gather fingerprints: refuse a mismatch <─> (model shapes, layout, versions)
-    per step: broadcast ("step", SchedulerOutput) > runner.execute (same collectives)
+    [W8A8: calibration passes, fingerprints again] [the same passes, in step]
+                                                   build a ModelRunner
+    per step: broadcast ("step", SchedulerOutput, > runner.execute (same collectives; image
+      the caches of requests it imports)            embeddings broadcast from rank 0)
     sample (the logits are gathered on rank 0)
+    a handover: broadcast ("export", id, tokens) ─> gather every rank's piece of its caches
     close: broadcast None ───────────────────────> exit 0
 
 A rank that dies closes its sockets, and gloo fails the collective on the others at once; a
@@ -66,6 +70,7 @@ class RankPlan:
     quantization: str = "none"  # W8A8 on load: every rank quantizes its piece, and calibrates with the others
     smoothquant_alpha: float = 0.0
     quantization_plan: str | None = None  # a plan file (per-layer weights), at the same path on every host
+    vision: bool = False  # rank 0 runs a vision tower: the others receive its embeddings
 
 
 def fingerprint(model: torch.nn.Module, layout: CacheLayout) -> dict:
@@ -124,7 +129,7 @@ class WorkerGroup:
             raise ParallelError(problem)
 
     def send(self, kind: str, *args) -> None:
-        """Every other rank does `kind` with `args` (see `serve_rank`)."""
+        """Every other rank does `kind` with `args` (see `_run_message`)."""
         self._collective(lambda: dist.broadcast_object_list([(kind, *args)], src=0), f"sending a {kind} message")
 
     def guard(self, what: str):
@@ -219,13 +224,14 @@ def serve_rank(rank: int, tp: int, ls: int, init: str, backend: str, timeout_s: 
         [plan] = _receive()
         if plan is None:  # rank 0 could not build its part: it stops the group before it starts
             return
-        runner, model, quantize = _build_runner(plan, placement)
+        model, quantize = _load_piece(plan, placement)
         dist.all_gather_object([None] * tp * ls, fingerprint(model, plan.layout))
         if quantize is not None:  # in step with rank 0's calibration passes, then compared again
             from oxserve.tokenizer import Tokenizer
 
             quantize.finish(model, Tokenizer.from_dir(plan.model_path))
             dist.all_gather_object([None] * tp * ls, fingerprint(model, plan.layout))
+        runner = _build_runner(plan, model)  # (its caches after calibration, as on rank 0)
         while (message := _receive()[0]) is not None:
             _run_message(runner, *message)
     finally:
@@ -260,12 +266,12 @@ def _receive() -> list:
     return box
 
 
-def _build_runner(plan: RankPlan, placement: Placement):
+def _load_piece(plan: RankPlan, placement: Placement):
+    """This rank's piece of the model, quantized as rank 0's (deferred W8A8 modules wait for
+    calibration), and the quantization to finish (None: none)."""
     from oxserve.engine.engine import DTYPES
-    from oxserve.engine.runner import ModelRunner
     from oxserve.kernels.onednn import choose_linear_kernel
     from oxserve.model.loader import load_model
-    from oxserve.multimodal.embedder import ReceivedEmbeddings
     from oxserve.quantization.on_load import choose_quantization
     from oxserve.quantization.plan import QuantizationPlan
 
@@ -278,11 +284,19 @@ def _build_runner(plan: RankPlan, placement: Placement):
     transforms = [t for t in (quantize and quantize.transform, kernel) if t is not None]  # as rank 0's, in its order
     model = load_model(plan.model_path, dtype=dtype, device=device, transform=lambda m: [t(m) for t in transforms],
                        tp=placement.tp, ls=placement.ls).model  # fmt: skip
+    return model, quantize
+
+
+def _build_runner(plan: RankPlan, model: torch.nn.Module):
+    from oxserve.engine.engine import DTYPES
+    from oxserve.engine.runner import ModelRunner
+    from oxserve.multimodal.embedder import ReceivedEmbeddings
+
+    device, dtype = torch.device(plan.device), DTYPES[plan.dtype]
     specs = model.cache_specs(dtype, plan.cache_plan, kda_replay=plan.kda_replay)
-    runner = ModelRunner(model, plan.layout, specs, device, deterministic=plan.deterministic,
-                         num_checkpoints=plan.num_checkpoints,
-                         embedder=ReceivedEmbeddings(model.config.hidden_size, dtype, device))  # fmt: skip
-    return runner, model, quantize
+    embedder = ReceivedEmbeddings(model.config.hidden_size, dtype, device) if plan.vision else None
+    return ModelRunner(model, plan.layout, specs, device, deterministic=plan.deterministic,
+                       num_checkpoints=plan.num_checkpoints, embedder=embedder)  # fmt: skip
 
 
 def _die_with_parent() -> None:

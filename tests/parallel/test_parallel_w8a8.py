@@ -45,8 +45,8 @@ def test_w8a8_on_parallel_ranks_loses_what_w8a8_alone_loses(model_dir, cut):
     assert cut_up != exact
 
 
-@pytest.mark.parametrize("cut", [dict(tensor_parallel_size=2), dict(tensor_parallel_size=2, enable_expert_parallel=True)],
-                         ids=["tp2", "tp2-ep"])  # fmt: skip
+@pytest.mark.parametrize("cut", [dict(tensor_parallel_size=2), dict(tensor_parallel_size=2, enable_expert_parallel=True),
+                                 dict(layer_split_size=2)], ids=["tp2", "tp2-ep", "ls2"])  # fmt: skip
 def test_a_prequantized_checkpoint_on_parallel_ranks_loses_what_it_loses_alone(model_dir, tmp_path, cut):
     """compressed-tensors int8 weights and experts: each rank takes its rows' (or experts')
     scales with its rows; a row-parallel piece keeps every row's scale."""
