@@ -98,6 +98,12 @@ def join_pieces(pieces: list[dict[str, torch.Tensor]], tp: int) -> dict[str, tor
     return whole
 
 
+def needed_part(piece: dict[str, torch.Tensor], tp_rank: int, ls_rank: int) -> dict[str, torch.Tensor]:
+    """What `join_pieces` takes of a rank's piece, the rest left unsent: KDA heads from the
+    first Layer Split group, MLA tables from the first tensor-parallel rank of each owner."""
+    return {name: t for name, t in piece.items() if (ls_rank == 0 if _is_state(name) else tp_rank == 0)}
+
+
 def whole_layout(layouts: list[list[list]], tp: int) -> list[list]:
     """`layout_of` for the whole model, from the layouts of one rank per Layer Split rank (each
     describes its own MLA layers and its piece of every KDA layer)."""

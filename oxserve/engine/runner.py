@@ -30,7 +30,7 @@ from oxserve.engine.interface import (
     ScheduledRequest,
     SchedulerOutput,
 )
-from oxserve.disagg.snapshot import CacheSnapshot, TensorCut, export_caches, import_caches, join_pieces
+from oxserve.disagg.snapshot import CacheSnapshot, TensorCut, export_caches, import_caches, join_pieces, needed_part
 from oxserve.engine.capture import CapturedDecode, has_forward_hooks
 from oxserve.engine.mtp_drafter import MTPDrafter
 from oxserve.engine.prompt_logprobs import score_prompt_tokens
@@ -304,10 +304,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def export_piece(self, request_id: str, num_tokens: int) -> dict[str, torch.Tensor]:
-        """This rank's piece of `export_caches`."""
+        """This rank's piece of `export_caches` (of a parallel rank's: what rank 0 keeps of it)."""
         state = self.requests[request_id]
         blocks = state.blocks.ids[: -(-num_tokens // self.layout.block_size)]
-        return export_caches(self.caches, self.layout.num_blocks, blocks, state.slot, self.rings)
+        piece = export_caches(self.caches, self.layout.num_blocks, blocks, state.slot, self.rings)
+        return needed_part(piece, self.model.tp.rank, self.model.ls.rank)
 
     def generator_state(self, request_id: str) -> bytes | None:
         generator = self.requests[request_id].generator
