@@ -7,8 +7,8 @@ import json
 import os
 import signal
 import subprocess
+import threading
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -101,12 +101,23 @@ def test_ctrl_c_stops_cleanly_and_resume_finishes_with_the_rules(tiny_model_dir,
     env = {**os.environ, "OXSERVE_DATA_DIR": str(data_dir)}
     agent = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                              start_new_session=True)
-    deadline = time.monotonic() + 300
-    while not _samples(ledger_path):  # Ctrl-C once the first experiment has measured a run
-        assert agent.poll() is None and time.monotonic() < deadline, agent.communicate()
-        time.sleep(0.2)
+    # Ctrl-C once the first experiment has measured a run, as its log says: seven runs remain.
+    # (Polling the ledger from here once saw the samples only after the experiment's end.)
+    log: list[str] = []
+    measured = threading.Event()
+
+    def read_log():
+        for line in agent.stderr:
+            log.append(line)
+            if line.lstrip().startswith("run 1 ("):
+                measured.set()
+        measured.set()  # the agent ended first: the assertions below say how
+
+    threading.Thread(target=read_log, daemon=True).start()
+    assert measured.wait(300) and agent.poll() is None, "".join(log)
     os.killpg(agent.pid, signal.SIGINT)  # what a terminal sends the foreground group
-    _, err = agent.communicate(timeout=60)
+    agent.wait(timeout=60)  # (stdout: a report only when the run ends on its own)
+    err = "".join(log)
     assert agent.returncode == 130, err
     with Ledger(ledger_path) as ledger:
         journal = Journal(ledger)
@@ -164,14 +175,6 @@ def test_the_llm_policy_in_the_loop_against_a_real_server_runs_only_what_passes_
         if s.experiment_id is not None:  # whatever ran passed its checks first
             changes = s.action["changes"]
             assert check_action(Action(changes, "", 1.0, "llm"), goal, goal.start) == []
-
-
-def _samples(ledger_path: Path) -> int:
-    if not ledger_path.exists():
-        return 0
-    with Ledger(ledger_path) as ledger:
-        records = ledger.list(1)
-        return len(records[0].samples) if records else 0
 
 
 def test_a_sensitivity_marker_becomes_a_plan_made_once_and_measured_as_a_file(tiny_model_dir, data_dir, tmp_path):
