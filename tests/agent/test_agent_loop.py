@@ -99,10 +99,11 @@ def test_ctrl_c_stops_cleanly_and_resume_finishes_with_the_rules(tiny_model_dir,
     command = [sys.executable, "-m", "oxserve.cli", "agent", "run", "--goal", str(goal_file), "--ledger", str(ledger_path),
                "--workdir", str(tmp_path / "work")]
     env = {**os.environ, "OXSERVE_DATA_DIR": str(data_dir)}
+    # The agent takes Ctrl-C as a terminal's foreground job does: a suite started in the
+    # background of a script (`make test &`) ignores SIGINT, and its children would inherit that.
     agent = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             start_new_session=True)
+                             start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     # Ctrl-C once the first experiment has measured a run, as its log says: seven runs remain.
-    # (Polling the ledger from here once saw the samples only after the experiment's end.)
     log: list[str] = []
     measured = threading.Event()
 
