@@ -38,7 +38,7 @@ from oxserve.engine.sampler import SamplingRow, make_generator, sample
 from oxserve.engine.speculative import verify
 from oxserve.model.batch import BatchRequest, BlockIds, make_forward_batch
 from oxserve.model.glm5_next import Glm5NextForCausalLM
-from oxserve.multimodal.embedder import MultiModalEmbedder, ReceivedEmbeddings, RowSpan
+from oxserve.multimodal.embedder import MultiModalEmbedder, ReceivedEmbeddings, RowSpan, placeholder_rows
 from oxserve.multimodal.inputs import MultiModalItem
 from oxserve.parallel.workers import WorkerGroup, gather_pieces, share_accepted
 from oxserve.sampling_params import SamplingParams
@@ -330,27 +330,16 @@ class ModelRunner:
         process, and not the ranks' step (the forward then finds them in the encoder cache)."""
         if self.embedder is None:
             return
-        new = {n.request_id: n.mm_items for n in out.new_requests}
-        items = []
-        for s in out.scheduled:
-            state = self.requests.get(s.request_id)
-            end = s.num_computed_tokens + s.num_new_tokens
-            for item in new.get(s.request_id, state.mm_items if state is not None else ()):
-                if any(s.num_computed_tokens <= p < end for p in item.positions):
-                    items.append(item)
-        if items:
+        new = {n.request_id: n.mm_items for n in out.new_requests}  # (not in self.requests before this step runs)
+        spans = _image_spans(out.scheduled, lambda rid: new[rid] if rid in new else self.requests[rid].mm_items)
+        if items := [item for item, _, _ in placeholder_rows(spans)]:
             self.embedder.encode(items, self.tracer)
 
     def _mm_embeddings(self, scheduled: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Image and video embeddings for the placeholder rows of this step (None: no such rows)."""
         if self.embedder is None:
             return None
-        spans, row = [], 0
-        for s in scheduled:
-            items = self.requests[s.request_id].mm_items
-            if items and s.num_computed_tokens <= max(i.positions[-1] for i in items):  # a prompt chunk reaching them
-                spans.append(RowSpan(items, s.num_computed_tokens, row, s.num_new_tokens))
-            row += s.num_new_tokens
+        spans = _image_spans(scheduled, lambda rid: self.requests[rid].mm_items)
         return self.embedder.step_embeddings(spans, self.tracer) if spans else None
 
     def _score_prompts(self, scheduled: list[ScheduledRequest], hidden: torch.Tensor) -> dict[str, PromptLogprobs]:
@@ -379,6 +368,18 @@ class ModelRunner:
 def decode_logits(model: Glm5NextForCausalLM, caches: list, input_ids: torch.Tensor, batch) -> torch.Tensor:
     """A decode step's logits: what `CapturedDecode` records and replays."""
     return model.compute_logits(model(input_ids, batch, caches), batch.tracer)
+
+
+def _image_spans(scheduled: list[ScheduledRequest], items_of) -> list[RowSpan]:
+    """The step's rows of each request whose prompt chunk may reach its images or videos
+    (`items_of`: a request id's items), in `scheduled`'s row order."""
+    spans, row = [], 0
+    for s in scheduled:
+        items = items_of(s.request_id)
+        if items and s.num_computed_tokens <= max(i.positions[-1] for i in items):  # a prompt chunk reaching them
+            spans.append(RowSpan(items, s.num_computed_tokens, row, s.num_new_tokens))
+        row += s.num_new_tokens
+    return spans
 
 
 def _batch_order(s: ScheduledRequest) -> int:
