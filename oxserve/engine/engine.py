@@ -42,7 +42,7 @@ from oxserve.multimodal.processor import MediaProcessor, ProcessorConfig, expand
 from oxserve.outputs import CompletionOutput, RequestOutput
 from oxserve.parallel.groups import ALONE
 from oxserve.parallel.workers import ParallelError, RankPlan, WorkerGroup
-from oxserve.quantization.on_load import choose_quantization
+from oxserve.quantization.on_load import choose_quantization, load_transform
 from oxserve.quantization.plan import QuantizationPlan
 from oxserve.sampling_params import SamplingParams
 from oxserve.structured.grammar import GrammarCompiler, check_constraint
@@ -137,13 +137,11 @@ class LLMEngine:
         self.quantization_plan = QuantizationPlan.load(plan_file) if plan_file else None
         quantize = choose_quantization(config.model.quantization, self.device, config.model.smoothquant_alpha, self.quantization_plan)
         self.linear_kernel, kernel = choose_linear_kernel(config.model.linear_kernel, self.device, self.dtype)
-        # Quantization first: the kernel choice takes the Linears it leaves.
-        transforms = [t for t in (quantize and quantize.transform, kernel) if t is not None]
         self.speculative = SpeculativeConfig.parse(config.scheduler.speculative_config)
         mtp = self.speculative is not None and self.speculative.method == "mtp"
         if mtp and placement.world_size > 1:
             raise ValueError("MTP speculative decoding runs on one rank; use the ngram method with parallel ranks")
-        loaded = load_model(path, dtype=self.dtype, device=self.device, transform=lambda m: [t(m) for t in transforms],
+        loaded = load_model(path, dtype=self.dtype, device=self.device, transform=load_transform(quantize, kernel),
                             tp=placement.tp, ls=placement.ls, with_mtp=mtp)  # fmt: skip
         log.info("oxserve: high-precision projection and LM head products through %s", self.linear_kernel)
         self.model_config = loaded.config

@@ -272,7 +272,7 @@ def _load_piece(plan: RankPlan, placement: Placement):
     from oxserve.engine.engine import DTYPES
     from oxserve.kernels.onednn import choose_linear_kernel
     from oxserve.model.loader import load_model
-    from oxserve.quantization.on_load import choose_quantization
+    from oxserve.quantization.on_load import choose_quantization, load_transform
     from oxserve.quantization.plan import QuantizationPlan
 
     device, dtype = torch.device(plan.device), DTYPES[plan.dtype]
@@ -281,8 +281,7 @@ def _load_piece(plan: RankPlan, placement: Placement):
     _, kernel = choose_linear_kernel(plan.linear_kernel, device, dtype)
     layers = QuantizationPlan.load(plan.quantization_plan) if plan.quantization_plan else None
     quantize = choose_quantization(plan.quantization, device, plan.smoothquant_alpha, layers)
-    transforms = [t for t in (quantize and quantize.transform, kernel) if t is not None]  # as rank 0's, in its order
-    model = load_model(plan.model_path, dtype=dtype, device=device, transform=lambda m: [t(m) for t in transforms],
+    model = load_model(plan.model_path, dtype=dtype, device=device, transform=load_transform(quantize, kernel),
                        tp=placement.tp, ls=placement.ls).model  # fmt: skip
     return model, quantize
 

@@ -7,6 +7,7 @@ inputs have outlier channels (`smooth`). With alpha 0 modules quantize as they l
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -56,3 +57,15 @@ def choose_quantization(
     if device.type != "cpu":
         raise ValueError(f"quantization w8a8 runs on CPU in this build (its int8 kernel is native C), not {device}")
     return QuantizeOnLoad(alpha, choice, plan)
+
+
+def load_transform(quantize: QuantizeOnLoad | None, kernel: Callable[[nn.Module], object] | None) -> Callable[[nn.Module], None]:
+    """What the loader applies to the model before its weights: W8A8 first (the linear kernel's
+    choice then takes the Linears it leaves), then the kernel's. Every parallel rank uses it."""
+    steps = [t for t in (quantize and quantize.transform, kernel) if t is not None]
+
+    def transform(model: nn.Module) -> None:
+        for step in steps:
+            step(model)
+
+    return transform
