@@ -65,6 +65,7 @@ from oxserve.feedback.workload import Workload
 from oxserve.kernels.native import cache_dir as native_cache_dir
 from oxserve.model.config import TextModelConfig
 from oxserve.profiling.costs import decode_step_shape, forward_cost, layer_storage
+from oxserve.sampling_params import SamplingParams
 
 STOPPED_BY_QUALITY_GATE = "the quality gate failed: pairs not run"
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -198,14 +199,20 @@ def run_arm(plan: Plan, label: str, seed: int, quality: dict | None = None) -> W
     s = plan.settings
     job = {"options": dict(plan.options[label]), "workload": s.workload.to_dict(), "threads": s.threads,
            "quality": quality}
-    plan.guard.check(label, guarded(plan, label))
-    done = run_worker(plan.sources[label], job, s.run_timeout_s, f"arm {label}", plan.cache_dirs[label], seed)
-    plan.guard.record(guarded(plan, label))
+    done = _run_guarded(plan, label, job, f"arm {label}", seed)
     check_completeness(plan, label, seed, done.outputs)
     metrics = done.result["metrics"]
     metrics["worker_total_time_s"], metrics["worker_output_tokens_per_s"] = metrics["total_time_s"], metrics["output_tokens_per_s"]
     metrics["total_time_s"] = done.timed_s
     metrics["output_tokens_per_s"] = metrics["num_output_tokens"] / done.timed_s
+    return done
+
+
+def _run_guarded(plan: Plan, label: str, job: dict, name: str, seed: int | None = None) -> WorkerResult:
+    """A worker on arm `label`'s tree and cache, which must be as its last run left them."""
+    plan.guard.check(label, guarded(plan, label))
+    done = run_worker(plan.sources[label], job, plan.settings.run_timeout_s, name, plan.cache_dirs[label], seed)
+    plan.guard.record(guarded(plan, label))
     return done
 
 
@@ -226,7 +233,7 @@ def check_completeness(plan: Plan, label: str, seed: int, outputs: list[dict]) -
             raise WorkerError(f"arm {label}: request {request.index} was not answered on its own prompt (output check)")
         wanted, got = sampling["max_tokens"], len(out["output"])
         exact = sampling.get("ignore_eos") and not sampling.get("stop") and not sampling.get("stop_token_ids")
-        if got > wanted or got < sampling.get("min_tokens", 1) or (exact and got != wanted):
+        if got > wanted or got < 1 or (exact and got != wanted):
             raise WorkerError(f"arm {label}: request {request.index} returned {got} tokens, asked for "
                               f"{wanted}{' (ignore_eos)' if exact else ''} (output check)")
 
@@ -235,12 +242,8 @@ def check_outputs(plan: Plan, seed: int, a: WorkerResult, b: WorkerResult) -> di
     """A's engine scores both arms' outputs on the prompts of `seed`: see `compare_outputs`."""
     s = plan.settings
     job = {"options": dict(plan.options["A"]), "threads": s.threads, "verify": {"runs": {"A": a.outputs, "B": b.outputs}}}
-    plan.guard.check("A", guarded(plan, "A"))
-    scored = run_worker(plan.sources["A"], job, s.run_timeout_s, "output check (arm A)", plan.cache_dirs["A"]).result["verify"]
-    plan.guard.record(guarded(plan, "A"))
-    requests = s.workload.requests(plan.vocab_size, min_token_id=PROMPT_MIN_TOKEN_ID, model_dir=plan.model_dir,
-                                   token_seed=seed)
-    greedy = [not r.sampling.get("temperature", 1.0) for r in requests]
+    scored = _run_guarded(plan, "A", job, "output check (arm A)").result["verify"]
+    greedy = [SamplingParams(**s.workload.sampling).greedy] * len(a.outputs)  # (every request samples alike)
     return {**compare_outputs(scored["A"], scored["B"], s.output_bound, greedy, [o["output"] for o in a.outputs],
                               [o["output"] for o in b.outputs]), "token_seed": seed}
 

@@ -27,7 +27,6 @@ import dataclasses
 import json
 import os
 import secrets
-import struct
 import sys
 from pathlib import Path
 
@@ -35,6 +34,7 @@ import torch
 
 import oxserve
 from oxserve.engine.engine import LLMEngine
+from oxserve.experiment.launch import LENGTH
 from oxserve.experiment.quality import generate_greedy, output_loglikelihoods, score_tokens
 from oxserve.feedback.drive import PROMPT_MIN_TOKEN_ID, run_workload
 from oxserve.feedback.workload import Arrival, Workload
@@ -66,7 +66,7 @@ def run_job(job: dict) -> dict:
     run = run_workload(engine, make_requests(token_seed), workload.arrival)
     outputs = json.dumps([{"prompt": list(r.prompt), "output": list(r.output)} for r in run.requests]).encode()
     with os.fdopen(job["marker_fd"], "wb") as marker:  # buffered: writes it all, then closes the pipe
-        marker.write(b"E" + struct.pack("!Q", len(outputs)) + outputs)
+        marker.write(b"E" + LENGTH.pack(len(outputs)) + outputs)
     result = {"metrics": run.metrics(), "engine": about}
     quality = job.get("quality")
     if quality:
