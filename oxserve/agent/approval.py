@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from oxserve.agent.journal import Change, Journal
-from oxserve.agent.patches import PatchError, digest, land, touched_files
+from oxserve.agent.patches import PatchError, digest, land
 from oxserve.experiment.arms import REPO_ROOT
 from oxserve.feedback.ledger import LedgerError
 
@@ -42,6 +42,6 @@ def land_change(journal: Journal, change: Change, note: str, repo: Path | None =
                      f"checks {'passed' if q.get('passed') else 'FAILED'}")
     lines.append(f"Approved by a person{': ' + note if note else ''}.")
     try:
-        return land(diff, repo, "\n".join(lines), touched_files(diff, repo), change.evidence.get("base_revision") or "")
+        return land(diff, repo, "\n".join(lines), change.evidence.get("base_revision") or "")
     except PatchError as e:
         raise ValueError(f"change {change.id} cannot land: {e}") from e

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from oxserve.experiment.launch import source_env
 from oxserve.feedback.workload import Workload
 
 PHASES = ("decode", "prefill", "mixed")
@@ -54,9 +55,7 @@ def diagnose(options: Mapping[str, Any], workload: Workload, out_dir: Path, time
     command = [sys.executable, "-m", "oxserve.cli", "profile", "--workload", workload_path, "--out", str(out_dir),
                "--overhead-repeats", "0", *option_flags(options)]
     try:
-        env = None
-        if source is not None:
-            env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(source), os.environ.get("PYTHONPATH")) if p)}
+        env = source_env(source) if source is not None else None
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, cwd=source, env=env)
     finally:
         os.unlink(workload_path)

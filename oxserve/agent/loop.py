@@ -52,7 +52,7 @@ class AgentLoop:
         self.incumbent: dict[str, Any] = run.incumbent
         self.start_revision: str | None = run.start_revision
         self.revision: str | None = run.revision  # the incumbent's code
-        self._prepared: dict[tuple, str] = {}  # (action key, base commit) -> the patched commit
+        self._prepared: dict[tuple, str] = {}  # (patch digest, base commit) -> the patched commit
         self._harness = harness_digest()  # what measures every experiment of this run
         self.history: list[Outcome] = outcomes_of(self.journal, self.run_id)
         self.incumbent_rate: float | None = _last_rate(self.journal, self.run_id)
@@ -132,7 +132,7 @@ class AgentLoop:
     def _prepare_patch(self, action: Action) -> list[str]:
         """Apply the patch on the incumbent's commit in a worktree and run the goal's tests
         there (the last cheap check); why not, if it fails."""
-        if (action.key(), self.revision) in self._prepared:
+        if (digest(action.patch), self.revision) in self._prepared:
             return []
         if self.revision is None:
             return ["this run measures the working tree: code patches need a goal with a code section"]
@@ -144,7 +144,7 @@ class AgentLoop:
             prepared = prepare(action.patch, self.revision, self.goal.code, REPO_ROOT, message)
         except PatchError as e:
             return [str(e)]
-        self._prepared[(action.key(), self.revision)] = prepared.commit
+        self._prepared[(digest(action.patch), self.revision)] = prepared.commit
         self.journal.add_step(self.run_id, "check", f"patch {digest(action.patch)} applies on {self.revision[:12]} "
                               f"and passes the tests: commit {prepared.commit[:12]}", {"tests": prepared.tests,
                               "commit": prepared.commit}, action=action.to_dict(), seconds=time.monotonic() - t0)
@@ -186,7 +186,7 @@ class AgentLoop:
 
     def _test(self, action: Action) -> None:
         candidate = {**self.incumbent, **action.changes}
-        revision = self._prepared[(action.key(), self.revision)] if action.patch else self.revision
+        revision = self._prepared[(digest(action.patch), self.revision)] if action.patch else self.revision
         a, b = (self.incumbent, self.revision), (candidate, revision)
         record = self._experiment("experiment", action, a, b, self.goal.workload)
         # The incumbent's rate as first measured (at adoption, or the run's first experiment)

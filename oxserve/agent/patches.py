@@ -22,15 +22,15 @@ from __future__ import annotations
 
 import fnmatch
 import hashlib
-import os
 import re
 import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+from oxserve.experiment.launch import source_env
 
 # Never touched by a patch, whatever the goal allows: what measures, what judges, what tests.
 PROTECTED = (
@@ -193,7 +193,7 @@ def run_tests(tree: Path, rules: CodeRules) -> str:
     """The goal's tests, run on the patched tree's code; the tail of their report."""
     if not rules.tests:
         return "no tests named in code.tests"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(tree), os.environ.get("PYTHONPATH")) if p)}
+    env = source_env(tree)
     command = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *rules.tests]
     try:
         done = subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True, timeout=rules.test_timeout_s)
@@ -205,13 +205,14 @@ def run_tests(tree: Path, rules: CodeRules) -> str:
     return tail
 
 
-def land(diff: str, repo: Path, message: str, paths: Sequence[str], base: str) -> str:
+def land(diff: str, repo: Path, message: str, base: str) -> str:
     """Commit an approved patch onto the checked-out branch of `repo`; the new commit id.
     Refused unless the branch holds exactly the code the patch was measured on (`base`'s
     tree: another landing since makes an unmeasured combination), or when those files have
     local changes."""
     if shutil.which("git") is None:
         raise PatchError("git is not installed")
+    paths = touched_files(diff, repo)
     head_tree = _git(repo, "rev-parse", "HEAD^{tree}", what="read the branch").strip()
     base_tree = _git(repo, "rev-parse", f"{base}^{{tree}}", what=f"find the measured commit {base[:12]}").strip()
     if head_tree != base_tree:

@@ -94,6 +94,14 @@ class WorkerResult:
     outputs: list | None = None  # the timed run's outputs, as they arrived over the pipe
 
 
+def source_env(source: Path, env: dict[str, str] | None = None) -> dict[str, str]:
+    """`env` (default: this process's) with `source` first on PYTHONPATH, so that a Python
+    process started with it imports oxserve from that tree."""
+    env = dict(os.environ if env is None else env)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(source), env.get("PYTHONPATH")) if p)
+    return env
+
+
 def run_worker(source: Path, job: dict, timeout_s: float, label: str, cache_dir: Path | None = None,
                token_seed: int | None = None) -> WorkerResult:
     """Run `python -m oxserve.experiment.worker` with `source` first on the import path, so the
@@ -106,8 +114,7 @@ def run_worker(source: Path, job: dict, timeout_s: float, label: str, cache_dir:
         private_tmp = Path(tmp) / "tmp"
         private_tmp.mkdir()
         token = uuid.uuid4().hex
-        env = dict(os.environ, TMPDIR=str(private_tmp), **{RUN_TOKEN: token})
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(source), env.get("PYTHONPATH")) if p)
+        env = source_env(source, dict(os.environ, TMPDIR=str(private_tmp), **{RUN_TOKEN: token}))
         if cache_dir is not None:
             env["OXSERVE_CACHE_DIR"] = str(cache_dir)
         marker_read, marker_write = os.pipe()

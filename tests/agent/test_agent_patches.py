@@ -113,12 +113,12 @@ def test_an_approved_patch_lands_on_the_branch_with_its_message_and_never_over_l
     base = git(repo, "rev-parse", "HEAD").strip()
     (repo / "pkg/engine/step.py").write_text(STEP + "# local edit\n")
     with pytest.raises(PatchError, match="local changes"):
-        land(good, repo, "agent: commute", ["pkg/engine/step.py"], base)
+        land(good, repo, "agent: commute", base)
     git(repo, "checkout", "--", "pkg/engine/step.py")
-    commit = land(good, repo, "agent: commute\n\nEvidence: experiment 7", ["pkg/engine/step.py"], base)
+    commit = land(good, repo, "agent: commute\n\nEvidence: experiment 7", base)
     assert git(repo, "log", "-1", "--format=%B", commit).startswith("agent: commute\n\nEvidence: experiment 7")
     assert git(repo, "rev-parse", "main").strip() == commit and git(repo, "status", "--porcelain") == ""
     # A second patch measured on the same base would land on code nobody measured it with.
     other = diff("tests/test_step.py", "x\n", "y\n").replace("tests/test_step.py", "pkg/engine/__init__.py")
     with pytest.raises(PatchError, match="not what the patch was measured on"):
-        land(other, repo, "agent: other", ["pkg/engine/__init__.py"], base)
+        land(other, repo, "agent: other", base)
