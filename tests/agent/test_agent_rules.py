@@ -7,6 +7,7 @@ import pytest
 
 from oxserve.agent.diagnosis import diagnose
 from oxserve.agent.goal import goal_from_dict
+from oxserve.agent.policies import rules
 from oxserve.agent.policies.rules import MIN_GAIN, Context, RulesPolicy, amdahl, sensitivity_plan
 from oxserve.agent.policy import AgentState
 
@@ -73,7 +74,7 @@ def test_amdahl():
 
 
 
-def test_a_sensitivity_plan_is_proposed_where_decode_dominates_bounded_by_w8a8s_bytes(naive, tiny_model_dir):
+def test_a_sensitivity_plan_is_proposed_where_decode_dominates_bounded_by_w8a8s_bytes(naive, tiny_model_dir, monkeypatch):
     g, d = naive
     with_plans = goal(tiny_model_dir, search_space={**{k: list(v) for k, v in g.search_space.items()},
                                                     "quantization_plan": [None, "sensitivity@0.05", "sensitivity@0.01"]})
@@ -87,5 +88,8 @@ def test_a_sensitivity_plan_is_proposed_where_decode_dominates_bounded_by_w8a8s_
     assert plan.predicted_ratio == pytest.approx(1 + (w8a8 - 1) * context.byte_fraction(), abs=1e-3)
     # On this tiny model its bound is under the 1% a remedy must promise: the policy does not propose it.
     assert (plan.predicted_ratio > 1 + MIN_GAIN) == any(a.origin == "rules:sensitivity_plan" for a in policy.propose(state))
+    # With a threshold under its bound, the policy does propose it: the rule is in the catalogue.
+    monkeypatch.setattr(rules, "MIN_GAIN", (plan.predicted_ratio - 1) / 2)
+    assert any(a.origin == "rules:sensitivity_plan" for a in RulesPolicy().propose(state))
     assert sensitivity_plan(Context(AgentState(g, g.start, None, d), d, options, policy._step_bytes(state),
                                     policy._bench(state, options))) == []  # no marker in the space

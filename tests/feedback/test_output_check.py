@@ -26,6 +26,7 @@ def test_sampled_outputs_get_the_bound_plus_their_standard_error():
     r = compare_outputs(ref, cand, 0.25)
     assert r["allowed_shortfall"] > 0.25 + 0.3  # three standard errors over 6 requests
     assert r["passed"] == (r["shortfall"] <= r["allowed_shortfall"])
+    assert r["passed"] and r["shortfall"] > 0.25  # past the bound alone: the standard error lets it pass
 
 
 def test_a_greedy_output_that_leaves_the_references_path_far_from_a_tie_fails():
