@@ -21,6 +21,10 @@ from oxserve.feedback.workload import Workload
 PHASES = ("decode", "prefill", "mixed")
 
 
+class ProfileError(RuntimeError):
+    """The profile of an incumbent could not be made (the profiler failed or timed out)."""
+
+
 @dataclass(frozen=True)
 class Diagnosis:
     headline: tuple[str, ...]  # the profile's own first lines
@@ -38,9 +42,11 @@ class Diagnosis:
     cpus: int  # CPUs this process may use
     metrics: dict[str, float]  # the run's metrics (TTFT, TPOT, ...)
     report_dir: str
+    sequences: tuple[tuple[list[int], list[int]], ...] = ()  # (prompt, output) token ids of the run's requests
 
     def summary(self) -> dict:
-        return asdict(self)
+        """What the journal keeps (the token ids stay in the profile's sequences.json)."""
+        return {k: v for k, v in asdict(self).items() if k != "sequences"}
 
 
 def diagnose(options: Mapping[str, Any], workload: Workload, out_dir: Path, timeout_s: float = 1800.0,
@@ -57,10 +63,12 @@ def diagnose(options: Mapping[str, Any], workload: Workload, out_dir: Path, time
     try:
         env = source_env(source) if source is not None else None
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, cwd=source, env=env)
+    except subprocess.TimeoutExpired as e:
+        raise ProfileError(f"profiling took over {timeout_s:.0f} s ({' '.join(command[3:])})") from e
     finally:
         os.unlink(workload_path)
     if done.returncode != 0:
-        raise RuntimeError(f"profiling failed ({' '.join(command[3:])}): {done.stderr.strip()[-2000:]}")
+        raise ProfileError(f"profiling failed ({' '.join(command[3:])}): {done.stderr.strip()[-2000:]}")
     report = json.loads((out_dir / "report.json").read_text())
     return diagnosis_from_report(report, str(out_dir))
 
@@ -92,7 +100,14 @@ def diagnosis_from_report(report: Mapping[str, Any], report_dir: str = "") -> Di
         decode_roofline={op: weighted[op] / time[op] for op in time if time[op]},
         gaps=gaps, preemptions=int(run.get("num_preemptions", 0)), threads=int(run["threads"]),
         cpus=len(os.sched_getaffinity(0)), metrics=dict(run["metrics"]), report_dir=report_dir,
+        sequences=_sequences(Path(report_dir) / "sequences.json") if report_dir else (),
     )
+
+
+def _sequences(path: Path) -> tuple[tuple[list[int], list[int]], ...]:
+    if not path.exists():  # a profile written before sequences.json was
+        return ()
+    return tuple((r["prompt"], r["output"]) for r in json.loads(path.read_text()))
 
 
 def option_flags(options: Mapping[str, Any]) -> list[str]:

@@ -144,11 +144,12 @@ class Journal:
         return [_change(r) for r in self._db.execute(f"SELECT * FROM agent_changes {where} ORDER BY id", params)]
 
     def decide(self, change_id: int, status: str, note: str = "") -> Change:
-        """A person's decision (approved / rejected), or the loop's (applied). Only a pending
-        change can be approved or rejected; only an approved one applied."""
-        allowed = {"approved": "pending", "rejected": "pending", "applied": "approved"}
+        """A person's decision (approved / rejected), or the loop's: applied, or lapsed (measured
+        again against a later incumbent, it no longer applies or wins). Only a pending change
+        can be approved or rejected; only an approved one applied or lapsed."""
+        allowed = {"approved": "pending", "rejected": "pending", "applied": "approved", "lapsed": "approved"}
         if status not in allowed:
-            raise LedgerError(f"a change can be approved, rejected or applied, not {status!r}")
+            raise LedgerError(f"a change can be approved, rejected, applied or lapsed, not {status!r}")
         current = self.change(change_id)
         if current.status != allowed[status]:
             raise LedgerError(f"change {change_id} is {current.status}: it cannot be {status}")

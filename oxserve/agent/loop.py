@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from oxserve.agent.actions import Action, check_action, needs_approval
-from oxserve.agent.diagnosis import Diagnosis, diagnose
+from oxserve.agent.diagnosis import Diagnosis, ProfileError, diagnose
 from oxserve.agent.goal import Goal
 from oxserve.agent.journal import Journal
 from oxserve.agent.judge import judge, quality_failed
@@ -57,7 +57,7 @@ class AgentLoop:
         self.history: list[Outcome] = outcomes_of(self.journal, self.run_id)
         self.incumbent_rate: float | None = _last_rate(self.journal, self.run_id)
         self.diagnosis: Diagnosis | None = None
-        self._llm_rejections_seen = 0
+        self._rejections_seen = 0
 
     def run(self) -> None:
         try:
@@ -85,8 +85,8 @@ class AgentLoop:
         if experiments >= budget.experiments or spent_s >= budget.wall_time_s:
             self.journal.add_step(self.run_id, "stop", f"budget spent: {spent_s:.0f} s, {experiments} experiments")
             return False
-        if self.policy.needs_diagnosis and self.diagnosis is None:
-            self._diagnose()
+        if self.policy.needs_diagnosis and self.diagnosis is None and not self._diagnose():
+            return False
         state = AgentState(self.goal, self.incumbent, self.incumbent_rate, self.diagnosis, list(self.history),
                            self.revision)
         action = self._choose(state)
@@ -98,21 +98,29 @@ class AgentLoop:
         self._test(action)
         return True
 
-    def _diagnose(self) -> None:
+    def _diagnose(self) -> bool:
+        """Profile the incumbent for the policy; False (the search stops, the held-out
+        measurement still runs) when the profile fails."""
         t0 = time.monotonic()
         self.log(f"profiling the incumbent {_show(self.incumbent)}")
         out = self.workdir / f"run{self.run_id}-profile{len(self.history)}"
-        with tempfile.TemporaryDirectory(prefix="oxserve-agent-profile-") as tmp:
-            source = None if self.revision is None else export_revision(self.revision, Path(tmp) / "tree")
-            self.diagnosis = diagnose({**self.goal.base_options, **self._concrete(self.incumbent)}, self.goal.workload, out,
-                                      source=source)
+        try:
+            with tempfile.TemporaryDirectory(prefix="oxserve-agent-profile-") as tmp:
+                source = None if self.revision is None else export_revision(self.revision, Path(tmp) / "tree")
+                self.diagnosis = diagnose({**self.goal.base_options, **self._concrete(self.incumbent)},
+                                          self.goal.workload, out, source=source)
+        except (ProfileError, PlanError) as e:
+            self.journal.add_step(self.run_id, "stop", f"profiling the incumbent failed, so the policy has nothing to "
+                                  f"read: {e}", seconds=time.monotonic() - t0)
+            return False
         self.journal.add_step(self.run_id, "profile", self.diagnosis.headline[0] if self.diagnosis.headline else "",
                               self.diagnosis.summary(), seconds=time.monotonic() - t0)
+        return True
 
     def _choose(self, state: AgentState) -> Action | None:
         t0 = time.monotonic()
         proposals = self.policy.propose(state)
-        self._journal_llm_rejections()
+        self._journal_policy_rejections()
         for action in proposals:
             problems = check_action(action, self.goal, self.incumbent)
             if not problems and state.tried(action):
@@ -185,6 +193,24 @@ class AgentLoop:
         return True
 
     def _test(self, action: Action) -> None:
+        outcome = self._measure(action)
+        if outcome.reasons:
+            self.journal.add_step(self.run_id, "reject", "; ".join(outcome.reasons), outcome.to_dict(),
+                                  action=action.to_dict())
+            self.log(f"rejected {action.describe()}: {'; '.join(outcome.reasons)}")
+        elif needs_approval(action, self.goal):
+            change = self.journal.queue_change(self.run_id, dict(self.incumbent), action.to_dict(), outcome.to_dict())
+            self.journal.add_step(self.run_id, "queue", f"proven, but {', '.join(needs_approval(action, self.goal))} "
+                                  f"needs a person: change {change} waits (`oxserve agent approve {change}`)",
+                                  outcome.to_dict(), action=action.to_dict())
+            self.log(f"queued change {change}: {action.describe()}, x{outcome.ratio:.3f}; waits for approval")
+        else:
+            self._adopt({**self.incumbent, **action.changes}, outcome.revision, outcome,
+                        f"accepted {action.describe()}: x{outcome.ratio:.3f}")
+
+    def _measure(self, action: Action) -> Outcome:
+        """An experiment of `action` against the incumbent, judged, and confirmed in a fresh
+        one when it passes (against the winner's curse)."""
         candidate = {**self.incumbent, **action.changes}
         revision = self._prepared[(digest(action.patch), self.revision)] if action.patch else self.revision
         a, b = (self.incumbent, self.revision), (candidate, revision)
@@ -195,7 +221,7 @@ class AgentLoop:
             self.incumbent_rate = _stat(record, "median_a")
         reasons = judge(record, self.goal, self.incumbent_rate)
         records = [record]
-        if not reasons and self.goal.confirm:  # against the winner's curse: a fresh experiment must agree
+        if not reasons and self.goal.confirm:
             records.append(self._experiment("confirm", action, a, b, self.goal.workload))
             reasons = [f"confirmation: {r}" for r in judge(records[-1], self.goal, self.incumbent_rate)]
         outcome = Outcome(action, dict(self.incumbent), not reasons, tuple(reasons), tuple(r.id for r in records),
@@ -203,17 +229,7 @@ class AgentLoop:
                           any(quality_failed(r) for r in records), self.revision, revision)
         self.policy.observe(outcome)
         self.history.append(outcome)
-        if reasons:
-            self.journal.add_step(self.run_id, "reject", "; ".join(reasons), outcome.to_dict(), action=action.to_dict())
-            self.log(f"rejected {action.describe()}: {'; '.join(reasons)}")
-        elif needs_approval(action, self.goal):
-            change = self.journal.queue_change(self.run_id, dict(self.incumbent), action.to_dict(), outcome.to_dict())
-            self.journal.add_step(self.run_id, "queue", f"proven, but {', '.join(needs_approval(action, self.goal))} "
-                                  f"needs a person: change {change} waits (`oxserve agent approve {change}`)",
-                                  outcome.to_dict(), action=action.to_dict())
-            self.log(f"queued change {change}: {action.describe()}, x{outcome.ratio:.3f}; waits for approval")
-        else:
-            self._adopt(candidate, revision, outcome, f"accepted {action.describe()}: x{outcome.ratio:.3f}")
+        return outcome
 
     def _adopt(self, options: dict, revision: str | None, outcome: Outcome, reasoning: str) -> None:
         self.incumbent, self.revision = options, revision
@@ -226,27 +242,45 @@ class AgentLoop:
         self.log(f"{reasoning}; incumbent now {_show(options)} at {outcome.median_b:.4g} {self.goal.metric}")
 
     def _apply_approved(self) -> None:
-        """Changes a person approved since: adopted when measured against this incumbent (or one
-        that still holds every option they change), else left for a re-test."""
+        """Changes a person approved since. One measured against this very incumbent (options
+        and code) is adopted as it stands; one measured against another is measured again
+        against this one first (the person approved the change, not an untested combination),
+        and lapses when it no longer applies or no longer wins."""
         for change in self.journal.changes(self.run_id, status="approved"):
-            changed = change.action["changes"]
             outcome = Outcome.from_dict(change.evidence)
-            if any(self.incumbent.get(k) != change.base.get(k) for k in changed):
+            if change.base == self.incumbent and outcome.base_revision == self.revision:
+                self.journal.decide(change.id, "applied")
+                self._adopt({**self.incumbent, **outcome.action.changes}, outcome.revision, outcome,
+                            f"applied approved change {change.id}")
                 continue
-            if outcome.action.patch and outcome.base_revision != self.revision:
-                continue  # measured on other code: a re-test decides
-            self.journal.decide(change.id, "applied")
-            self._adopt({**self.incumbent, **changed}, outcome.revision if outcome.action.patch else self.revision,
-                        outcome, f"applied approved change {change.id}")
+            action = outcome.action
+            self.log(f"approved change {change.id} was measured against another incumbent: measuring it again")
+            problems = check_action(action, self.goal, self.incumbent)
+            if not problems and action.patch:
+                problems = self._prepare_patch(action)
+            if not problems:
+                retest = self._measure(action)
+                problems = list(retest.reasons)
+            if problems:
+                reason = f"approved change {change.id} lapsed against the current incumbent: {'; '.join(problems)}"
+                self.journal.decide(change.id, "lapsed", reason)
+                self.journal.add_step(self.run_id, "reject", reason, action=action.to_dict())
+                self.log(reason)
+                continue
+            self.journal.decide(change.id, "applied", f"measured again against incumbent {_show(self.incumbent)}")
+            self._adopt({**self.incumbent, **action.changes}, retest.revision, retest,
+                        f"applied approved change {change.id} after measuring it again: x{retest.ratio:.3f}")
 
-    def _journal_llm_rejections(self) -> None:
+    def _journal_policy_rejections(self) -> None:
+        """What the policy dropped before proposing it (an `llm` answer out of bounds, a rule
+        whose cheap check failed), journaled and counted; nothing of it ran."""
         rejected = getattr(self.policy, "rejected", None)
         if not rejected:
             return
-        for entry in rejected[self._llm_rejections_seen:]:
-            self.journal.add_step(self.run_id, "reject", f"policy answer rejected, never executed: {entry['reason']}",
-                                  {"answer": entry.get("answer", "")})
-        self._llm_rejections_seen = len(rejected)
+        for entry in rejected[self._rejections_seen:]:
+            self.journal.add_step(self.run_id, "reject", f"proposal dropped, never executed: {entry['reason']}",
+                                  {k: v for k, v in entry.items() if k != "reason"})
+        self._rejections_seen = len(rejected)
 
     def _experiment(self, kind: str, action: Action, a: tuple[Mapping, str | None], b: tuple[Mapping, str | None],
                     workload: Workload) -> ExperimentRecord:
@@ -271,11 +305,22 @@ class AgentLoop:
                                "changed during this run: its experiments would not be comparable; stopped")
         t0 = time.monotonic()
         newest = max((r.id for r in self.ledger.list(1)), default=0)
+
+        def started() -> ExperimentRecord | None:  # the record run_experiment made before it stopped
+            return next((r for r in self.ledger.list(20) if r.id > newest and r.description == settings.description), None)
+
         try:
             record = run_experiment(settings, self.ledger, log=lambda line: self.log(f"  {line}"))
         except WorkerError as e:  # a crashed arm is a result: the experiment is recorded failed, the action rejected
-            record = next(r for r in self.ledger.list(20) if r.id > newest and r.description == settings.description)
+            record = started()
             self.log(f"  experiment {record.id} failed: {e}")
+        except KeyboardInterrupt:  # what it used is charged to the budget; --resume tests the action again
+            if kind != "held_out":
+                cut = started()
+                self.journal.add_step(self.run_id, "interrupted", f"{kind} cut short by the user (Ctrl-C)",
+                                      action=action.to_dict(), experiment_id=cut.id if cut else None,
+                                      seconds=time.monotonic() - t0)
+            raise
         evidence = {"ratio": _stat(record, "median_ratio"), "ci": [_stat(record, "ci_low"), _stat(record, "ci_high")],
                     "p_value": _stat(record, "p_value"), "median_a": _stat(record, "median_a"),
                     "median_b": _stat(record, "median_b"),

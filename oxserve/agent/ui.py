@@ -415,7 +415,7 @@ def _num(x: Any, spec: str = ".4g") -> str:
 
 
 def _status(status: str) -> str:
-    cls = {"approved": "ok", "applied": "ok", "finished": "ok", "rejected": "bad", "failed": "bad"}.get(status, "")
+    cls = {"approved": "ok", "applied": "ok", "finished": "ok", "rejected": "bad", "lapsed": "bad", "failed": "bad"}.get(status, "")
     return f'<span class="status {cls}">{_e(status)}</span>'
 
 

@@ -29,7 +29,7 @@ from oxserve.feedback import machine
 from oxserve.feedback.stats import B_FASTER, B_SLOWER, NO_DIFFERENCE, SUSPECT
 from oxserve.feedback.workload import Workload
 
-SCHEMA_VERSION = 3  # stored in PRAGMA user_version; bump with a migration in _MIGRATIONS
+SCHEMA_VERSION = 4  # stored in PRAGMA user_version; bump with a migration in _MIGRATIONS
 VERDICTS = (B_FASTER, B_SLOWER, NO_DIFFERENCE, SUSPECT)
 _SQLITE_MAGIC = b"SQLite format 3\x00"
 
@@ -106,8 +106,18 @@ _AGENT_CODE_SCHEMA = (
     "ALTER TABLE agent_runs ADD COLUMN start_revision TEXT",
     "ALTER TABLE agent_runs ADD COLUMN revision TEXT",
 )
-_SCHEMA = _SCHEMA + _AGENT_SCHEMA + _AGENT_CODE_SCHEMA
-_MIGRATIONS = {1: _AGENT_SCHEMA, 2: _AGENT_CODE_SCHEMA}  # from version N to N + 1
+# Version 4: an approved change that, measured again against a later incumbent, no longer
+# applies or wins is 'lapsed'. SQLite cannot alter a CHECK: the table is rebuilt, rows kept.
+_AGENT_LAPSED_SCHEMA = (
+    _AGENT_SCHEMA[2].replace("CREATE TABLE agent_changes", "CREATE TABLE agent_changes_v4")
+                    .replace("'applied')", "'applied', 'lapsed')"),
+    "INSERT INTO agent_changes_v4 (id, run_id, created_at, decided_at, status, base, action, evidence, note) "
+    "SELECT id, run_id, created_at, decided_at, status, base, action, evidence, note FROM agent_changes",
+    "DROP TABLE agent_changes",
+    "ALTER TABLE agent_changes_v4 RENAME TO agent_changes",
+)
+_SCHEMA = _SCHEMA + _AGENT_SCHEMA + _AGENT_CODE_SCHEMA + _AGENT_LAPSED_SCHEMA
+_MIGRATIONS = {1: _AGENT_SCHEMA, 2: _AGENT_CODE_SCHEMA, 3: _AGENT_LAPSED_SCHEMA}  # from version N to N + 1
 
 
 class LedgerError(Exception):

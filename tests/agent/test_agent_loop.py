@@ -19,6 +19,7 @@ from oxserve.agent.goal import goal_from_dict
 from oxserve.agent.journal import Journal
 from oxserve.agent.loop import AgentLoop, resumable_run, start_run
 from oxserve.agent.policies.llm import LLMPolicy
+from oxserve.agent.policies.rules import RulesPolicy
 from oxserve.agent.policies.search import SearchPolicy
 from oxserve.agent.policy import AgentState
 from oxserve.agent.report import build_report, render_markdown
@@ -79,10 +80,21 @@ def test_lowered_precision_is_caught_a_proven_change_waits_for_approval_then_hol
         assert "failed the quality gate" in " ".join(s.reasoning for s in journal.steps(run) if s.kind == "check")
 
         journal.decide(change.id, "approved", "reviewed")
+        # Another change was adopted meanwhile: the approved one was measured against an
+        # incumbent that no longer holds, so it is measured again before it applies.
+        moved = {**goal.start, "max_num_batched_tokens": 64}
+        journal.set_incumbent(run, moved)
+        experiments_before = len(ledger.list(50))
         resumable_run(journal, run, goal, policy.name)  # a finished run with an approved change continues
         AgentLoop(goal, policy, ledger, run, tmp_path, threads=1, log=lambda line: None).run()
         assert journal.change(change.id).status == "applied"
-        assert journal.run(run).incumbent == {"max_num_seqs": 8, "dtype": "float32"}
+        assert journal.run(run).incumbent == {**moved, "max_num_seqs": 8}
+        applied = next(s for s in journal.steps(run) if s.kind == "accept")
+        assert "after measuring it again" in applied.reasoning and applied.evidence["base"] == moved
+        remeasured = applied.evidence["experiment_ids"]
+        assert len(remeasured) == 2 and min(remeasured) > max(change.evidence["experiment_ids"])
+        assert all(ledger.get(e).config_a["options"]["max_num_batched_tokens"] == 64 for e in remeasured)
+        assert len(ledger.list(50)) == experiments_before + 3  # the re-test, its confirmation, the held-out
         report = build_report(journal, run)
         assert report["held_out"]["ratio"] > 1.5 and report["held_out"]["quality_passed"]
         assert report["held_out"]["workload"] == "tiny_held_out"
@@ -124,6 +136,10 @@ def test_ctrl_c_stops_cleanly_and_resume_finishes_with_the_rules(tiny_model_dir,
         journal = Journal(ledger)
         assert journal.run(1).status == "stopped" and journal.steps(1)[-1].kind == "stop"
         assert ledger.get(1).status == "failed" and "KeyboardInterrupt" in ledger.get(1).error
+        # What the cut experiment used is charged to the budget.
+        cut = journal.steps(1)[-2]
+        assert cut.kind == "interrupted" and cut.experiment_id == 1 and cut.seconds > 1.0
+        assert journal.spent(1)[1] == 1 and journal.spent(1)[0] >= cut.seconds
 
     done = subprocess.run(command + ["--resume", "1"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
@@ -192,3 +208,15 @@ def test_a_sensitivity_marker_becomes_a_plan_made_once_and_measured_as_a_file(ti
         (record,) = ledger.list(5)
         assert record.config_b["options"]["quantization_plan"] == str(plan)  # the experiment ran the file
         assert "quantization_plan" not in record.config_a["options"] or not record.config_a["options"]["quantization_plan"]
+
+
+def test_a_profile_that_fails_stops_the_search_with_its_reason_not_the_run(tiny_model_dir, data_dir, tmp_path):
+    goal = goal_from_dict(goal_dict(tiny_model_dir, base_options={"model": str(tmp_path / "no-such-model"),
+                                                                  "threads": 1}))
+    with Ledger(tmp_path / "ledger.sqlite") as ledger:
+        journal = Journal(ledger)
+        run = start_run(journal, goal, "rules")
+        AgentLoop(goal, RulesPolicy(), ledger, run, tmp_path, threads=1, log=lambda line: None).run()
+        (step,) = journal.steps(run)
+        assert step.kind == "stop" and "profiling the incumbent failed" in step.reasoning
+        assert "no-such-model" in step.reasoning and journal.run(run).status == "finished" and not ledger.list(5)
