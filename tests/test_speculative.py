@@ -11,7 +11,7 @@ import torch
 
 from oxserve import LLM, SamplingParams
 from oxserve.engine.sampler import SamplingRow
-from oxserve.engine.speculative import SpeculativeConfig, ngram_drafts, verify
+from oxserve.engine.speculative import SpeculativeConfig, lookup_replay, ngram_drafts, verify
 from test_sampler import TV_TOLERANCE, _tv, ref_distribution
 
 SPEC = '{"method": "ngram", "num_speculative_tokens": 4}'
@@ -24,6 +24,26 @@ def test_ngram_drafts_follow_the_latest_longest_match():
     assert ngram_drafts([1, 2, 3, 4], 3, 4, 1) == []  # nothing repeats
     assert ngram_drafts([4, 8, 4], 3, 4, 2) == []  # a 1-token match is below prompt_lookup_min
     assert ngram_drafts([4, 8, 4], 3, 4, 1) == [8, 4]
+
+
+def test_lookup_replay_counts_what_ngram_speculation_does_on_a_known_output():
+    config = SpeculativeConfig("ngram", 3)
+    # Every decode token is either an accepted draft or a verifying step's own token.
+    rng = random.Random(5)
+    for _ in range(200):
+        prompt = [rng.randrange(6) for _ in range(rng.randrange(1, 20))]
+        output = [rng.randrange(6) for _ in range(rng.randrange(1, 30))]
+        steps, drafted, accepted = lookup_replay(prompt, output, config)
+        assert steps + accepted == len(output) - 1 and accepted <= drafted <= 3 * steps
+    # An output that continues its prompt's cycle: every draft is kept, k + 1 tokens a step.
+    cycle = [10, 11, 12, 13, 14]
+    steps, drafted, accepted = lookup_replay(cycle * 2, cycle * 3 + [10], config)
+    assert accepted == drafted and steps == -(-15 // 4)
+    # Tokens never seen before: nothing to look up, one token a step.
+    assert lookup_replay([1, 2, 3], [20, 21, 22, 23, 24], config) == (4, 0, 0)
+    # By hand: after 7, drafts 8 9 7 and keeps 8; after 5 (never seen), none; after 7, room for
+    # one more draft before the end: 8, kept.
+    assert lookup_replay([7, 8, 9, 7, 8, 9], [7, 8, 5, 7, 8, 9], config) == (3, 4, 2)
 
 
 @pytest.mark.parametrize("text, problem", [

@@ -1,9 +1,11 @@
-"""`oxserve profile`: run a workload in-process with telemetry on; write trace.json and a report."""
+"""`oxserve profile`: run a workload in-process with telemetry on; write trace.json, a report
+and the run's token ids (sequences.json)."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import statistics
 from pathlib import Path
 
@@ -69,6 +71,9 @@ def run(args: argparse.Namespace) -> int:
     engine.runner.tracer = None
     steps = group_spans(tracer.spans)
     write_trace(steps, args.out / "trace.json", {"workload": workload.name, "model": str(engine.model_path)})
+    # The token ids, for what reads the run's text: the agent replays n-gram lookup on them.
+    (args.out / "sequences.json").write_text(json.dumps([{"prompt": list(r.prompt), "output": list(r.output)}
+                                                         for r in result.requests]))
 
     ceilings = None if args.ceilings == "none" else load_or_measure_ceilings(str(engine.device), quick=args.ceilings == "quick")
     elem_bytes = torch.empty((), dtype=engine.dtype).element_size()

@@ -3,12 +3,17 @@ diagnosis holds, not otherwise, with the prediction its cost model gives."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import random
+
 import pytest
 
 from oxserve.agent.diagnosis import diagnose
 from oxserve.agent.goal import goal_from_dict
 from oxserve.agent.policies import rules
-from oxserve.agent.policies.rules import MIN_GAIN, Context, RulesPolicy, amdahl, sensitivity_plan
+from oxserve.agent.policies.rules import (MIN_GAIN, REPLAY_OVERHEAD_CUT, Context, RulesPolicy, amdahl,
+                                          captured_steps, ngram_speculation, sensitivity_plan)
 from oxserve.agent.policy import AgentState
 
 WORKLOAD = {"name": "eight", "num_requests": 8, "input_len": {"uniform": [24, 40]}, "output_len": 12,
@@ -93,3 +98,60 @@ def test_a_sensitivity_plan_is_proposed_where_decode_dominates_bounded_by_w8a8s_
     assert any(a.origin == "rules:sensitivity_plan" for a in RulesPolicy().propose(state))
     assert sensitivity_plan(Context(AgentState(g, g.start, None, d), d, options, policy._step_bytes(state),
                                     policy._bench(state, options))) == []  # no marker in the space
+
+
+def _context(g, incumbent, d):
+    state, policy = AgentState(g, incumbent, None, d), RulesPolicy()
+    options = g.current_options(incumbent)
+    return Context(state, d, options, policy._step_bytes(state), policy._bench(state, options))
+
+
+def test_eager_decode_steps_dominated_by_overhead_get_captured_steps(naive, tiny_model_dir):
+    g0, d = naive
+    g = goal(tiny_model_dir, search_space={**{k: list(v) for k, v in g0.search_space.items()},
+                                           "enforce_eager": [True, False]})
+    eager = {**g.start, "enforce_eager": True}
+    (action,) = captured_steps(_context(g, eager, d))
+    overhead, per_token = _context(g, eager, d).step_model()
+    step = overhead + d.decode_batch * per_token
+    assert action.changes == {"enforce_eager": False} and overhead / step >= 0.3
+    expected = amdahl(d.phase_share["decode"], step / ((1 - REPLAY_OVERHEAD_CUT) * overhead + d.decode_batch * per_token))
+    assert action.predicted_ratio == pytest.approx(expected, abs=1e-3)
+    assert any(a.origin == "rules:captured_steps" for a in RulesPolicy().propose(AgentState(g, eager, None, d)))
+    assert captured_steps(_context(g, g.start, d)) == []  # steps are captured already
+    assert captured_steps(_context(g0, eager, d)) == []  # not in the goal's search space
+
+
+def test_outputs_that_repeat_their_prompts_get_ngram_speculation(naive, tiny_model_dir):
+    g0, d = naive
+    assert len(d.sequences) == 8 and all(len(output) == 12 for _, output in d.sequences)  # from sequences.json
+    configs = [None, json.dumps({"method": "ngram", "num_speculative_tokens": 2}),
+               json.dumps({"method": "ngram", "num_speculative_tokens": 4}),
+               json.dumps({"method": "mtp", "num_speculative_tokens": 2})]
+    g = goal(tiny_model_dir, search_space={**{k: list(v) for k, v in g0.search_space.items()}, "speculative_config": configs})
+    rng = random.Random(0)
+    cycles = [[rng.randrange(100, 900) for _ in range(7)] for _ in range(8)]
+    repeating = dataclasses.replace(d, sequences=tuple((c * 4, c * 3) for c in cycles))
+    (action,) = ngram_speculation(_context(g, g.start, repeating))
+    assert action.changes == {"speculative_config": configs[2]}  # all drafts kept: the deeper one wins
+    assert action.evidence["acceptance_rate"] == 1.0 and action.evidence["tokens_per_step"] > 4
+    assert action.predicted_ratio > 1 + MIN_GAIN
+    fresh = dataclasses.replace(d, sequences=tuple((c, list(range(1000 + 20 * i, 1014 + 20 * i))) for i, c in enumerate(cycles)))
+    assert ngram_speculation(_context(g, g.start, fresh)) == []  # nothing to look up: no drafts at all
+    assert ngram_speculation(_context(g, {**g.start, "speculative_config": configs[1]}, repeating)) == []
+
+
+def test_a_cheap_check_that_fails_drops_its_remedy_and_says_why(naive, tiny_model_dir, monkeypatch):
+    g0, d = naive
+    g = goal(tiny_model_dir, search_space={**{k: list(v) for k, v in g0.search_space.items()},
+                                           "linear_kernel": ["torch", "auto"]})
+    unpacked = {**g.start, "linear_kernel": "torch"}
+    monkeypatch.setattr(rules, "BENCH_TIMEOUT_S", 0.05)  # `bench kernels` cannot finish in that
+    policy = RulesPolicy()
+    proposed = policy.propose(AgentState(g, unpacked, None, d))
+    assert proposed and not any(a.origin == "rules:packed_linears" for a in proposed)  # the others still come
+    (entry,) = policy.rejected
+    assert "cheap check failed" in entry["reason"] and "took over 0.05 s" in entry["reason"]
+    assert entry["check"] == {"op": "lm_head", "batch": 1}
+    policy.propose(AgentState(g, unpacked, None, d))
+    assert len(policy.rejected) == 1  # not run (nor journaled) twice

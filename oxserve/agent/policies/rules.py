@@ -16,6 +16,12 @@ The cost models, all from the incumbent's profile (`Diagnosis`) and this machine
   of n0 tokens: r = (O / n0 + c) / (O / n1 + c).
 - **Threads**: Amdahl with a parallel fraction of 0.7 of the step (assumed; the measurement
   corrects it).
+- **Captured decode steps** remove a share of the per-step overhead O (the Python around the
+  kernels), not the per-token cost: r = (O + b c) / ((1 - x) O + b c), x = 0.5 as measured
+  here (a batch-1 decode step 4.1-5.0 ms eager, 1.9-2.5 ms replayed: docs/performance.md).
+- **N-gram speculation** is replayed on the profiled run's own outputs (`lookup_replay`): a
+  decode step that verifies D drafts per request costs O + b (1 + D) c and yields L tokens,
+  so r = L (O + b c) / (O + b (1 + D) c). Exact for greedy outputs; optimistic for sampled ones.
 
 A rule proposes nothing when its diagnosis does not hold (e.g. the batch limit is not
 binding), and only values the goal's search space lists.
@@ -36,13 +42,16 @@ from oxserve.agent.diagnosis import Diagnosis
 from oxserve.agent.plans import OPTION as PLAN_OPTION
 from oxserve.agent.plans import kl_budget
 from oxserve.agent.policy import AgentState, Outcome
+from oxserve.engine.speculative import SpeculativeConfig, lookup_replay
 from oxserve.experiment.procedure import _model_path, decode_step_cost
 from oxserve.model.config import TextModelConfig
 from oxserve.feedback.workload import Workload
 
 PARALLEL_FRACTION = 0.7  # share of a step assumed to scale with threads
+REPLAY_OVERHEAD_CUT = 0.5  # share of an eager step's per-step overhead a replayed recording removes
 PROCESS_START_S = 6.0  # a worker's start and warm-up, per run
 MIN_GAIN = 0.01  # predicted gains below this are not worth an experiment
+BENCH_TIMEOUT_S = 600.0  # for one `oxserve bench kernels` run, the cheap check of kernel remedies
 
 
 @dataclass(frozen=True)
@@ -231,6 +240,51 @@ def threads(c: Context) -> list[Action]:
     return [c.action("threads", {"threads": target}, f"{current} of {c.d.cpus} CPUs in use", r, 1.0)]
 
 
+def captured_steps(c: Context) -> list[Action]:
+    """Per-step overhead dominates decode steps: record them and replay the recordings."""
+    model = c.step_model()
+    if not c.options["enforce_eager"] or False not in c.space("enforce_eager") or model is None:
+        return []
+    overhead, per_token = model
+    batch = max(c.d.decode_batch, 1.0)
+    step = overhead + batch * per_token
+    if overhead / step < 0.3 or c.share("decode") < 0.3:
+        return []
+    r = step / ((1 - REPLAY_OVERHEAD_CUT) * overhead + batch * per_token)
+    return [c.action("captured_steps", {"enforce_eager": False},
+                     f"a decode step of {batch:.1f} requests is {overhead / step:.0%} per-step overhead ({overhead:.0f} of "
+                     f"{step:.0f} µs): record decode steps and replay them", r, c.share("decode"),
+                     overhead_us=round(overhead, 1), per_token_us=round(per_token, 3))]
+
+
+def ngram_speculation(c: Context) -> list[Action]:
+    """Outputs that repeat their context: n-gram drafts, the best of the goal's configs."""
+    model = c.step_model()
+    if c.options["speculative_config"] or not c.d.sequences or model is None or c.share("decode") < 0.3:
+        return []
+    overhead, per_token = model
+    batch = max(c.d.decode_batch, 1.0)
+    best = None
+    for value in c.space("speculative_config"):
+        config = SpeculativeConfig.parse(value)
+        if config is None or config.method != "ngram":
+            continue
+        steps, drafted, accepted = (sum(x) for x in zip(*(lookup_replay(p, o, config) for p, o in c.d.sequences)))
+        if not steps or not drafted:
+            continue
+        per_step, drafts = (steps + accepted) / steps, drafted / steps
+        r = per_step * (overhead + batch * per_token) / (overhead + batch * (1 + drafts) * per_token)
+        if best is None or r > best[0]:
+            best = (r, value, accepted / drafted, per_step, drafts)
+    if best is None:
+        return []
+    r, value, rate, per_step, drafts = best
+    return [c.action("ngram_speculation", {"speculative_config": value},
+                     f"n-gram lookup replayed on this run's outputs keeps {rate:.0%} of its drafts: {per_step:.2f} "
+                     f"tokens a decode step for {drafts:.2f} drafts verified", r, c.share("decode"),
+                     acceptance_rate=round(rate, 4), tokens_per_step=round(per_step, 4), drafts_per_step=round(drafts, 4))]
+
+
 LINEAR_OPS = ("lm_head", "moe.shared", "mlp.dense", "kda.qkv_proj", "kda.out", "mla.q_proj", "mla.kv_proj", "mla.o_proj")
 
 
@@ -264,6 +318,8 @@ CATALOGUE: tuple[Callable[[Context], list[Action]], ...] = (
     batch_limit,
     prefill_budget,
     threads,
+    captured_steps,
+    ngram_speculation,
     _byte_change("bf16_weights", "dtype", "bfloat16", _decode_dominates),
     _byte_change("w8a8_experts", "quantization", "w8a8", _experts_memory_bound),
     _byte_change("int8_cache", "kv_cache_dtype", "int8", _cache_limits_batch),
@@ -281,6 +337,7 @@ class RulesPolicy:
 
     def __init__(self) -> None:
         self._benched: dict[tuple, dict[str, float]] = {}
+        self.rejected: list[dict] = []  # remedies dropped because their cheap check failed (the loop journals them)
 
     def propose(self, state: AgentState) -> list[Action]:
         if state.diagnosis is None:
@@ -302,7 +359,12 @@ class RulesPolicy:
         def bench(op: str, batch: int) -> dict[str, float]:
             key = (op, batch, options["dtype"], options["threads"])
             if key not in self._benched:
-                self._benched[key] = bench_kernel(op, batch, options)
+                try:
+                    self._benched[key] = bench_kernel(op, batch, options)
+                except BenchError as e:  # the remedies resting on it are not proposed; the run goes on
+                    self._benched[key] = {}
+                    self.rejected.append({"reason": f"the cheap check failed, so the remedies resting on it are not proposed: {e}",
+                                          "check": {"op": op, "batch": batch}})
             return self._benched[key]
 
         return bench
@@ -333,6 +395,10 @@ def _prompt_stats(w: Workload) -> tuple[float, float]:
     return float(lens.mean()), float((w.shared_prefix.prefix_lens(lens) / lens).mean())
 
 
+class BenchError(RuntimeError):
+    """`oxserve bench kernels` failed, timed out or printed no results."""
+
+
 def bench_kernel(op: str, batch: int, options: Mapping[str, Any]) -> dict[str, float]:
     """candidate -> median µs of `oxserve bench kernels` for one op (every candidate checked
     against the op's reference first; a failed check leaves the candidate out)."""
@@ -340,9 +406,13 @@ def bench_kernel(op: str, batch: int, options: Mapping[str, Any]) -> dict[str, f
                "--dtype", options["dtype"], "--threads", str(options["threads"] or 1), "--json"]
     if options.get("model"):
         command += ["--model", str(options["model"])]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    shown = f"`oxserve {' '.join(command[3:])}`"
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=BENCH_TIMEOUT_S)
+    except subprocess.TimeoutExpired as e:
+        raise BenchError(f"{shown} took over {BENCH_TIMEOUT_S:g} s") from e
     try:
         results = json.loads(done.stdout)["results"]
     except (json.JSONDecodeError, KeyError):
-        return {}
+        raise BenchError(f"{shown} exited {done.returncode} without results: {done.stderr.strip()[-500:]}") from None
     return {r["impl"]: r["timing"]["median_us"] for r in results if r["passed"] and r.get("timing")}
