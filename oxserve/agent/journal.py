@@ -37,7 +37,7 @@ class Step:
     id: int
     run_id: int
     created_at: str
-    kind: str  # profile | propose | check | experiment | confirm | accept | reject | queue | apply | held_out | stop
+    kind: str  # profile | propose | check | experiment | confirm | interrupted | accept | reject | queue | held_out | stop
     action: dict | None  # option changes
     reasoning: str
     evidence: dict
@@ -153,8 +153,9 @@ class Journal:
         current = self.change(change_id)
         if current.status != allowed[status]:
             raise LedgerError(f"change {change_id} is {current.status}: it cannot be {status}")
+        notes = "; ".join(n for n in (current.note, note) if n)  # the person's note (and landed commit) stays
         self._db.execute("UPDATE agent_changes SET status = ?, decided_at = ?, note = ? WHERE id = ?",
-                         (status, _now(), note or current.note, change_id))
+                         (status, _now(), notes, change_id))
         return self.change(change_id)
 
 

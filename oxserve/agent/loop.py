@@ -184,7 +184,8 @@ class AgentLoop:
     def _fits(self, action: Action, spent_s: float, experiments: int) -> bool:
         """Whether one more experiment (and its confirmation) fits what is left of the budget,
         judged by the longest experiment so far."""
-        longest = max((s.seconds for s in self.journal.steps(self.run_id) if s.experiment_id), default=0.0)
+        longest = max((s.seconds for s in self.journal.steps(self.run_id) if s.kind in ("experiment", "confirm")),
+                      default=0.0)
         needed = (2 if self.goal.confirm else 1) * longest
         if spent_s + needed > self.goal.budget.wall_time_s or experiments + (2 if self.goal.confirm else 1) > self.goal.budget.experiments:
             self.journal.add_step(self.run_id, "stop", f"not enough budget left for {action.describe()}: "
@@ -253,18 +254,22 @@ class AgentLoop:
                 self._adopt({**self.incumbent, **outcome.action.changes}, outcome.revision, outcome,
                             f"applied approved change {change.id}")
                 continue
-            action = outcome.action
-            self.log(f"approved change {change.id} was measured against another incumbent: measuring it again")
+            action, retest = outcome.action, None
             problems = check_action(action, self.goal, self.incumbent)
             if not problems and action.patch:
                 problems = self._prepare_patch(action)
             if not problems:
+                problems = self._prepare_plan(action)
+            if not problems:  # a person asked for it: measured even when the search's budget is spent
+                self.log(f"approved change {change.id} was measured against another incumbent: measuring it again")
                 retest = self._measure(action)
                 problems = list(retest.reasons)
             if problems:
-                reason = f"approved change {change.id} lapsed against the current incumbent: {'; '.join(problems)}"
+                landed = " (its patch stays landed on the branch: revert it there)" if action.patch else ""
+                reason = f"approved change {change.id} lapsed against the current incumbent{landed}: {'; '.join(problems)}"
                 self.journal.decide(change.id, "lapsed", reason)
-                self.journal.add_step(self.run_id, "reject", reason, action=action.to_dict())
+                self.journal.add_step(self.run_id, "reject", reason, None if retest is None else retest.to_dict(),
+                                      action=action.to_dict())
                 self.log(reason)
                 continue
             self.journal.decide(change.id, "applied", f"measured again against incumbent {_show(self.incumbent)}")
@@ -313,6 +318,8 @@ class AgentLoop:
             record = run_experiment(settings, self.ledger, log=lambda line: self.log(f"  {line}"))
         except WorkerError as e:  # a crashed arm is a result: the experiment is recorded failed, the action rejected
             record = started()
+            if record is None:
+                raise RuntimeError(f"experiment '{settings.description}' failed before it was recorded: {e}") from e
             self.log(f"  experiment {record.id} failed: {e}")
         except KeyboardInterrupt:  # what it used is charged to the budget; --resume tests the action again
             if kind != "held_out":

@@ -52,6 +52,7 @@ def build_report(journal: Journal, run_id: int) -> dict:
                     "rationale": c.action.get("rationale", ""), "ratio": c.evidence.get("ratio")}
                    for c in journal.changes(run_id)],
         "policy_answers_rejected": sum(1 for s in steps if s.kind == "reject" and "answer" in s.evidence),
+        "cheap_checks_failed": sum(1 for s in steps if s.kind == "reject" and "check" in s.evidence),
         "prediction_error": sum(calibration) / len(calibration) if calibration else None,
         "curve": curve,
     }
@@ -76,6 +77,8 @@ def render_markdown(r: dict) -> str:
         lines.append(f"- predictions: mean |log(measured / predicted)| = {r['prediction_error']:.3f}")
     if r["policy_answers_rejected"]:
         lines.append(f"- policy answers rejected (never executed): {r['policy_answers_rejected']}")
+    if r.get("cheap_checks_failed"):
+        lines.append(f"- remedies dropped because their cheap check failed: {r['cheap_checks_failed']}")
     lines += ["", "## Accepted", "", "| changes | origin | predicted | measured | experiments |", "|---|---|---|---|---|"]
     lines += [_row(o) for o in r["accepted"]]
     lines += ["", "## Rejected", "", "| changes | origin | predicted | measured | experiments | why |",

@@ -29,7 +29,7 @@ from oxserve.agent.patches import digest
 from oxserve.feedback.ledger import ExperimentRecord, Ledger, LedgerError
 from oxserve.feedback.stats import SUSPECT
 
-EXPERIMENT_KINDS = ("experiment", "confirm", "held_out")
+EXPERIMENT_KINDS = ("experiment", "confirm", "held_out", "interrupted")
 OUTCOME_KINDS = ("accept", "reject", "queue")
 DECISIONS = {"approve": "approved", "reject": "rejected"}
 

@@ -105,18 +105,23 @@ def ngram_drafts(tokens: list[int], k: int, lookup_max: int, lookup_min: int) ->
 
 
 def lookup_replay(prompt: list[int], output: list[int], config: SpeculativeConfig) -> tuple[int, int, int]:
-    """What n-gram speculation would do on an output known in advance (a greedy output is the
-    same with or without it): (decode steps, draft tokens, accepted tokens). The first output
-    token comes from the prefill; each decode step then drafts up to k tokens (fewer near the
-    end, as the scheduler does), keeps the prefix that matches, and yields one token more."""
+    """What n-gram speculation at full depth would do on an output known in advance (a greedy
+    output is the same with or without it): (decode steps, draft tokens, accepted tokens). The
+    first output token comes from the prefill; each decode step then drafts up to k tokens
+    (fewer before the output's end), keeps the prefix that matches, and yields one token more.
+    An upper bound on the engine's gain: its guard (spec_guard.py) drafts less, or not at all,
+    where drafts have not been paying."""
     k = config.num_speculative_tokens
     steps = drafted = accepted = 0
     i = 1
     while i < len(output):
         drafts = ngram_drafts(prompt + output[:i], min(k, len(output) - i - 1), config.prompt_lookup_max,
-                              config.prompt_lookup_min) if len(output) - i > 1 else []
+                              config.prompt_lookup_min)
         kept = next((j for j, t in enumerate(drafts) if t != output[i + j]), len(drafts))
-        steps, drafted, accepted, i = steps + 1, drafted + len(drafts), accepted + kept, i + kept + 1
+        steps += 1
+        drafted += len(drafts)
+        accepted += kept
+        i += kept + 1
     return steps, drafted, accepted
 
 

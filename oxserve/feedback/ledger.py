@@ -116,6 +116,8 @@ _AGENT_LAPSED_SCHEMA = (
     "DROP TABLE agent_changes",
     "ALTER TABLE agent_changes_v4 RENAME TO agent_changes",
 )
+assert "'lapsed'" in _AGENT_LAPSED_SCHEMA[0], "the agent_changes table's CHECK was reworded"
+# A fresh ledger runs every version's statements in order (the rebuild on an empty table).
 _SCHEMA = _SCHEMA + _AGENT_SCHEMA + _AGENT_CODE_SCHEMA + _AGENT_LAPSED_SCHEMA
 _MIGRATIONS = {1: _AGENT_SCHEMA, 2: _AGENT_CODE_SCHEMA, 3: _AGENT_LAPSED_SCHEMA}  # from version N to N + 1
 

@@ -17,11 +17,11 @@ import yaml
 from oxserve.agent.actions import Action, check_action
 from oxserve.agent.goal import goal_from_dict
 from oxserve.agent.journal import Journal
-from oxserve.agent.loop import AgentLoop, resumable_run, start_run
+from oxserve.agent.loop import AgentLoop, outcomes_of, resumable_run, start_run
 from oxserve.agent.policies.llm import LLMPolicy
 from oxserve.agent.policies.rules import RulesPolicy
 from oxserve.agent.policies.search import SearchPolicy
-from oxserve.agent.policy import AgentState
+from oxserve.agent.policy import AgentState, Outcome
 from oxserve.agent.report import build_report, render_markdown
 from oxserve.default_model import default_model
 from oxserve.experiment.procedure import STOPPED_BY_QUALITY_GATE
@@ -220,3 +220,29 @@ def test_a_profile_that_fails_stops_the_search_with_its_reason_not_the_run(tiny_
         (step,) = journal.steps(run)
         assert step.kind == "stop" and "profiling the incumbent failed" in step.reasoning
         assert "no-such-model" in step.reasoning and journal.run(run).status == "finished" and not ledger.list(5)
+
+
+def test_an_approved_change_that_no_longer_wins_lapses_and_is_not_tried_again(tiny_model_dir, data_dir, tmp_path):
+    """Approved against the start, re-measured against a moved incumbent, where it fails the
+    quality gate: it lapses with its re-test journaled (so it is never retried) and the
+    person's note kept."""
+    goal = goal_from_dict(goal_dict(tiny_model_dir, constraints={"quality_bound": 1e-3},
+                                    risk={"needs_approval": ["dtype"]}, budget={"experiments": 2}))
+    bf16 = Action({"dtype": "bfloat16"}, "approved on another incumbent", 1.3, "planted")
+    with Ledger(tmp_path / "ledger.sqlite") as ledger:
+        journal = Journal(ledger)
+        run = start_run(journal, goal, "planted")
+        measured = Outcome(bf16, dict(goal.start), True, (), (), 1.3, 50.0)
+        change = journal.queue_change(run, dict(goal.start), bf16.to_dict(), measured.to_dict())
+        journal.decide(change, "approved", "looks fine to me")
+        journal.set_incumbent(run, {**goal.start, "max_num_seqs": 8})
+        AgentLoop(goal, Planted([bf16]), ledger, run, tmp_path, threads=1, log=lambda line: None).run()
+        lapsed = journal.change(change)
+        assert lapsed.status == "lapsed" and lapsed.note.startswith("looks fine to me; ")
+        assert "quality gate failed" in lapsed.note
+        (record,) = ledger.list(5)  # the re-test only: stopped by the gate, and the policy's bf16 never ran
+        assert record.error == STOPPED_BY_QUALITY_GATE
+        (retest,) = outcomes_of(journal, run)
+        assert retest.quality_failed and retest.experiment_ids == (record.id,)
+        assert journal.run(run).incumbent == {**goal.start, "max_num_seqs": 8}
+        assert any(s.kind == "check" and "failed the quality gate" in s.reasoning for s in journal.steps(run))

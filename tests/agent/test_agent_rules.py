@@ -106,11 +106,12 @@ def _context(g, incumbent, d):
     return Context(state, d, options, policy._step_bytes(state), policy._bench(state, options))
 
 
-def test_eager_decode_steps_dominated_by_overhead_get_captured_steps(naive, tiny_model_dir):
-    g0, d = naive
+def test_eager_decode_steps_dominated_by_overhead_get_captured_steps(naive, tiny_model_dir, tmp_path):
+    g0, _ = naive
     g = goal(tiny_model_dir, search_space={**{k: list(v) for k, v in g0.search_space.items()},
                                            "enforce_eager": [True, False]})
     eager = {**g.start, "enforce_eager": True}
+    d = diagnose({**g.base_options, **eager}, g.workload, tmp_path / "eager")  # eager steps, as profiled
     (action,) = captured_steps(_context(g, eager, d))
     overhead, per_token = _context(g, eager, d).step_model()
     step = overhead + d.decode_batch * per_token
@@ -139,6 +140,8 @@ def test_outputs_that_repeat_their_prompts_get_ngram_speculation(naive, tiny_mod
     fresh = dataclasses.replace(d, sequences=tuple((c, list(range(1000 + 20 * i, 1014 + 20 * i))) for i, c in enumerate(cycles)))
     assert ngram_speculation(_context(g, g.start, fresh)) == []  # nothing to look up: no drafts at all
     assert ngram_speculation(_context(g, {**g.start, "speculative_config": configs[1]}, repeating)) == []
+    mtp_only = goal(tiny_model_dir, search_space={"speculative_config": [configs[0], configs[3]]})
+    assert ngram_speculation(_context(mtp_only, mtp_only.start, repeating)) == []  # MTP drafts are not lookups
 
 
 def test_a_cheap_check_that_fails_drops_its_remedy_and_says_why(naive, tiny_model_dir, monkeypatch):

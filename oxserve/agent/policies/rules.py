@@ -21,7 +21,8 @@ The cost models, all from the incumbent's profile (`Diagnosis`) and this machine
   here (a batch-1 decode step 4.1-5.0 ms eager, 1.9-2.5 ms replayed: docs/performance.md).
 - **N-gram speculation** is replayed on the profiled run's own outputs (`lookup_replay`): a
   decode step that verifies D drafts per request costs O + b (1 + D) c and yields L tokens,
-  so r = L (O + b c) / (O + b (1 + D) c). Exact for greedy outputs; optimistic for sampled ones.
+  so r = L (O + b c) / (O + b (1 + D) c). An upper bound: full-depth drafts (the engine's guard
+  drafts less where they do not pay), and sampled outputs accept less than greedy ones.
 
 A rule proposes nothing when its diagnosis does not hold (e.g. the batch limit is not
 binding), and only values the goal's search space lists.
