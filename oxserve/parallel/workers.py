@@ -107,7 +107,7 @@ class WorkerGroup:
         backend = "nccl" if device.type == "cuda" else "gloo"
         self.processes = _spawn_ranks(config, config.node_ranks[1:], init, backend)
         try:
-            dist.init_process_group(backend, init_method=init, rank=0, world_size=self.size, timeout=timeout)
+            _join_group(backend, init, 0, self.size, timeout)
             self.placement = form_groups(0, tp, ls, timeout, config.enable_expert_parallel)
         except Exception as e:
             self._stop_processes()
@@ -204,6 +204,19 @@ def serve_node(config: ParallelConfig, device: torch.device) -> int:
     return 1 if failed else 0
 
 
+STARTUP_TIMEOUT_S = 60.0  # at least this long for every rank to reach the rendezvous
+
+
+def _join_group(backend: str, init: str, rank: int, world_size: int, timeout: timedelta) -> None:
+    """The default process group. The rendezvous waits for process start-up (importing torch
+    alone takes seconds on a slow machine), not the collective timeout, which may be short:
+    the store gets its own, longer limit; collectives keep `timeout`."""
+    host, port = init.removeprefix("tcp://").rsplit(":", 1)
+    startup = max(timeout, timedelta(seconds=STARTUP_TIMEOUT_S))
+    store = dist.TCPStore(host, int(port), world_size, is_master=rank == 0, timeout=startup)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+
+
 def _spawn_ranks(config: ParallelConfig, ranks: range, init: str, backend: str) -> list:
     spawn = multiprocessing.get_context("spawn")
     args = (config.tensor_parallel_size, config.layer_split_size, init, backend, config.collective_timeout,
@@ -218,7 +231,7 @@ def serve_rank(rank: int, tp: int, ls: int, init: str, backend: str, timeout_s: 
     """A rank other than 0: join the group, build this rank's runner, run each step rank 0 sends."""
     _die_with_parent()
     timeout = timedelta(seconds=timeout_s)
-    dist.init_process_group(backend, init_method=init, rank=rank, world_size=tp * ls, timeout=timeout)
+    _join_group(backend, init, rank, tp * ls, timeout)
     try:
         placement = form_groups(rank, tp, ls, timeout, expert_parallel)
         [plan] = _receive()
