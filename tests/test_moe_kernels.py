@@ -184,9 +184,13 @@ def test_panel_experts_keep_a_nan_and_a_loaded_layer_computes_what_the_dense_one
 def test_a_loaded_dense_mlp_runs_as_one_panel_expert_where_it_can(linear_kernel, hidden_act, tokens):
     """Shared experts and dense MLPs: on panels a bf16 SiLU MLP moves into the experts kernel's
     panels and computes what its two products and the GLU did; elsewhere it stays as it is."""
-    from oxserve.kernels.onednn import choose_linear_kernel
+    from oxserve.kernels.onednn import choose_linear_kernel, onednn_linear_supported
     from oxserve.model.common import DenseMLP
 
+    if linear_kernel == "onednn" and not onednn_linear_supported(torch.device("cpu"), torch.bfloat16):
+        with pytest.raises(ValueError, match="linear_kernel onednn needs"):  # asked for by name: a clear refusal
+            choose_linear_kernel(linear_kernel, torch.device("cpu"), torch.bfloat16)
+        return
     mlp = DenseMLP(64, 96, 7.0, hidden_act)
     for p in mlp.parameters():
         p.data = (torch.randn_like(p, dtype=torch.float32) * 0.1).bfloat16()
