@@ -3,6 +3,7 @@ engine's verify-and-rollback path against plain decoding."""
 
 from __future__ import annotations
 
+import json
 import random
 from collections import Counter
 
@@ -28,13 +29,6 @@ def test_ngram_drafts_follow_the_latest_longest_match():
 
 def test_lookup_replay_counts_what_ngram_speculation_does_on_a_known_output():
     config = SpeculativeConfig("ngram", 3)
-    # Every decode token is either an accepted draft or a verifying step's own token.
-    rng = random.Random(5)
-    for _ in range(200):
-        prompt = [rng.randrange(6) for _ in range(rng.randrange(1, 20))]
-        output = [rng.randrange(6) for _ in range(rng.randrange(1, 30))]
-        steps, drafted, accepted = lookup_replay(prompt, output, config)
-        assert steps + accepted == len(output) - 1 and accepted <= drafted <= 3 * steps
     # An output that continues its prompt's cycle: every draft is kept, k + 1 tokens a step.
     cycle = [10, 11, 12, 13, 14]
     steps, drafted, accepted = lookup_replay(cycle * 2, cycle * 3 + [10], config)
@@ -44,6 +38,36 @@ def test_lookup_replay_counts_what_ngram_speculation_does_on_a_known_output():
     # By hand: after 7, drafts 8 9 7 and keeps 8; after 5 (never seen), none; after 7, room for
     # one more draft before the end: 8, kept.
     assert lookup_replay([7, 8, 9, 7, 8, 9], [7, 8, 5, 7, 8, 9], config) == (3, 4, 2)
+
+
+def test_lookup_replay_drafts_and_keeps_what_the_engine_does_at_full_depth(monkeypatch):
+    """The engine's n-gram speculation with its guard pinned to full depth (every decode
+    drafts all it may), one request at a time, on held-out code through the trained default
+    model (whose continuations repeat their context often enough to keep drafts): the draft
+    and accepted tokens it counts are the ones `lookup_replay` predicts from the prompt and
+    the output alone."""
+    from oxserve.default_model import default_model
+    from oxserve.default_model.train import held_out_windows
+    from oxserve.engine import scheduler
+    from oxserve.engine.spec_guard import MAX_DEPTH, MIN_FLOOR
+
+    monkeypatch.setattr(scheduler, "draft_depth", lambda request, k, floor: k)
+    monkeypatch.setattr(scheduler.DraftCost, "budget", lambda self, decodes: (MIN_FLOOR, MAX_DEPTH))
+    config = SpeculativeConfig("ngram", 3, prompt_lookup_max=3)
+    llm = LLM(model=str(default_model()), dtype="float32", speculative_config=json.dumps(
+        {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}))
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    predicted = [0, 0]
+    for prompt in held_out_windows(default_model(), 4, 96, random.randrange(2**31)):
+        before = llm.engine.stats()
+        (out,) = llm.generate([prompt], params)
+        after = llm.engine.stats()
+        _, drafted, accepted = lookup_replay(prompt, list(out.outputs[0].token_ids), config)
+        assert (after.spec_draft_tokens - before.spec_draft_tokens, after.spec_accepted_tokens - before.spec_accepted_tokens) \
+            == (drafted, accepted)
+        predicted = [predicted[0] + drafted, predicted[1] + accepted]
+    counted = [after.spec_draft_tokens, after.spec_accepted_tokens]
+    assert counted == predicted and 0 < predicted[1] < predicted[0]  # drafts kept and drafts rejected
 
 
 @pytest.mark.parametrize("text, problem", [
