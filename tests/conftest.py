@@ -56,14 +56,23 @@ def pytest_terminal_summary(terminalreporter):
     terminalreporter.write_line(
         f"{TALLY.compared:6d} / {TALLY.total:6d}  ({TALLY.ties_broken})  all ({TALLY.compared / TALLY.total:.1%})"
     )
+    if TALLY.reference_positions:
+        terminalreporter.write_line(f"near ties in HF's choices: {TALLY.near_ties} of {TALLY.reference_positions} positions "
+                                    f"({TALLY.near_ties / TALLY.reference_positions:.2%})")
 
 
 def pytest_sessionfinish(session, exitstatus):
-    """Fail the session when near ties excused more than a tenth of all compared positions."""
-    from hf_reference import MIN_SUITE_FRACTION, TALLY
+    """Fail the session when near ties excused more than a tenth of all compared positions,
+    or were more than MAX_SUITE_TIE_RATE of the positions HF ran."""
+    from hf_reference import MAX_SUITE_TIE_RATE, MIN_SUITE_FRACTION, TALLY
 
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if TALLY.near_ties > MAX_SUITE_TIE_RATE * TALLY.reference_positions:
+        reporter.write_line(f"FAILED: {TALLY.near_ties} of {TALLY.reference_positions} reference positions were near ties "
+                            f"(> {MAX_SUITE_TIE_RATE:.0%}): the margin rule excuses too much", red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
     if TALLY.total and TALLY.compared < MIN_SUITE_FRACTION * TALLY.total:
-        session.config.pluginmanager.get_plugin("terminalreporter").write_line(
+        reporter.write_line(
             f"FAILED: only {TALLY.compared} of {TALLY.total} reference positions were compared "
             f"(< {MIN_SUITE_FRACTION:.0%}): the near-tie rule excused too much", red=True,
         )

@@ -10,8 +10,9 @@ there is below `MARGIN_EPS` (relative); a different pick with a clear margin fai
 
 What the rule excuses is bounded: every comparison is recorded with `record_comparison`,
 which fails a sequence compared over less than `MIN_SEQUENCE_FRACTION` of its positions, and
-the session fails when less than `MIN_SUITE_FRACTION` of all positions were compared
-(tests/conftest.py checks it at the end and prints the tally per test).
+the session fails when less than `MIN_SUITE_FRACTION` of all positions were compared, or when
+more than `MAX_SUITE_TIE_RATE` of all positions HF ran had a near tie (tests/conftest.py checks
+both at the end and prints the tally per test).
 """
 
 from __future__ import annotations
@@ -31,6 +32,11 @@ LOGIT_TOL = 1e-4  # times max |logit|
 LOGPROB_TOL = 1e-4
 MIN_SEQUENCE_FRACTION = 0.25
 MIN_SUITE_FRACTION = 0.9
+# Near ties are rare on these models: 0.25% of positions over 120 random `variants` sequences
+# (prompt + 64 greedy tokens), though one sequence in a hundred has 4 or more, as its model's
+# routers crowd. Counted over the whole session, where a margin rule that excused too much
+# would show, not per sequence, where such a tail fails at random.
+MAX_SUITE_TIE_RATE = 0.02
 
 
 @dataclass
@@ -38,6 +44,8 @@ class Tally:
     """Compared and total positions per test, over the whole session."""
 
     per_test: dict[str, list[int]] = field(default_factory=dict)  # [compared, total, ties broken]
+    reference_positions: int = 0  # positions HF ran in `reference_run`
+    near_ties: int = 0  # of those, positions with a discrete choice within MARGIN_EPS
 
     def add(self, test: str, compared: int, total: int, ties_broken: int = 0) -> None:
         entry = self.per_test.setdefault(test, [0, 0, 0])
@@ -173,9 +181,8 @@ def reference_run(ref: Reference, tokens: list[int]) -> ReferenceRun:
         for h in hooks:
             h.remove()
     run = ReferenceRun(logits, choices, margins)
-    num_tight = int((torch.stack(list(margins.values())).min(0).values < MARGIN_EPS).sum()) if margins else 0
-    # Near ties are rare on these models; many of them means the margin rule excuses too much.
-    assert num_tight <= 2 + 0.02 * len(tokens), f"{num_tight} near-tie positions in {len(tokens)}"
+    TALLY.reference_positions += len(tokens)
+    TALLY.near_ties += int((torch.stack(list(margins.values())).min(0).values < MARGIN_EPS).sum()) if margins else 0
     return run
 
 
