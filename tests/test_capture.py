@@ -66,6 +66,47 @@ def test_replayed_decode_steps_equal_eager_ones(tiny_model_dir, dtype):
             assert top[0] - top[1] < 1e-4
 
 
+def test_replayssm_decode_steps_are_replayed_across_ring_folds(tiny_model_dir):
+    """With ReplaySSM rings (length 5: a fold every few steps), the ring counts change every
+    step; the kernels take them as a tensor, which a replay refills, and fold by themselves."""
+    prompts, params = _workload(random.randrange(1 << 30), TINY_SHAPE["vocab_size"], 120)
+    rings = dict(max_model_len=256, kda_decode="replay", kda_replay_len=5)
+    eager, _ = _run(str(tiny_model_dir), "bfloat16", True, prompts, params, **rings)
+    replayed, captured = _run(str(tiny_model_dir), "bfloat16", False, prompts, params, **rings)
+    assert captured.refused == {} and captured.captures >= 3 and captured.replays > 5 * captured.captures
+    assert replayed == eager
+
+
+def test_speculative_decoding_replays_its_plain_decode_steps(tiny_model_dir, monkeypatch):
+    """n-gram speculation, drafting wherever lookup finds something (guard pinned, so both runs
+    draft alike): steps without drafts replay, verifying steps run eagerly, and the outputs
+    are the eager run's exactly."""
+    from oxserve.engine import scheduler
+    from oxserve.engine.spec_guard import MAX_DEPTH, MIN_FLOOR
+
+    monkeypatch.setattr(scheduler, "draft_depth", lambda request, k, floor: k)
+    monkeypatch.setattr(scheduler.DraftCost, "budget", lambda self, decodes: (MIN_FLOOR, MAX_DEPTH))
+    rng = random.Random()
+    cycles = [[rng.randrange(32, TINY_SHAPE["vocab_size"]) for _ in range(rng.randrange(2, 6))] for _ in range(4)]
+    prompts = [{"prompt_token_ids": c * rng.randrange(2, 6)} for c in cycles]
+    params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True, logprobs=1)
+    spec = dict(max_model_len=256, speculative_config='{"method": "ngram", "num_speculative_tokens": 3}')
+    runs = []
+    for eager in (True, False):
+        llm = LLM(model=str(tiny_model_dir), dtype="bfloat16", enforce_eager=eager, max_num_seqs=4, **spec)
+        try:
+            outs = llm.generate(prompts, params)
+            stats = llm.engine.stats()
+            runs.append(([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs],
+                         (stats.spec_draft_tokens, stats.spec_accepted_tokens), llm.engine.runner.captured))
+        finally:
+            llm.close()
+    (eager, eager_drafts, _), (replayed, drafts, captured) = runs
+    assert drafts == eager_drafts and drafts[0] > 0  # the same drafts verified
+    assert captured.refused == {} and captured.replays > 0
+    assert replayed == eager
+
+
 def test_the_default_model_replays_its_decode_steps_exactly():
     """The shipped model in bf16, where every product runs on the panel kernels."""
     prompts = ["The quick brown fox", "Once upon a time " * 30, "a b c " * 90]

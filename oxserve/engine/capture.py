@@ -17,7 +17,8 @@ What makes a replay valid, and how it is kept so:
 - the shape key (`step_key`) holds everything host-side the model branches on: every
   non-tensor field of the batch (the number of requests, query lengths, `seq_len_bound`,
   ...) and every tensor's shape; a step whose key differs is captured anew;
-- per-step host values that the key leaves out (the context lengths) are watched while
+- per-step host values that the key leaves out (the context lengths; with ReplaySSM, the
+  ring counts, which the kernels take as a tensor and fold by themselves) are watched while
   capturing: a model that reads them is refused a recording for that shape (its steps run
   eagerly, still right);
 - so is one that reads tensor values at host level or draws random numbers (`.item()`,
@@ -54,6 +55,7 @@ from torch.nn.modules import module as torch_module
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from oxserve.cache.replay import RingCounts
 from oxserve.kernels import native
 from oxserve.kernels.call_list import CallRun, callable_natively
 from oxserve.model.batch import ForwardBatch
@@ -64,7 +66,8 @@ log = logging.getLogger(__name__)
 aten = torch.ops.aten
 # Host-side values that change from step to step and that the model must not read in a
 # captured step (their tensors carry them): left out of the key, unreadable while capturing.
-PER_STEP_FIELDS = ("context_lens",)
+# Host values that change every step, left out of the key and watched while recording.
+PER_STEP_FIELDS = {ForwardBatch: ("context_lens",), RingCounts: ("decodes",)}
 NOT_REPLAYABLE_TAGS = (torch.Tag.data_dependent_output, torch.Tag.dynamic_output_shape,
                        torch.Tag.nondeterministic_seeded)  # fmt: skip
 # Host reads without those tags: `bool(t)`, and what `tolist()` / `numpy()` call before reading.
@@ -87,7 +90,7 @@ class PerStepValue(list):
 
     def _read(method):  # noqa: N805 -- wraps list's own methods
         def read(self, *args):
-            self.refuse(f"the model read ForwardBatch.{self.name}")
+            self.refuse(f"the model read {self.name}")
             return method(self, *args)
 
         return read
@@ -318,7 +321,18 @@ def _walk(value, key: list, tensors: list[torch.Tensor]) -> None:
 
 @functools.cache
 def _fields(cls: type) -> tuple[str, ...]:
-    return tuple(f.name for f in dataclasses.fields(cls) if f.name not in PER_STEP_FIELDS and f.name != "tracer")
+    return tuple(f.name for f in dataclasses.fields(cls) if f.name not in PER_STEP_FIELDS.get(cls, ()) and f.name != "tracer")
+
+
+def _watched(value, refuse: Callable[[str], None]):
+    """A copy of `value` (a dataclass) whose per-step host values, those of the dataclasses it
+    holds included, tell `refuse` when they are read."""
+    changes = {name: PerStepValue(f"{type(value).__name__}.{name}", getattr(value, name), refuse)
+               for name in PER_STEP_FIELDS.get(type(value), ())}  # fmt: skip
+    for name in _fields(type(value)):
+        if type(item := getattr(value, name)) in PER_STEP_FIELDS:
+            changes[name] = _watched(item, refuse)
+    return dataclasses.replace(value, **changes)
 
 
 def has_forward_hooks(model: torch.nn.Module) -> bool:
@@ -345,8 +359,7 @@ class CapturedDecode:
 
     def wants(self, batch: ForwardBatch) -> bool:
         """A plain decode step (one new token per request) of a batch size that is captured."""
-        return (batch.num_decodes == batch.num_requests and batch.rings is None
-                and (self.sizes is None or batch.num_requests in self.sizes))  # fmt: skip
+        return batch.num_decodes == batch.num_requests and (self.sizes is None or batch.num_requests in self.sizes)
 
     def run(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """The logits of this decode step (a tensor the next replay of its shape overwrites)."""
@@ -373,10 +386,9 @@ class CapturedDecode:
         """Run the step eagerly under a recording; keep the recording if a replay can repeat it."""
         start = time.perf_counter()
         recording = StepRecording()
-        per_step = {name: PerStepValue(name, getattr(batch, name), recording.refuse) for name in PER_STEP_FIELDS}
         # Not kept on the recording: its per-step values point back at it (a cycle that would keep
         # the recorded tensors, the caches among them, alive until the garbage collector ran).
-        watched = dataclasses.replace(batch, **per_step, tracer=SpanMarks(recording, batch.tracer))
+        watched = dataclasses.replace(_watched(batch, recording.refuse), tracer=SpanMarks(recording, batch.tracer))
         recording.input_ids, recording.batch_tensors = input_ids, step_key(input_ids, watched)[1]
         with native.recording(recording.native_call), _TorchOps(recording):
             recording.output = self.forward(input_ids, watched)
