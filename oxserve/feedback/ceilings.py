@@ -58,9 +58,12 @@ class Ceilings:
         return max(self.copy_bandwidth, self.read_bandwidth)
 
     def matmul_rate(self, dtype: str) -> float:
-        """Peak rate for "fp32", "bf16" or "int8" (bf16 where int8 is unsupported)."""
-        rates = {"fp32": self.matmul_fp32, "bf16": self.matmul_bf16,
-                 "int8": self.matmul_int8 or self.matmul_bf16}
+        """Peak rate for "fp32", "bf16" or "int8" products. Narrow operands can always be
+        widened and multiplied at a wider type's rate, as oxserve's kernels do for bf16 on CPUs
+        without bf16 products (AVX2: there torch's bf16 matmul runs at ~2% of its fp32), so a
+        narrower type's peak is at least the wider one's."""
+        bf16 = max(self.matmul_bf16, self.matmul_fp32)
+        rates = {"fp32": self.matmul_fp32, "bf16": bf16, "int8": max(self.matmul_int8 or 0.0, bf16)}
         if dtype not in rates:
             raise ValueError(f"dtype must be one of {sorted(rates)}, got {dtype!r}")
         return rates[dtype]

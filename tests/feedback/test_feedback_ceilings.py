@@ -35,6 +35,18 @@ def test_roofline_time(quick):
     assert c.min_time_s(bytes_moved=1e9, flops=5e12) == pytest.approx(5.0)  # compute bound
 
 
+def test_a_narrow_type_peaks_at_least_where_a_wider_one_does(quick):
+    """On a CPU without bf16 products torch's bf16 matmul is far slower than fp32 (0.65 against
+    28 GFLOP/s on a first-generation Zen); widened to fp32, bf16 work runs at fp32's rate, so
+    the roofline must not take the slow path as the bound (experiments called runs faster than
+    it "suspect")."""
+    avx2 = dataclasses.replace(quick, matmul_fp32=28e9, matmul_bf16=0.65e9, matmul_int8=1e9)
+    assert avx2.matmul_rate("bf16") == avx2.matmul_rate("int8") == avx2.matmul_rate("fp32") == 28e9
+    amx = dataclasses.replace(quick, matmul_fp32=0.1e12, matmul_bf16=1.5e12, matmul_int8=3e12)
+    assert (amx.matmul_rate("fp32"), amx.matmul_rate("bf16"), amx.matmul_rate("int8")) == (0.1e12, 1.5e12, 3e12)
+    assert dataclasses.replace(amx, matmul_int8=None).matmul_rate("int8") == 1.5e12
+
+
 def test_cache_avoids_remeasuring(monkeypatch, tmp_path, quick):
     calls = []
     template = quick
