@@ -77,23 +77,35 @@ def test_replayssm_decode_steps_are_replayed_across_ring_folds(tiny_model_dir):
     assert replayed == eager
 
 
-def test_speculative_decoding_replays_its_plain_decode_steps(tiny_model_dir, monkeypatch):
-    """n-gram speculation, drafting wherever lookup finds something (guard pinned, so both runs
-    draft alike): steps without drafts replay, verifying steps run eagerly, and the outputs
-    are the eager run's exactly."""
+def test_speculative_decoding_replays_its_decode_and_verify_steps(monkeypatch):
+    """n-gram speculation on held-out code through the trained model, drafting wherever lookup
+    finds something (guard pinned, so both runs draft alike): steps that verify drafts replay
+    as plain decode steps do (the ring counts refilled, the rings folded by the kernel, the
+    conv states staged for rejections as recorded), and the outputs are the eager run's
+    exactly."""
+    from oxserve.default_model.train import held_out_windows
     from oxserve.engine import scheduler
+    from oxserve.engine.capture import CapturedDecode, step_key
     from oxserve.engine.spec_guard import MAX_DEPTH, MIN_FLOOR
 
     monkeypatch.setattr(scheduler, "draft_depth", lambda request, k, floor: k)
     monkeypatch.setattr(scheduler.DraftCost, "budget", lambda self, decodes: (MIN_FLOOR, MAX_DEPTH))
-    rng = random.Random()
-    cycles = [[rng.randrange(32, TINY_SHAPE["vocab_size"]) for _ in range(rng.randrange(2, 6))] for _ in range(4)]
-    prompts = [{"prompt_token_ids": c * rng.randrange(2, 6)} for c in cycles]
-    params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True, logprobs=1)
-    spec = dict(max_model_len=256, speculative_config='{"method": "ngram", "num_speculative_tokens": 3}')
+    replayed_verifies = []
+    run = CapturedDecode.run
+
+    def counting_run(self, input_ids, batch):
+        if batch.num_verifies and step_key(input_ids, batch)[0] in self.recordings:
+            replayed_verifies.append(batch.num_verifies)
+        return run(self, input_ids, batch)
+
+    monkeypatch.setattr(CapturedDecode, "run", counting_run)
+    prompts = [{"prompt_token_ids": p} for p in held_out_windows(default_model(), 6, 96, random.randrange(1 << 30))]
+    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True, logprobs=1)
+    # Rings of 5 (k + 2): runs of up to 4 tokens fold a ring mid-request, at any count.
+    spec = dict(kda_decode="replay", kda_replay_len=5, speculative_config='{"method": "ngram", "num_speculative_tokens": 3}')
     runs = []
     for eager in (True, False):
-        llm = LLM(model=str(tiny_model_dir), dtype="bfloat16", enforce_eager=eager, max_num_seqs=4, **spec)
+        llm = LLM(dtype="bfloat16", enforce_eager=eager, max_num_seqs=2, **spec)
         try:
             outs = llm.generate(prompts, params)
             stats = llm.engine.stats()
@@ -102,8 +114,8 @@ def test_speculative_decoding_replays_its_plain_decode_steps(tiny_model_dir, mon
         finally:
             llm.close()
     (eager, eager_drafts, _), (replayed, drafts, captured) = runs
-    assert drafts == eager_drafts and drafts[0] > 0  # the same drafts verified
-    assert captured.refused == {} and captured.replays > 0
+    assert drafts == eager_drafts and 0 < drafts[1] < drafts[0]  # the same drafts, kept and rejected
+    assert captured.refused == {} and len(replayed_verifies) > 10
     assert replayed == eager
 
 

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from oxserve import LLM, SamplingParams
 from oxserve.cache.precision import LayerCachePrecision
-from oxserve.cache.replay import ReplayBook
+from oxserve.cache.replay import ReplayBook, ring_counts
 from oxserve.cache.spec import CacheLayout
 from oxserve.default_model import make_text_config
 from oxserve.kernels import kda_decode, reference
@@ -148,7 +148,8 @@ def test_native_verify_runs_match_the_token_by_token_reference():
                                                                 expected[slot][None])  # fmt: skip
                 want.append(out[0])
                 t += 1
-        got = kda_decode.replay_verify(states, ring, torch.tensor(slots), [counts[s] for s in slots], lens, q, k, v, g, beta)
+        before = ring_counts([], [], [counts[s] for s in slots], lens, "cpu")
+        got = kda_decode.replay_verify(states, ring, torch.tensor(slots), before, lens, q, k, v, g, beta)
         torch.testing.assert_close(got, torch.stack(want).float(), rtol=1e-5, atol=1e-6)
         for slot, n in zip(slots, lens):
             folds += counts[slot] + n > ring_len

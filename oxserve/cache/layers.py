@@ -171,7 +171,7 @@ class KDACache:
         appended to its ReplaySSM ring: rejecting some later moves the ring's count back."""
         if self.ring is None:
             raise ValueError("verifying draft tokens needs ReplaySSM rings (--kda-decode replay)")
-        return kda_decode.replay_verify(self.recurrent, self.ring, slots, rings.verifies, lens, q, k, v, g, beta)
+        return kda_decode.replay_verify(self.recurrent, self.ring, slots, rings, lens, q, k, v, g, beta)
 
     def stage_conv(self, slots: torch.Tensor, windows: torch.Tensor) -> None:
         self.staged_conv = (slots, windows)

@@ -27,6 +27,11 @@ class RingCounts:
     decode_counts: torch.Tensor  # `decodes` as int64, on the device
     prefill_counts: torch.Tensor  # `prefills` as int64, on the device
     verifies: list[int] = ()  # entries before each verified run of tokens (fold first if it would overflow)
+    # `verifies` as int64 on the device, and each run's first token (among the verified ones)
+    # and length: what the kernels read, so that a captured step's replay can refill them.
+    verify_counts: torch.Tensor | None = None
+    verify_starts: torch.Tensor | None = None
+    verify_lens: torch.Tensor | None = None
 
 
 class ReplayBook:
@@ -58,12 +63,22 @@ class ReplayBook:
         for slot, context in zip(slots[rest:], has_context[rest:]):
             prefills.append(self.counts[slot] if context else 0)
             self.counts[slot] = 0
-
-        def as_long(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.long, device=device)
-
-        return RingCounts(decodes, prefills, as_long(decodes), as_long(prefills), verifies)
+        return ring_counts(decodes, prefills, verifies, verify_lens, device)
 
     def rollback(self, slot: int, rejected: int) -> None:
         """Forget the last `rejected` entries of a slot's ring (rejected draft tokens)."""
         self.counts[slot] -= rejected
+
+
+def ring_counts(decodes: list[int], prefills: list[int], verifies: list[int], verify_lens, device) -> RingCounts:
+    """A step's counts (`ReplayBook.advance`), with their tensors; `verify_lens`: the length of
+    each verified run."""
+
+    def as_long(values) -> torch.Tensor:
+        return torch.tensor(list(values), dtype=torch.long, device=device)
+
+    runs = ()
+    if verifies:
+        starts = [sum(verify_lens[:b]) for b in range(len(verify_lens))]
+        runs = as_long(verifies), as_long(starts), as_long(verify_lens)
+    return RingCounts(decodes, prefills, as_long(decodes), as_long(prefills), verifies, *runs)

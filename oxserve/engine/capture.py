@@ -67,7 +67,7 @@ aten = torch.ops.aten
 # Host-side values that change from step to step and that the model must not read in a
 # captured step (their tensors carry them): left out of the key, unreadable while capturing.
 # Host values that change every step, left out of the key and watched while recording.
-PER_STEP_FIELDS = {ForwardBatch: ("context_lens",), RingCounts: ("decodes",)}
+PER_STEP_FIELDS = {ForwardBatch: ("context_lens",), RingCounts: ("decodes", "verifies")}
 NOT_REPLAYABLE_TAGS = (torch.Tag.data_dependent_output, torch.Tag.dynamic_output_shape,
                        torch.Tag.nondeterministic_seeded)  # fmt: skip
 # Host reads without those tags: `bool(t)`, and what `tolist()` / `numpy()` call before reading.
@@ -358,8 +358,10 @@ class CapturedDecode:
         self.capture_s = 0.0  # time in steps that recorded (each an eager step plus the recording's cost)
 
     def wants(self, batch: ForwardBatch) -> bool:
-        """A plain decode step (one new token per request) of a batch size that is captured."""
-        return batch.num_decodes == batch.num_requests and (self.sizes is None or batch.num_requests in self.sizes)
+        """A step of decodes (one new token per request) and verifies (a token and its drafts)
+        only, of a batch size that is captured."""
+        return (batch.num_decodes + batch.num_verifies == batch.num_requests
+                and (self.sizes is None or batch.num_requests in self.sizes))  # fmt: skip
 
     def run(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """The logits of this decode step (a tensor the next replay of its shape overwrites)."""

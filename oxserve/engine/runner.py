@@ -274,7 +274,11 @@ class ModelRunner:
         batch.tracer = self.tracer
         with span(self.tracer, "forward", track="engine", **step_conditions(batch)):
             if self._replayable(batch, scheduled, mm_embeds):
-                return self.captured.run(input_ids, batch), {}
+                logits, staged = self.captured.run(input_ids, batch)
+                kda_caches = [cache for cache in self.caches if isinstance(cache, KDACache)]
+                for cache, conv in zip(kda_caches, staged):  # a replay stages what its recording did
+                    cache.staged_conv = conv
+                return logits, {}
             if self.drafter is None:
                 hidden = self.model(input_ids, batch, self.caches, mm_embeds=mm_embeds)
             else:  # the drafter reads every row's hidden state after sampling
@@ -288,7 +292,7 @@ class ModelRunner:
             return logits, self._score_prompts(scheduled, hidden[num_sampling_rows:])
 
     def _replayable(self, batch, scheduled: list[ScheduledRequest], mm_embeds) -> bool:
-        """A plain decode step (`CapturedDecode.wants`) whose logits are all its sampling rows,
+        """A step of decodes and verifies (`CapturedDecode.wants`) whose logits are all its sampling rows,
         on a model without Python hooks (fault injection, tests), which a replay would skip."""
         return (self.captured is not None and self.drafter is None and mm_embeds is None and self.captured.wants(batch)
                 and not any(s.prompt_logprob_positions for s in scheduled) and not has_forward_hooks(self.model))  # fmt: skip
@@ -365,9 +369,12 @@ class ModelRunner:
         return SamplingRow(state.params, state.prompt_token_ids, state.output_token_ids, state.generator)
 
 
-def decode_logits(model: Glm5NextForCausalLM, caches: list, input_ids: torch.Tensor, batch) -> torch.Tensor:
-    """A decode step's logits: what `CapturedDecode` records and replays."""
-    return model.compute_logits(model(input_ids, batch, caches), batch.tracer)
+def decode_logits(model: Glm5NextForCausalLM, caches: list, input_ids: torch.Tensor, batch) -> tuple:
+    """A decode step's logits, and the conv states each KDA layer staged for verified tokens
+    (`KDACache.staged_conv`, read after sampling): what `CapturedDecode` records and replays
+    (a replay recomputes those tensors, but sets no attribute)."""
+    logits = model.compute_logits(model(input_ids, batch, caches), batch.tracer)
+    return logits, [cache.staged_conv for cache in caches if isinstance(cache, KDACache)]
 
 
 def _image_spans(scheduled: list[ScheduledRequest], items_of) -> list[RowSpan]:

@@ -28,6 +28,7 @@ from oxserve.kernels.kda import SAFE_CHUNK_DECAY, kda_recurrent_step
 
 if TYPE_CHECKING:
     from oxserve.cache.layers import ReplayRing
+    from oxserve.cache.replay import RingCounts
 
 # Contracted multiply-adds (ISO C mode turns them off): within fp32 rounding of the torch version.
 BUILD_FLAGS = native.NATIVE_ISA + native.OPENMP + ("-O3", "-ffp-contract=fast")
@@ -162,27 +163,32 @@ def replay_fold(states: torch.Tensor, ring: ReplayRing, slots: torch.Tensor, cou
                         slots.numel(), h, dk, dv, ring.length, int(ring.exact), torch.get_num_threads())
 
 
-def replay_verify(states: torch.Tensor, ring: ReplayRing, slots: torch.Tensor, counts: list[int], lens: list[int],
+def replay_verify(states: torch.Tensor, ring: ReplayRing, slots: torch.Tensor, rings: RingCounts, lens: list[int],
                   q, k, v, g, beta) -> torch.Tensor:
     """Runs of lens[b] consecutive decode steps per request (tokens packed request after
-    request), each step's entry appended to the ring after counts[b]; a ring that cannot take
-    them all is folded first. Returns o [sum(lens), H, Dv]."""
+    request), each step's entry appended to the ring after `rings.verifies[b]`; a ring that
+    cannot take them all is folded first. Returns o [sum(lens), H, Dv]. The kernel reads the
+    counts from `rings`' tensors and folds by itself (a captured step replays it); the torch
+    path reads them on the host."""
+    q, k, v, g, beta = _inputs(q, k, v, g, beta)
+    slots = slots.contiguous()
+    lib = _native(states, ring, q, k, v, g, beta)
+    if lib is not None:  # each request's run in one pass
+        out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
+        status = lib.kda_replay_run(*_ptrs(q, k, v, g, beta, states, ring.keys, ring.decays, ring.deltas, slots,
+                                           rings.verify_counts, rings.verify_starts, rings.verify_lens),
+                                    len(lens), q.shape[1], q.shape[2], v.shape[-1], ring.length, int(ring.exact),
+                                    native.pointer(out), torch.get_num_threads())  # fmt: skip
+        if status != 0:
+            raise ValueError(f"a verified run of {max(lens)} tokens does not fit a replay ring of {ring.length}")
+        return out
+    counts = list(rings.verifies)
     full = [b for b, (c, n) in enumerate(zip(counts, lens)) if c + n > ring.length]
     if full:
         pending = [counts[b] for b in full]
         replay_fold(states, ring, slots[full], pending, torch.tensor(pending, device=slots.device))
         counts = [0 if b in full else c for b, c in enumerate(counts)]
     starts = [sum(lens[:b]) for b in range(len(lens))]
-    q, k, v, g, beta = _inputs(q, k, v, g, beta)
-    slots = slots.contiguous()
-    lib = _native(states, ring, q, k, v, g, beta)
-    if lib is not None:  # each request's run in one pass
-        out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
-        host = [torch.tensor(x, dtype=torch.int64) for x in (counts, starts, lens)]
-        lib.kda_replay_run(*_ptrs(q, k, v, g, beta, states, ring.keys, ring.decays, ring.deltas, slots, *host),
-                           len(lens), q.shape[1], q.shape[2], v.shape[-1], ring.length, int(ring.exact), native.pointer(out),
-                           torch.get_num_threads())  # fmt: skip
-        return out
     return replay_verify_torch(states, ring, slots, counts, lens, starts, q, k, v, g, beta)
 
 

@@ -280,26 +280,31 @@ int kda_replay_step(const float *q, const float *k, const float *v, const float 
 
 /* Verifies: for each request b, lens[b] consecutive replay steps on tokens starts[b] ..
  * (packed request after request: q, k, g [T, H, Dk], v and out [T, H, Dv], beta [T, H]),
- * appended to its ring after counts[b] entries; the host has folded any ring that could not
- * take them all (counts[b] + lens[b] <= ring_len). One pass per head keeps the steps of a
- * request in order and its checkpoint and ring in cache. */
+ * appended to its ring after counts[b] entries; a ring that cannot take them all is folded
+ * first (as the host's book counts: a run of lens[b] <= ring_len then starts it). One pass
+ * per head keeps the steps of a request in order and its checkpoint and ring in cache. */
 int kda_replay_run(const float *q, const float *k, const float *v, const float *g, const float *beta, float *states,
                    float *ring_keys, float *ring_decays, float *ring_deltas, const int64_t *slots, const int64_t *counts,
                    const int64_t *starts, const int64_t *lens, int64_t batch, int heads, int dk, int dv, int ring_len,
                    int exact, float *out, int threads) {
     if (dk > MAX_D || dv > MAX_D) return -1;
     for (int64_t b = 0; b < batch; b++)
-        if (counts[b] + lens[b] > ring_len) return -2;
+        if (lens[b] > ring_len) return -2;
     const Ring ring = {ring_keys, ring_decays, ring_deltas, ring_len, heads, dk, dv, exact};
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t bh = 0; bh < batch * heads; bh++) {
         const int64_t b = bh / heads, slot = slots[b];
         const int h = (int)(bh % heads);
         float *S = states + (slot * heads + h) * (int64_t)dk * dv;
+        int n = (int)counts[b];
+        if (n + lens[b] > ring_len) {
+            fold(S, &ring, slot, h, n);
+            n = 0;
+        }
         for (int64_t t = 0; t < lens[b]; t++) {
             const int64_t th = (starts[b] + t) * heads + h;
-            replay_token(&ring, S, slot, h, (int)(counts[b] + t), q + th * dk, k + th * dk, g + th * dk, v + th * dv,
-                         beta[th], out + th * dv);
+            replay_token(&ring, S, slot, h, n + (int)t, q + th * dk, k + th * dk, g + th * dk, v + th * dv, beta[th],
+                         out + th * dv);
         }
     }
     return 0;

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from oxserve.kernels import kda_io, reference
 from oxserve.cache.layers import ReplayRing
+from oxserve.cache.replay import ring_counts
 from oxserve.cache.spec import CacheLayout, ReplayRingSpec
 from oxserve.kernels.kda import causal_conv, chunk_layout, chunk_plan, conv_layout, kda_chunked, kda_recurrent_step
 from oxserve.kernels.kda_decode import (
@@ -206,14 +207,17 @@ def verify_candidate(cfg, i, verify=replay_verify):
     ring = ReplayRing(i["ring_keys"], i["ring_decays"], i["ring_deltas"], replay_exact(cfg.linear_lower_bound, REPLAY_RING))
     slots = torch.arange(batch, device=i["q"].device)
 
+    lens = [VERIFY_TOKENS] * batch
+    counts = ring_counts([], [], [steps] * batch, lens, slots.device)
+
     def run(out):
-        out[0].copy_(verify(i["state"], ring, slots, [steps] * batch, [VERIFY_TOKENS] * batch,
-                            i["q"], i["k"], i["v"], i["g"], i["beta"]))  # fmt: skip
+        out[0].copy_(verify(i["state"], ring, slots, counts, lens, i["q"], i["k"], i["v"], i["g"], i["beta"]))
     return run
 
 
 def _verify_torch(states, ring, slots, counts, lens, q, k, v, g, beta):
-    return replay_verify_torch(states, ring, slots, counts, lens, [sum(lens[:b]) for b in range(len(lens))], q, k, v, g, beta)
+    starts = [sum(lens[:b]) for b in range(len(lens))]
+    return replay_verify_torch(states, ring, slots, counts.verifies, lens, starts, q, k, v, g, beta)
 
 
 def _verify_cost(i) -> tuple[float, float]:
