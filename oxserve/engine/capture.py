@@ -66,7 +66,6 @@ log = logging.getLogger(__name__)
 aten = torch.ops.aten
 # Host-side values that change from step to step and that the model must not read in a
 # captured step (their tensors carry them): left out of the key, unreadable while capturing.
-# Host values that change every step, left out of the key and watched while recording.
 PER_STEP_FIELDS = {ForwardBatch: ("context_lens",), RingCounts: ("decodes", "verifies")}
 NOT_REPLAYABLE_TAGS = (torch.Tag.data_dependent_output, torch.Tag.dynamic_output_shape,
                        torch.Tag.nondeterministic_seeded)  # fmt: skip
