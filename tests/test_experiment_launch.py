@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -143,3 +144,24 @@ def _alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
     except OSError:
         return False
+
+
+def test_each_run_is_a_process_of_its_own_with_the_runs_environment(tmp_path):
+    """Workers are forks of a server that has imported torch (forkserver.py): what one run does
+    to the preloaded modules must not reach the next, and each must see what `python -m` in
+    its tree, with its environment, would: directory, import path, temp dir, fresh seeds."""
+    tree = worker_tree(tmp_path, """
+        import random, sys, tempfile, torch
+        import oxserve
+        seen = getattr(torch, "_left_by_an_earlier_run", None)
+        torch._left_by_an_earlier_run = os.getpid()
+        done({"seen": seen, "pid": os.getpid(), "cwd": os.getcwd(), "path0": sys.path[0], "oxserve": oxserve.__file__,
+              "tmp": tempfile.gettempdir(), "env_tmp": os.environ["TMPDIR"], "name": __name__,
+              "torch_seed": torch.initial_seed(), "random": random.random()})
+    """)
+    first, second = (run_worker(tree, {}, 60, "arm A").result for _ in range(2))
+    assert first["seen"] is None and second["seen"] is None and first["pid"] != second["pid"]
+    for run in (first, second):
+        assert run["cwd"] == run["path0"] == str(tree) and run["oxserve"] == str(tree / "oxserve" / "__init__.py")
+        assert run["tmp"] == run["env_tmp"] != tempfile.gettempdir() and run["name"] == "__main__"
+    assert first["torch_seed"] != second["torch_seed"] and first["random"] != second["random"]
