@@ -20,6 +20,17 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     return build_checkpoint(tmp_path_factory.mktemp("tiny-model"), TINY_TEXT_CONFIG, seed=7, dtype=torch.float32)
 
 
+@pytest.fixture(scope="session")
+def no_top_k_model_dir(tmp_path_factory) -> Path:
+    """The tiny model with an indexer that selects every pool at test lengths and a router that
+    picks every expert: without a top-k pick, rounding cannot flip a selection, so outputs are
+    continuous in it. For comparisons across computations that round differently (chunking,
+    ReplaySSM folds, tensor-parallel sums): with two experts of four, about one run in fifty
+    diverged at a first token whose top two were 0.037 apart -- a flipped pick."""
+    every = {"index_topk": 512, "num_experts_per_tok": TINY_TEXT_CONFIG["n_routed_experts"]}
+    return build_checkpoint(tmp_path_factory.mktemp("no-top-k"), {**TINY_TEXT_CONFIG, **every}, seed=7, dtype=torch.float32)
+
+
 @pytest.fixture(scope="module", autouse=True)
 def collect_garbage_after_module():
     """An engine that a test left in a reference cycle holds its caches (2 GiB by default)

@@ -7,10 +7,7 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
-from tiny_models import TINY_TEXT_CONFIG
 
-from oxserve.default_model import build_checkpoint
 from oxserve.llm import LLM
 from oxserve.sampling_params import SamplingParams
 
@@ -67,16 +64,6 @@ def _assert_same_greedy(ours, reference, margin: float = 1e-4):
             assert top[0] - top[1] < margin, f"diverged at token {differ} with a margin of {top[0] - top[1]:.3g}"
         compared += end
     return compared
-
-
-@pytest.fixture(scope="module")
-def no_top_k_model_dir(tmp_path_factory):
-    """The tiny model with an indexer that selects every pool at these lengths and a router
-    that picks every expert: without a top-k pick, rounding cannot flip a selection, so
-    outputs are continuous in it (with two experts of four, about one run in fifty diverged
-    at a first token whose top two were 0.037 apart: a flipped pick, the DSA one excluded)."""
-    every = {"index_topk": 512, "num_experts_per_tok": TINY_TEXT_CONFIG["n_routed_experts"]}
-    return build_checkpoint(tmp_path_factory.mktemp("no-top-k"), {**TINY_TEXT_CONFIG, **every}, seed=7, dtype=torch.float32)
 
 
 @pytest.mark.parametrize("kda_decode", ["write-back", "replay"])

@@ -52,8 +52,12 @@ def two_mla_model_dir(tmp_path_factory):
 
 
 @pytest.mark.parametrize("tp,ls,ep", [(2, 1, False), (2, 1, True), (1, 2, False)], ids=["tp2", "tp2-ep", "ls2"])
-def test_parallel_engine_generates_what_one_process_generates(tiny_model_dir, two_mla_model_dir, tp, ls, ep):
-    model_dir = two_mla_model_dir if ls > 1 else tiny_model_dir
+def test_parallel_engine_generates_what_one_process_generates(no_top_k_model_dir, two_mla_model_dir, tp, ls, ep):
+    # Tensor-parallel sums round differently from one process's, and on a model with top-k picks
+    # a rounding-level difference can flip a pick (conftest.py): the likely cause of one tp2
+    # failure in 19 runs.
+    # A layer split computes each layer as one process does: bit for bit on any model.
+    model_dir = two_mla_model_dir if ls > 1 else no_top_k_model_dir
     rng = random.Random()
     shared = [rng.randrange(2, 8000) for _ in range(20)]
     prompts = [shared + [rng.randrange(2, 8000) for _ in range(n)] for n in (30, 5, 12, 40)]
