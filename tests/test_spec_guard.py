@@ -9,6 +9,7 @@ from oxserve.sampling_params import SamplingParams
 from oxserve.engine.spec_guard import (
     EXPLORE,
     EXPLORE_DEAR,
+    EXPLORE_DEAR_MAX,
     FIRST_PLAIN,
     KEEP_FLOOR,
     MAX_DEPTH,
@@ -57,8 +58,8 @@ def test_cost_is_measured_per_batch_size_and_stops_drafting_where_rows_are_dear(
     cost = DraftCost()
     budgets = [cost.budget(1) for _ in range(2 * EXPLORE)]
     plain = [i for i, b in enumerate(budgets) if b is None]
-    assert plain == [*range(FIRST_PLAIN), EXPLORE]  # plain: the step the cost is relative to
-    assert all(b == (KEEP_FLOOR, MAX_DEPTH) for b in budgets if b is not None)  # not measured yet: the prior
+    assert plain == [*range(FIRST_PLAIN)]  # plain: the step the cost is relative to
+    assert all(b == (KEEP_FLOOR, 1) for b in budgets if b is not None)  # not measured yet: the cheapest probe
     for _ in range(60):  # batch 1: 10 ms plain, 13 ms with 3 drafts -> a row costs 0.1 of a step
         cost.observe(1, 0, 0.010)
         cost.observe(1, 3, 0.013)
@@ -67,8 +68,24 @@ def test_cost_is_measured_per_batch_size_and_stops_drafting_where_rows_are_dear(
     for _ in range(60):  # batch 64: 100 ms plain, 240 ms with 64 drafts -> a row costs 1.4 steps of a request
         cost.observe(64, 0, 0.100)
         cost.observe(64, 64, 0.240)
-    budgets = [cost.budget(64) for _ in range(2 * EXPLORE_DEAR)]
+    budgets = [cost.budget(64) for _ in range(8 * EXPLORE_DEAR_MAX)]
     probes = [i for i, b in enumerate(budgets) if b is not None]
-    assert len(probes) == 2 and probes[1] - probes[0] == EXPLORE_DEAR  # rows are dear: a rare probe
     assert all(budgets[i] == (KEEP_FLOOR, 1) for i in probes)  # one draft per request
+    # Rows are dear: rarer probes, each finding them dear again, down to one in EXPLORE_DEAR_MAX.
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert gaps[0] == 2 * EXPLORE_DEAR and gaps == sorted(gaps) and gaps[-1] == gaps[-2] == EXPLORE_DEAR_MAX
     assert 1 not in cost.row_cost or cost.row_cost[1] < 1  # buckets are separate
+
+
+def test_rows_that_come_down_in_cost_are_noticed_and_drafted_again():
+    cost = DraftCost()
+    for _ in range(60):  # batch 4: 20 ms plain, 44 ms with 4 drafts -> a row costs 1.2 steps of a request
+        cost.observe(4, 0, 0.020)
+        cost.observe(4, 4, 0.044)
+    before = [cost.budget(4) for _ in range(4 * EXPLORE_DEAR_MAX)]
+    assert sum(b is not None for b in before) < 4 * EXPLORE_DEAR_MAX / EXPLORE_DEAR
+    for _ in range(60):  # the machine freed up: 22 ms with 4 drafts -> 0.1 of a step
+        cost.observe(4, 0, 0.020)
+        cost.observe(4, 4, 0.022)
+    after = [cost.budget(4) for _ in range(2 * EXPLORE)]
+    assert sum(b is None for b in after) <= 2 and all(b[1] == MAX_DEPTH for b in after if b is not None)

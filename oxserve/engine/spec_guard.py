@@ -13,12 +13,15 @@ costs, in units of one request's plain decode step. Both sides are measured:
   CPUs a row costs about a quarter of a step (more rows touch more experts); at batch 64 a
   step is compute-bound and a row costs about what a plain row does, so drafting stops.
 
-A request drafts the depths j with alpha^j >= that cost (KEEP_FLOOR until measured, never
-under MIN_FLOOR), at most k. One below the cost at depth 1 drafts nothing, and probes with
-one draft after PROBE_INTERVAL plain decodes. Both times stay measured: where drafting pays,
-one step in EXPLORE per bucket is plain (and a bucket's first FIRST_PLAIN steps, to measure
-the step the cost is relative to); where it does not, one step in EXPLORE_DEAR drafts, one
-draft per request at KEEP_FLOOR, so that the probe costs little where rows are dear.
+A request drafts the depths j with alpha^j >= that cost (never under MIN_FLOOR), at most k.
+One below the cost at depth 1 drafts nothing, and probes with one draft after PROBE_INTERVAL
+plain decodes. Both times stay measured: a bucket's first FIRST_PLAIN steps are plain (the
+step the cost is relative to), then its first measure of a row is one draft per request at
+KEEP_FLOOR (the cheapest probe: where a row costs a whole step, as on AVX2 CPUs at batch 1,
+three drafts a request would cost three); where drafting pays, one step in EXPLORE is plain;
+where it does not, a probe of one draft per request comes after EXPLORE_DEAR steps, and each
+probe that finds rows still dear doubles the wait, up to EXPLORE_DEAR_MAX: no acceptance
+pays for a row that costs a step, so the probes only watch for the cost coming down.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ MIN_FLOOR = 0.1
 PROBE_INTERVAL = 16
 EXPLORE = 16
 EXPLORE_DEAR = 64
+EXPLORE_DEAR_MAX = 1024
 MAX_DEPTH = 1 << 30  # no cap: k bounds it
 FIRST_PLAIN = 3  # a bucket's first steps: the plain step, measured past a slow first one
 SMOOTHING = 0.1  # weight of the newest step in a bucket's measurements
@@ -58,6 +62,8 @@ class DraftCost:
         self.plain_s: dict[int, float] = {}  # bucket -> decode-only step without drafts, seconds
         self.row_cost: dict[int, float] = {}  # bucket -> a draft row, in request-steps
         self._steps: dict[int, int] = {}  # decisions made per bucket
+        self._probe_wait: dict[int, int] = {}  # bucket -> steps between probes where rows are dear
+        self._since_probe: dict[int, int] = {}
 
     def budget(self, decodes: int) -> tuple[float, int] | None:
         """For the next step, with `decodes` decoding requests: the chance of being kept a
@@ -65,11 +71,22 @@ class DraftCost:
         bucket = decodes.bit_length()
         n = self._steps.get(bucket, 0)
         self._steps[bucket] = n + 1
-        cost = self.row_cost.get(bucket, KEEP_FLOOR)
+        if n < FIRST_PLAIN:
+            return None
+        cost = self.row_cost.get(bucket)
+        if cost is None:  # not measured yet: the cheapest measure
+            return KEEP_FLOOR, 1
         if cost < 1.0:  # drafting pays: one plain step in EXPLORE keeps the plain time current
-            return None if n < FIRST_PLAIN or n % EXPLORE == 0 else (max(MIN_FLOOR, cost), MAX_DEPTH)
-        # It does not: one draft per request, one step in EXPLORE_DEAR, to notice if it comes to
-        return (KEEP_FLOOR, 1) if n % EXPLORE_DEAR == 0 else None
+            self._probe_wait.pop(bucket, None)
+            self._since_probe.pop(bucket, None)
+            return None if n % EXPLORE == 0 else (max(MIN_FLOOR, cost), MAX_DEPTH)
+        # It does not: one draft per request now and then, to notice if it comes to
+        since, wait = self._since_probe.get(bucket, 0) + 1, self._probe_wait.get(bucket, EXPLORE_DEAR)
+        if since < wait:
+            self._since_probe[bucket] = since
+            return None
+        self._since_probe[bucket], self._probe_wait[bucket] = 0, min(2 * wait, EXPLORE_DEAR_MAX)
+        return KEEP_FLOOR, 1
 
     def observe(self, decodes: int, draft_rows: int, seconds: float) -> None:
         """A decode-only step: its decoding requests, its draft rows, its wall time (the
