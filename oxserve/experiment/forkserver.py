@@ -48,14 +48,16 @@ RUN_ENV_PREFIXES = ("PYTHONPATH", "OXSERVE_", "PYTEST_")
 
 
 class ForkServer:
-    """One server process, started on first use and again if it died or the launcher's
-    environment changed (libraries read some variables on import). Thread-safe."""
+    """One server process, started on first use and again if it died, the launcher's
+    environment changed (libraries read some variables on import) or the launcher is a fork
+    of the process that started it (the two would share one socket). Thread-safe."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._process: subprocess.Popen | None = None
         self._control: socket.socket | None = None
         self._env: dict[str, str] | None = None
+        self._owner = os.getpid()
 
     def start(self, module: str, args: list[str], cwd: str, env: dict[str, str], log_fd: int, report_fd: int,
               keep_fds: tuple[int, ...]) -> int:
@@ -64,7 +66,7 @@ class ForkServer:
         Returns the reaper's pid (its process group holds the run)."""
         request = json.dumps({"module": module, "args": args, "cwd": cwd, "env": env, "keep_fds": list(keep_fds)})
         with self._lock:
-            for attempt in (0, 1):
+            for _ in range(2):
                 control = self._ensure()
                 try:
                     socket.send_fds(control, [request.encode()], [log_fd, report_fd, *keep_fds])
@@ -78,6 +80,10 @@ class ForkServer:
 
     def _ensure(self) -> socket.socket:
         env = {k: v for k, v in os.environ.items() if not k.startswith(RUN_ENV_PREFIXES)}
+        if self._owner != os.getpid():  # a forked launcher: the server is its parent's (closing our copy of the socket)
+            if self._control is not None:
+                self._control.close()
+            self._process, self._control, self._env, self._owner = None, None, None, os.getpid()
         if self._process is not None and (self._process.poll() is not None or env != self._env):
             self._stop()
         if self._process is None:

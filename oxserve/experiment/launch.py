@@ -17,7 +17,7 @@ So the launcher trusts nothing the worker's process could arrange on its own:
 - a private temporary directory and a private copy of the native-kernel cache (`cache_dir`).
 
 Each worker is a fork of a process that has already imported torch (forkserver.py): a run
-starts in ~1 s instead of ~4.5, a process of its own all the same.
+starts in ~1.5 s instead of ~4.5 (a small model, 2-core Zen 1), a process of its own all the same.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ CLOCK_TOLERANCE = 0.02
 CLOCK_SLACK_S = 0.02
 LENGTH = struct.Struct("!Q")  # the outputs' byte count, before them on the pipe
 FORK_SERVER = ForkServer()  # workers start as forks of a process that has imported torch
+
 
 class WorkerError(RuntimeError):
     """A worker failed: crashed, timed out, wrote no result or broke the launcher's rules."""
