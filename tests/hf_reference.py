@@ -32,8 +32,8 @@ LOGIT_TOL = 1e-4  # times max |logit|
 LOGPROB_TOL = 1e-4
 MIN_SEQUENCE_FRACTION = 0.25
 MIN_SUITE_FRACTION = 0.9
-# Near ties are rare on these models (the session's rate is printed with the tally: 0.33% of
-# 28,047 positions over tests/test_parity_hf.py), though a sequence whose random routers crowd
+# Near ties are rare on these models (`make test` prints the session's rate with the tally:
+# 0.38% of 25,519 positions on 2026-12-05), though a sequence whose random routers crowd
 # can have several. Counted over the whole session, where a margin rule that excused too much
 # would show, not per sequence, where such a tail fails at random.
 MAX_SUITE_TIE_RATE = 0.02

@@ -13,6 +13,7 @@ serves them all, and the kernels are told the counts rather than reading them ba
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -79,6 +80,6 @@ def ring_counts(decodes: list[int], prefills: list[int], verifies: list[int], ve
 
     runs = ()
     if verifies:
-        starts = [sum(verify_lens[:b]) for b in range(len(verify_lens))]
+        starts = list(itertools.accumulate(verify_lens, initial=0))[:-1]
         runs = as_long(verifies), as_long(starts), as_long(verify_lens)
     return RingCounts(decodes, prefills, as_long(decodes), as_long(prefills), verifies, *runs)

@@ -84,6 +84,7 @@ class ModelRunner:
         self.deterministic = deterministic
         self.tracer: Tracer | None = None  # set by the profiler
         self.caches = [spec.allocate(layout, device) for spec in cache_specs]
+        self.kda_caches = [cache for cache in self.caches if isinstance(cache, KDACache)]
         # MTP speculation: the MTP layer's cache is the last one, after the decoder layers'
         self.drafter = MTPDrafter(model, self.caches[-1], layout, device) if mtp_drafts else None
         ring = replay_length(cache_specs)
@@ -98,7 +99,7 @@ class ModelRunner:
         # Decode steps replayed from recordings (one process only: parallel ranks run eagerly)
         # (its forward holds the model and caches, not the runner: no reference cycle keeps a
         # closed engine's caches alive until the garbage collector runs)
-        self.captured = (CapturedDecode(functools.partial(decode_logits, model, self.caches), capture_sizes)
+        self.captured = (CapturedDecode(functools.partial(decode_logits, model, self.caches, self.kda_caches), capture_sizes)
                          if capture and workers is None else None)  # fmt: skip
 
     def drop(self, request_ids: list[str]) -> None:
@@ -228,9 +229,8 @@ class ModelRunner:
         """After verifying: each KDA layer keeps the conv state after the last kept token,
         and the rings forget the entries of rejected drafts. (MLA entries of rejected
         positions are simply overwritten when those positions are computed again.)"""
-        for cache in self.caches:
-            if isinstance(cache, KDACache):
-                cache.accept([n for _, n in kept])
+        for cache in self.kda_caches:
+            cache.accept([n for _, n in kept])
         if self.rings is not None:
             for s, n in kept:
                 self.rings.rollback(s.state_slot, s.num_draft_tokens - n)
@@ -275,8 +275,7 @@ class ModelRunner:
         with span(self.tracer, "forward", track="engine", **step_conditions(batch)):
             if self._replayable(batch, scheduled, mm_embeds):
                 logits, staged = self.captured.run(input_ids, batch)
-                kda_caches = [cache for cache in self.caches if isinstance(cache, KDACache)]
-                for cache, conv in zip(kda_caches, staged):  # a replay stages what its recording did
+                for cache, conv in zip(self.kda_caches, staged):  # a replay stages what its recording did
                     cache.staged_conv = conv
                 return logits, {}
             if self.drafter is None:
@@ -369,12 +368,14 @@ class ModelRunner:
         return SamplingRow(state.params, state.prompt_token_ids, state.output_token_ids, state.generator)
 
 
-def decode_logits(model: Glm5NextForCausalLM, caches: list, input_ids: torch.Tensor, batch) -> tuple:
-    """A decode step's logits, and the conv states each KDA layer staged for verified tokens
-    (`KDACache.staged_conv`, read after sampling): what `CapturedDecode` records and replays
-    (a replay recomputes those tensors, but sets no attribute)."""
+def decode_logits(model: Glm5NextForCausalLM, caches: list, kda_caches: list[KDACache], input_ids: torch.Tensor,
+                  batch) -> tuple:
+    """A decode step's logits, and the conv states each KDA layer (`kda_caches`, among
+    `caches`) staged for verified tokens (`KDACache.staged_conv`, read after sampling): what
+    `CapturedDecode` records and replays (a replay recomputes those tensors, but sets no
+    attribute)."""
     logits = model.compute_logits(model(input_ids, batch, caches), batch.tracer)
-    return logits, [cache.staged_conv for cache in caches if isinstance(cache, KDACache)]
+    return logits, [cache.staged_conv for cache in kda_caches]
 
 
 def _image_spans(scheduled: list[ScheduledRequest], items_of) -> list[RowSpan]:

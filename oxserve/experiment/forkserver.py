@@ -115,16 +115,12 @@ def wait_report(report_fd: int, timeout_s: float) -> dict | None:
     data = b""
     while True:
         left = deadline - time.monotonic()
-        if left <= 0 or not _readable(report_fd, left):
+        if left <= 0 or not select.select([report_fd], [], [], left)[0]:
             raise TimeoutError
         chunk = os.read(report_fd, 65536)
         if not chunk:
             return json.loads(data) if data else None
         data += chunk
-
-
-def _readable(fd: int, timeout_s: float) -> bool:
-    return bool(select.select([fd], [], [], timeout_s)[0])
 
 
 # ---- the server's side (a process of its own) ------------------------------------------------

@@ -16,8 +16,9 @@ So the launcher trusts nothing the worker's process could arrange on its own:
   token in its environment. A run that left any fails: it could slow the other arm's runs;
 - a private temporary directory and a private copy of the native-kernel cache (`cache_dir`).
 
-Each worker is a fork of a process that has already imported torch (forkserver.py): a run
-starts in ~1.5 s instead of ~4.5 (a small model, 2-core Zen 1), a process of its own all the same.
+Each worker is a fork of a process that has already imported torch (forkserver.py): a run of
+the smoke workload on the default model takes 2.2 s instead of 4.5, start-up included (2-core
+Zen 1; docs/feedback.md), a process of its own all the same.
 """
 
 from __future__ import annotations

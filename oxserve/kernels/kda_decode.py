@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import itertools
 from typing import TYPE_CHECKING
 
 import torch
@@ -188,13 +189,12 @@ def replay_verify(states: torch.Tensor, ring: ReplayRing, slots: torch.Tensor, r
         pending = [counts[b] for b in full]
         replay_fold(states, ring, slots[full], pending, torch.tensor(pending, device=slots.device))
         counts = [0 if b in full else c for b, c in enumerate(counts)]
-    starts = [sum(lens[:b]) for b in range(len(lens))]
-    return replay_verify_torch(states, ring, slots, counts, lens, starts, q, k, v, g, beta)
+    return replay_verify_torch(states, ring, slots, counts, lens, q, k, v, g, beta)
 
 
-def replay_verify_torch(states, ring: ReplayRing, slots, counts: list[int], lens: list[int], starts: list[int],
-                        q, k, v, g, beta) -> torch.Tensor:
+def replay_verify_torch(states, ring: ReplayRing, slots, counts: list[int], lens: list[int], q, k, v, g, beta) -> torch.Tensor:
     """`replay_verify` one step at a time (counts already leave room for lens)."""
+    starts = list(itertools.accumulate(lens, initial=0))[:-1]  # each run's first token
     out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1], dtype=torch.float32)
     for i in range(max(lens)):
         rows = [b for b, n in enumerate(lens) if n > i]

@@ -216,8 +216,7 @@ def verify_candidate(cfg, i, verify=replay_verify):
 
 
 def _verify_torch(states, ring, slots, counts, lens, q, k, v, g, beta):
-    starts = [sum(lens[:b]) for b in range(len(lens))]
-    return replay_verify_torch(states, ring, slots, counts.verifies, lens, starts, q, k, v, g, beta)
+    return replay_verify_torch(states, ring, slots, counts.verifies, lens, q, k, v, g, beta)
 
 
 def _verify_cost(i) -> tuple[float, float]:
