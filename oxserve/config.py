@@ -27,7 +27,7 @@ class ModelConfig:
     )
     linear_kernel: str = opt(
         "auto", "matrix products of the projections and LM head: weights packed in panels run by oxserve's kernel "
-        "(panels; CPU bf16 with AMX-BF16 or AVX512-BF16), oneDNN pre-packed weights (onednn; CPU fp32, and bf16 "
+        "(panels; CPU bf16 with AMX-BF16, AVX512-BF16 or AVX2), oneDNN pre-packed weights (onednn; CPU fp32, and bf16 "
         "where oneDNN runs it natively), F.linear (torch), or auto (panels, else onednn, where supported)",
         choices=("auto", "panels", "onednn", "torch"),
     )

@@ -121,7 +121,7 @@ def test_experts_take_the_native_kernel_for_few_rows_per_expert(monkeypatch):
     assert calls == [6]  # bf16 with few rows per expert; not 80 pairs, not fp32
 
 
-# ---- the panel kernel (AMX or AVX512-BF16), on weights packed at load --------------------------
+# ---- the panel kernel (AMX, AVX512-BF16 or AVX2), on weights packed at load --------------------
 
 PANELS = moe.panel_experts_fit(torch.device("cpu"), torch.bfloat16, 64, 32)
 
@@ -133,9 +133,10 @@ def test_panels_hold_the_same_values():
     assert torch.equal(moe.unpack_panels(packed), weight)
 
 
-def test_panels_are_taken_exactly_where_the_cpu_has_amx_or_avx512_bf16():
+def test_panels_are_taken_where_the_cpu_has_amx_avx512_bf16_or_avx2():
     flags = open("/proc/cpuinfo").read().split()
-    assert moe.panel_isa() == ("amx" if "amx_bf16" in flags else "avx512_bf16" if "avx512_bf16" in flags else None)
+    assert moe.panel_isa() == ("amx" if "amx_bf16" in flags else "avx512_bf16" if "avx512_bf16" in flags
+                               else "avx2" if "avx2" in flags and "fma" in flags else None)
     assert PANELS == (moe.panel_isa() is not None)  # this machine: a compiler, and Linux grants AMX tiles
     cpu = torch.device("cpu")
     assert not moe.panel_experts_fit(cpu, torch.float32, 64, 32) and not moe.panel_experts_fit(cpu, torch.bfloat16, 64, 48)
@@ -148,19 +149,21 @@ def test_panels_are_taken_exactly_where_the_cpu_has_amx_or_avx512_bf16():
 
 @pytest.mark.parametrize("hidden,inter,pairs", [(64, 32, 1), (96, 64, 13), (512, 256, 64), (64, 32, 300), (32, 32, 0)])
 def test_panel_experts_equal_the_loop(hidden, inter, pairs):
-    """More and fewer than a tile's 16 rows (and the vectors' 8) per expert, every build this
-    CPU runs; the builds agree with each other exactly (the same fp32 sums in input order)."""
+    """More and fewer than a tile's 16 rows (and the vectors' 8 and 4) per expert, every build
+    this CPU runs; the tile and bf16-vector builds agree with each other exactly (the same fp32
+    sums in input order)."""
     rows, weight, offsets, gate_up, down = routed_case(hidden, inter, pairs)
-    if not PANELS:  # a CPU without AMX-BF16 or AVX512-BF16 refuses, clearly
-        with pytest.raises(RuntimeError, match="AVX512-BF16"):
+    if not PANELS:  # a CPU without AMX-BF16, AVX512-BF16 or AVX2 refuses, clearly
+        with pytest.raises(RuntimeError, match="AVX2"):
             moe.panel_experts(rows, weight, offsets, moe.pack_panels(gate_up), moe.pack_panels(down), 2.0)
         return
-    outputs = [moe.panel_experts(rows, weight, offsets, moe.pack_panels(gate_up), moe.pack_panels(down), 2.0, lib=lib)
-               for lib in moe.panel_builds().values()]
-    assert len(outputs) == (2 if moe.panel_isa() == "amx" else 1)
-    for got in outputs:
+    outputs = {isa: moe.panel_experts(rows, weight, offsets, moe.pack_panels(gate_up), moe.pack_panels(down), 2.0, lib=lib)
+               for isa, lib in moe.panel_builds().items()}
+    assert tuple(outputs) == moe.PANEL_BUILDS[moe.panel_isa()]
+    for isa, got in outputs.items():
         assert_like_the_loop(got, rows, weight, offsets, gate_up, down)
-        assert torch.equal(got, outputs[0])
+        if isa != "avx2":
+            assert torch.equal(got, next(iter(outputs.values())))
 
 
 def test_panel_experts_keep_a_nan_and_a_loaded_layer_computes_what_the_dense_one_did():

@@ -7,8 +7,8 @@
 reference (one GEMM pair per expert) it is tested against, and the fallback where the
 grouped GEMM is unavailable (CUDA with fp32). `native_experts` is the CPU bf16 kernel for
 the few rows per expert of decode steps (`native/moe_bf16.c`); `panel_experts` the CPU bf16
-kernel for any rows, on weights packed at load (`native/bf16_panels.c`), on AMX tiles or
-AVX512-BF16 vectors, whichever the CPU has.
+kernel for any rows, on weights packed at load (`native/bf16_panels.c`), on AMX tiles,
+AVX512-BF16 vectors or AVX2 vectors (bf16 widened to fp32), the first the CPU has.
 """
 
 from __future__ import annotations
@@ -136,26 +136,32 @@ def _call(kernel, rows, row_weight, offsets, gate_up, down, inter: int, limit: f
     return out
 
 
-# ---- the panel kernels (CPU bf16 on AMX or AVX512-BF16): weights packed once at load ----------
+# ---- the panel kernels (CPU bf16 on AMX, AVX512-BF16 or AVX2): weights packed once at load -----
 
 PANEL_FLAGS = {  # one source, built for the instructions the CPU has (native/bf16_panels.c)
     "amx": native.NATIVE_ISA + native.OPENMP + ("-O3", "-mamx-tile", "-mamx-bf16"),
     "avx512_bf16": native.NATIVE_ISA + native.OPENMP + ("-O3", "-mno-amx-tile"),  # vectors, also where AMX is
+    "avx2": native.NATIVE_ISA + native.OPENMP + ("-O3", "-mno-amx-tile", "-mno-avx512bf16"),  # widened; runs anywhere above
 }
+# The builds each CPU runs, its own first. The AVX2 build rounds a pair's products apart (see
+# bf16_panels.c), so only the first two agree bit for bit.
+PANEL_BUILDS = {"amx": ("amx", "avx512_bf16", "avx2"), "avx512_bf16": ("avx512_bf16", "avx2"), "avx2": ("avx2",), None: ()}
 PANEL_WIDTH = 16  # output channels per packed panel; inputs go in pairs
 
 
 def panel_isa() -> str | None:
-    """What the panel kernels run on here: 'amx' (tiles), 'avx512_bf16' (vectors) or None."""
+    """What the panel kernels run on here: 'amx' (tiles), 'avx512_bf16' or 'avx2' (vectors), or None."""
     flags = native.cpu_identity().decode().split()
     if "amx_tile" in flags and "amx_bf16" in flags:
         return "amx"
-    return "avx512_bf16" if "avx512_bf16" in flags else None
+    if "avx512_bf16" in flags:
+        return "avx512_bf16"
+    return "avx2" if "avx2" in flags and "fma" in flags else None
 
 
 def panel_builds() -> dict[str, ctypes.CDLL]:
-    """Every build of the panel kernels this CPU runs (AMX CPUs run the vector one too)."""
-    isas = {"amx": ("amx", "avx512_bf16"), "avx512_bf16": ("avx512_bf16",), None: ()}[panel_isa()]
+    """Every build of the panel kernels this CPU runs, keyed by instruction set, its own first."""
+    isas = PANEL_BUILDS[panel_isa()]
     builds = {isa: native.load("bf16_panels", PANEL_FLAGS[isa]) for isa in isas}
     return {isa: bind_panels(lib) for isa, lib in builds.items() if lib is not None}
 
@@ -190,7 +196,7 @@ def _panel_kernel() -> ctypes.CDLL | None:
 
 def panel_experts_fit(device: torch.device, dtype: torch.dtype, hidden: int, intermediate: int) -> bool:
     """Whether experts of these sizes can be packed for `panel_experts`: CPU bf16 on a CPU with
-    AMX-BF16 or AVX512-BF16, widths in whole tiles (multiples of 32), a compiler."""
+    AMX-BF16, AVX512-BF16 or AVX2, widths in whole tiles (multiples of 32), a compiler."""
     return (device.type == "cpu" and dtype == torch.bfloat16 and hidden % 32 == 0 and intermediate % 32 == 0
             and _panel_kernel() is not None)  # fmt: skip
 
@@ -213,11 +219,10 @@ def panel_experts(
     limit: float, lib: ctypes.CDLL | None = None,
 ) -> torch.Tensor:
     """As `native_experts`, on weights packed by `pack_panels` (gate_up from [E, 2I, H], down
-    from [E, H, I]). `lib`: another build of the kernel (tests run the AVX512-BF16 build on
-    CPUs with AMX too)."""
+    from [E, H, I]). `lib`: another build of the kernel (tests run every build the CPU can)."""
     lib = lib or _panel_kernel()
     if lib is None:
-        raise RuntimeError("panel_experts needs a CPU with AMX-BF16 or AVX512-BF16 and a C compiler")
+        raise RuntimeError("panel_experts needs a CPU with AMX-BF16, AVX512-BF16 or AVX2 and a C compiler")
     p, hidden = rows.shape
     experts, inter = gate_up.shape[0], down.shape[2] * 2
     if (rows.dtype != torch.bfloat16 or gate_up.dtype != torch.bfloat16 or down.dtype != torch.bfloat16
@@ -284,7 +289,7 @@ def panel_linear(x: torch.Tensor, panels: torch.Tensor, out_features: int, lib: 
         raise ValueError(f"panel_linear: rows {tuple(rows.shape)} ({rows.dtype}) do not fit panels {tuple(panels.shape)}")
     lib = lib or _panel_kernel()
     if lib is None:
-        raise RuntimeError("panel products need a CPU with AMX-BF16 or AVX512-BF16 and a C compiler")
+        raise RuntimeError("panel products need a CPU with AMX-BF16, AVX512-BF16 or AVX2 and a C compiler")
     out = torch.empty(m, out_features, dtype=torch.float32 if float_out else torch.bfloat16)
     if m:
         product = lib.panels_linear_f32 if float_out else lib.panels_linear
@@ -302,7 +307,7 @@ def panel_heads(x: torch.Tensor, panels: torch.Tensor, out_features: int, lib: c
         raise ValueError(f"panel_heads: rows {tuple(rows.shape)} ({rows.dtype}) do not fit panels {tuple(panels.shape)}")
     lib = lib or _panel_kernel()
     if lib is None:
-        raise RuntimeError("panel products need a CPU with AMX-BF16 or AVX512-BF16 and a C compiler")
+        raise RuntimeError("panel products need a CPU with AMX-BF16, AVX512-BF16 or AVX2 and a C compiler")
     out = rows.new_empty(m, heads, out_features)
     if m:
         lib.panels_linear(native.pointer(rows), m, heads, k, native.pointer(panels), out_features, n_packed,

@@ -92,28 +92,34 @@ class OneDNNLinear(nn.Module):
 
 
 class PanelLinear(OneDNNLinear):
-    """A bf16 `Linear` on packed panels (`oxserve.kernels.moe.panel_linear`, AMX tiles or
-    AVX512-BF16 vectors): its weight packed once, one native call a product. oneDNN's
+    """A bf16 `Linear` on packed panels (`oxserve.kernels.moe.panel_linear`, AMX tiles,
+    AVX512-BF16 or AVX2 vectors): its weight packed once, one native call a product. oneDNN's
     primitive costs 14-22 us a call whatever the size (Sapphire Rapids; AMD EPYC with
     AVX512-BF16), more than a decode step's small products take on panels (5-11 us;
     `python docs/bench/linear_call_cost.py`); results are bit-equal to
-    `F.linear`'s (the same fp32 sums in input order). Weights whose inputs are not whole
-    panels (multiples of 32) take oneDNN."""
+    `F.linear`'s (the same fp32 sums in input order) where torch sums in input order.
+    Weights whose inputs are not whole panels (multiples of 32) take oneDNN, or `F.linear`
+    where oneDNN has no bf16 (AVX2-only CPUs)."""
 
     def __init__(self, linear: Linear, shared_weight: bool = False):
         super().__init__(linear, shared_weight)
         self.panels: torch.Tensor | None = None
+        self.dense = False  # after_load: neither panels nor oneDNN take this weight; F.linear does
 
     def after_load(self) -> None:
         weight = self.weight.detach()
         if not panel_linear_fit(weight.device, weight.dtype, self.in_features):
-            super().after_load()
+            self.dense = not onednn_linear_supported(weight.device, weight.dtype)
+            if not self.dense:
+                super().after_load()
             return
         self.panels = pack_linear(weight)
         if not self.shared_weight:
             self.weight.data = self.weight.data.new_empty(0)  # the panels are the weight now
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.dense:
+            return F.linear(x, self.weight)
         if self.panels is None:
             return super().forward(x)
         return panel_linear(x.reshape(-1, self.in_features), self.panels, self.out_features).view(*x.shape[:-1], self.out_features)
@@ -139,12 +145,13 @@ def choose_linear_kernel(
     choice: str, device: torch.device, dtype: torch.dtype
 ) -> tuple[str, Callable[[nn.Module], object] | None]:
     """('panels', 'onednn' or 'torch', the load transform that installs it) for the
-    `linear_kernel` option: auto takes panels where the CPU has AMX-BF16 or AVX512-BF16
-    (bf16), else onednn where it is supported."""
+    `linear_kernel` option: auto takes panels where the CPU has AMX-BF16, AVX512-BF16 or
+    AVX2 (bf16), else onednn where it is supported."""
     if choice not in LINEAR_KERNELS:
         raise ValueError(f"linear_kernel must be auto, panels, onednn or torch, got {choice!r}")
     if choice == "panels" and not panel_linear_supported(device, dtype):
-        raise ValueError(f"linear_kernel panels needs bfloat16 on a CPU with AMX-BF16 or AVX512-BF16 (got {device}, {dtype})")
+        raise ValueError(f"linear_kernel panels needs bfloat16 on a CPU with AMX-BF16, AVX512-BF16 or AVX2 "
+                         f"(got {device}, {dtype})")
     supported = onednn_linear_supported(device, dtype)
     if choice == "onednn" and not supported:
         raise ValueError(f"linear_kernel onednn needs a CPU device and float32, or bfloat16 on a CPU that oneDNN "

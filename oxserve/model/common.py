@@ -31,7 +31,7 @@ class DenseMLP(nn.Module):
     Under tensor parallelism a rank holds its share of the intermediate channels, and its
     output is a partial sum for the caller to reduce.
 
-    On a CPU with AMX or AVX512-BF16, a bf16 SiLU MLP runs as the single expert of the panel
+    On a CPU with AMX, AVX512-BF16 or AVX2, a bf16 SiLU MLP runs as the single expert of the panel
     experts kernel (`after_load` moves its weights into the kernel's panels): one call, with
     the same bf16 roundings, instead of two oneDNN products and the GLU's eager ops."""
 

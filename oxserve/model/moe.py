@@ -113,7 +113,7 @@ class Experts(nn.Module):
         return torch.zeros_like(x).index_add_(0, token_of, out)
 
     def after_load(self) -> None:
-        """On a CPU with AMX or AVX512-BF16, bf16 stacks move into the panel kernel's panels,
+        """On a CPU with AMX, AVX512-BF16 or AVX2, bf16 stacks move into the panel kernel's panels,
         which hold the same values; the dense stacks are freed."""
         weight = self.gate_up_proj
         if not panel_experts_fit(weight.device, weight.dtype, self.hidden_size, self.intermediate_size):
@@ -127,7 +127,7 @@ class Experts(nn.Module):
     def run_sorted(self, rows: torch.Tensor, row_weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """rows [P, H] sorted by expert, row_weight [P, 1], offsets [E] -> [P, H]. Quantized
         experts replace this (and the parameters), not the routing around it."""
-        if self.packed:  # CPU with AMX or AVX512-BF16, bf16: any number of rows
+        if self.packed:  # CPU with AMX, AVX512-BF16 or AVX2, bf16: any number of rows
             return panel_experts(rows, row_weight, offsets, self.gate_up_panels, self.down_panels, self.swiglu_limit)
         hidden, inter = self.hidden_size, self.intermediate_size
         if native_experts_fit(rows, self.num_experts):  # decode on CPU in bf16

@@ -1,5 +1,6 @@
 /* Routed experts and plain products in bf16 on weights packed once at load into panels, for
- * any number of rows per expert, on AMX tiles or, on CPUs without AMX, AVX512-BF16 vectors.
+ * any number of rows per expert, on AMX tiles or, on CPUs without AMX, AVX512-BF16 vectors,
+ * or, without either, AVX2 vectors that widen bf16 to fp32.
  *
  * The same products and roundings as moe_bf16.c (see there), on weights packed once at load
  * into the pair-interleaved ("VNNI") panels that an AMX B tile reads in one load:
@@ -16,9 +17,14 @@
  * multiply-adds per instruction; a vector one 16 x 2 per row), so the experts cost about what
  * reading their weights costs at decode batch sizes.
  *
- * Built twice (oxserve/kernels/moe.py): with -mamx-tile -mamx-bf16 the panel products run on
- * tiles (__AMX_TILE__); without, on AVX512-BF16 vectors. Both sum each output's products in
- * input order in fp32, so they agree with each other and with oneDNN's bf16 products.
+ * Built for each instruction set (oxserve/kernels/moe.py): with -mamx-tile -mamx-bf16 the
+ * panel products run on tiles (__AMX_TILE__); without, on AVX512-BF16 vectors; on CPUs with
+ * neither (AVX2 + FMA only), each weight vector is widened to fp32 (a bf16 value is the top
+ * half of its fp32) and multiplied-added in input order: bf16 products are exact in fp32, so
+ * every output is the sequential fp32 sum that torch's bf16 `F.linear` computes there. The
+ * first two sum each output's products in input order in fp32 too, so they agree with each
+ * other and with oneDNN's bf16 products; the AVX2 build differs from them in the rounding of
+ * a pair's two products (summed one at a time, not together)
  *
  * Tiles: 0 and 1 accumulate (up to 16 rows x 16 fp32), 2 holds rows of x or of the
  * activations (16 x 32 bf16), 3 and 4 weight panels. Each OpenMP thread configures its own
@@ -71,6 +77,7 @@ static void rows_of_block(int m, int *configured) { *configured = m; }
 static void release_tiles(int configured) { (void)configured; }
 #endif
 
+#if defined(__AMX_TILE__) || defined(__AVX512BF16__)
 /* e^x on 16 lanes: x = n ln2 + r, |r| <= ln2/2, e^r by Cephes' degree-7 polynomial, times 2^n
  * (scalef saturates to inf and 0). Within 2 ulp of expf; its bf16 rounding rarely differs. */
 static inline __m512 exp16(__m512 x) {
@@ -103,6 +110,86 @@ static inline void glu16(const float *gate, const float *up, float limit, float 
     __m512 act = _mm512_mul_ps(round16(_mm512_mul_ps(silu, u)), _mm512_set1_ps(w));
     _mm256_storeu_si256((__m256i *)out, (__m256i)_mm512_cvtneps_pbh(act));
 }
+
+/* 16 fp32 sums -> bf16 (nearest even) */
+static inline void store_bf16x16(const float *sums, uint16_t *out) {
+    _mm256_storeu_si256((__m256i *)out, (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(sums)));
+}
+
+/* The first `valid` of 16 fp32 sums, rounded to bf16, stored as bf16 or (f32_out) as fp32. */
+static inline void store_rounded(const float *sums, int64_t valid, void *y, int64_t at, int f32_out) {
+    const __m256i rounded = (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(sums));
+    const __mmask16 keep = (__mmask16)((1u << valid) - 1u);
+    if (f32_out)
+        _mm512_mask_storeu_ps((float *)y + at, keep, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(rounded), 16)));
+    else
+        _mm256_mask_storeu_epi16((uint16_t *)y + at, keep, rounded);
+}
+#else
+/* The same helpers on 8-lane AVX2 vectors, two per 16 channels. */
+static inline __m256 widen8(__m256i bf16_in_low_halves) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_in_low_halves, 16));
+}
+
+/* fp32 -> bf16 bits in each lane's low half: nearest even, a NaN kept a (quiet) NaN, as f32_to_bf16 */
+static inline __m256i bf16_bits8(__m256 v) {
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd)), 16);
+    const __m256i quiet = _mm256_srli_epi32(_mm256_or_si256(u, _mm256_set1_epi32(0x400000)), 16);
+    return _mm256_blendv_epi8(rounded, quiet, _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+}
+
+static inline __m256 round8(__m256 v) { return widen8(bf16_bits8(v)); }
+
+/* e^x on 8 lanes as exp16 does, with 2^n made in two normal factors (so results that are
+ * subnormal, 0 or inf come out as scalef gives them) and x first held where they do. */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_set1_ps(89.0f), _mm256_max_ps(_mm256_set1_ps(-104.0f), x)); /* a NaN passes */
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i ni = _mm256_cvtps_epi32(n), half = _mm256_srai_epi32(ni, 1); /* n = half + (n - half), each in [-75, 65] */
+    const __m256i bias = _mm256_set1_epi32(127);
+    const __m256 s0 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(half, bias), 23));
+    const __m256 s1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_sub_epi32(ni, half), bias), 23));
+    return _mm256_mul_ps(_mm256_mul_ps(p, s0), s1);
+}
+
+static inline void glu16(const float *gate, const float *up, float limit, float w, uint16_t *out) {
+    const __m256 lim = _mm256_set1_ps(limit);
+    __m256i bits[2];
+    for (int h = 0; h < 2; h++) {
+        __m256 g = _mm256_min_ps(lim, round8(_mm256_loadu_ps(gate + 8 * h)));
+        __m256 u = _mm256_max_ps(_mm256_set1_ps(-limit), _mm256_min_ps(lim, round8(_mm256_loadu_ps(up + 8 * h))));
+        __m256 silu = round8(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), g)))));
+        bits[h] = bf16_bits8(_mm256_mul_ps(round8(_mm256_mul_ps(silu, u)), _mm256_set1_ps(w)));
+    }
+    /* packus interleaves 128-bit halves: [lo 0-3, hi 0-3, lo 4-7, hi 4-7] -> in order */
+    _mm256_storeu_si256((__m256i *)out, _mm256_permute4x64_epi64(_mm256_packus_epi32(bits[0], bits[1]), 0xd8));
+}
+
+static inline void store_bf16x16(const float *sums, uint16_t *out) {
+    const __m256i packed = _mm256_packus_epi32(bf16_bits8(_mm256_loadu_ps(sums)), bf16_bits8(_mm256_loadu_ps(sums + 8)));
+    _mm256_storeu_si256((__m256i *)out, _mm256_permute4x64_epi64(packed, 0xd8));
+}
+
+static inline void store_rounded(const float *sums, int64_t valid, void *y, int64_t at, int f32_out) {
+    uint16_t rounded[TILE_N];
+    store_bf16x16(sums, rounded);
+    if (f32_out)
+        for (int64_t c = 0; c < valid; c++) ((float *)y)[at + c] = bf16_to_f32(rounded[c]);
+    else
+        memcpy((uint16_t *)y + at, rounded, (size_t)valid * sizeof(uint16_t));
+}
+#endif
 
 static inline int64_t start_of(const int32_t *offsets, int64_t e) { return e == 0 ? 0 : offsets[e - 1]; }
 
@@ -174,8 +261,55 @@ static void panel_pair(const uint16_t *a, int64_t lda, int64_t k, const uint16_t
         }
     }
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+#define VEC_ROWS 4 /* rows per pass: 8 accumulators, four widened weight vectors, a row's pair */
+
+/* `rows` (a constant after inlining) rows of a against one panel, channels 0-7 and 8-15 in
+ * two registers per row. A weight pair vector (8 channels x 2 inputs) splits into its even
+ * inputs (shifted up) and odd ones (masked), each loaded and widened once for every row. */
+static inline __attribute__((always_inline)) void widened_rows(const uint16_t *a, int64_t lda, int64_t k,
+                                                               const uint16_t *w, const int rows, float *acc) {
+    const __m256i odd = _mm256_set1_epi32((int)0xffff0000u);
+    __m256 lo[VEC_ROWS], hi[VEC_ROWS];
+    for (int r = 0; r < rows; r++) lo[r] = hi[r] = _mm256_setzero_ps();
+    for (int64_t p = 0; p < k / 2; p++) {
+        const __m256i w_lo = _mm256_loadu_si256((const __m256i *)(w + p * 2 * TILE_N));
+        const __m256i w_hi = _mm256_loadu_si256((const __m256i *)(w + p * 2 * TILE_N + TILE_N));
+        const __m256 even_lo = widen8(w_lo), odd_lo = _mm256_castsi256_ps(_mm256_and_si256(w_lo, odd));
+        const __m256 even_hi = widen8(w_hi), odd_hi = _mm256_castsi256_ps(_mm256_and_si256(w_hi, odd));
+        for (int r = 0; r < rows; r++) {
+            int32_t pair;
+            memcpy(&pair, a + r * lda + 2 * p, sizeof pair);
+            const __m256i x = _mm256_set1_epi32(pair);
+            const __m256 x_even = widen8(x), x_odd = _mm256_castsi256_ps(_mm256_and_si256(x, odd));
+            lo[r] = _mm256_fmadd_ps(x_odd, odd_lo, _mm256_fmadd_ps(x_even, even_lo, lo[r]));
+            hi[r] = _mm256_fmadd_ps(x_odd, odd_hi, _mm256_fmadd_ps(x_even, even_hi, hi[r]));
+        }
+    }
+    for (int r = 0; r < rows; r++) {
+        _mm256_storeu_ps(acc + r * TILE_N, lo[r]);
+        _mm256_storeu_ps(acc + r * TILE_N + 8, hi[r]);
+    }
+}
+
+static void panel_pair(const uint16_t *a, int64_t lda, int64_t k, const uint16_t *w0, const uint16_t *w1, int m,
+                       float *acc0, float *acc1) {
+    for (int r0 = 0; r0 < m; r0 += VEC_ROWS) {
+        const uint16_t *ar = a + r0 * lda;
+        for (int half = 0; half < 2; half++) {
+            const uint16_t *w = half ? w1 : w0;
+            float *out = (half ? acc1 : acc0) + r0 * TILE_N;
+            switch (m - r0 < VEC_ROWS ? m - r0 : VEC_ROWS) { /* a constant row count per case */
+            case 1: widened_rows(ar, lda, k, w, 1, out); break;
+            case 2: widened_rows(ar, lda, k, w, 2, out); break;
+            case 3: widened_rows(ar, lda, k, w, 3, out); break;
+            default: widened_rows(ar, lda, k, w, 4, out); break;
+            }
+        }
+    }
+}
 #else
-#error "bf16_panels.c needs AMX-BF16 (-mamx-tile -mamx-bf16) or AVX512-BF16"
+#error "bf16_panels.c needs AMX-BF16 (-mamx-tile -mamx-bf16), AVX512-BF16, or AVX2 with FMA"
 #endif
 
 /* x [P, H] bf16 sorted by expert; offsets [E] int32 (end of each expert's rows); row_weight
@@ -215,8 +349,8 @@ int panels_experts(const uint16_t *x, int64_t P, int64_t H, const int32_t *offse
                 panel_pair(act + m0 * I, I, I, panel(down, H, I, e, b), panel(down, H, I, e, b + 1), m, acc0, acc1);
                 for (int r = 0; r < m; r++) {
                     uint16_t *row = y + (m0 + r) * H + b * TILE_N;
-                    _mm256_storeu_si256((__m256i *)row, (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(acc0 + r * TILE_N)));
-                    _mm256_storeu_si256((__m256i *)(row + TILE_N), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(acc1 + r * TILE_N)));
+                    store_bf16x16(acc0 + r * TILE_N, row);
+                    store_bf16x16(acc1 + r * TILE_N, row + TILE_N);
                 }
             }
         }
@@ -257,17 +391,8 @@ static int linear_products(const uint16_t *x, int64_t M, int64_t heads, int64_t 
                 for (int half = 0; half < 2; half++) {
                     const int64_t c0 = (b + half) * TILE_N;
                     const int64_t valid = N - c0 < TILE_N ? (N - c0 > 0 ? N - c0 : 0) : TILE_N;
-                    const __mmask16 keep = (__mmask16)((1u << valid) - 1u);
                     const float *acc = half ? acc1 : acc0;
-                    for (int r = 0; r < m; r++) {
-                        const __m256i rounded = (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(acc + r * TILE_N));
-                        const int64_t at = (m0 + r) * ldy + h * N + c0;
-                        if (f32_out)
-                            _mm512_mask_storeu_ps((float *)y + at, keep,
-                                                  _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(rounded), 16)));
-                        else
-                            _mm256_mask_storeu_epi16((uint16_t *)y + at, keep, rounded);
-                    }
+                    for (int r = 0; r < m; r++) store_rounded(acc + r * TILE_N, valid, y, (m0 + r) * ldy + h * N + c0, f32_out);
                 }
             }
         }

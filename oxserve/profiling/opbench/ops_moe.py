@@ -139,7 +139,7 @@ def experts_candidate(cfg, i):
     with torch.device("meta"):
         experts = Experts(cfg)
     bind_params(experts, gate_up_proj=i["gate_up_proj"], down_proj=i["down_proj"])
-    experts.after_load()  # as loaded: packed for the panel kernel where the CPU has AMX or AVX512-BF16
+    experts.after_load()  # as loaded: packed for the panel kernel where the CPU has AMX, AVX512-BF16 or AVX2
 
     def run(out):
         out[0].copy_(experts(i["x"], i["weights"], i["experts"]))
@@ -177,7 +177,7 @@ def _experts_cases(cfg, shapes, dtype, device):
     ]
 
 
-# engine: bf16 on CPU, the panel kernel where the CPU has AMX or AVX512-BF16, else the native kernel at few rows
+# engine: bf16 on CPU, the panel kernel where the CPU has AMX, AVX512-BF16 or AVX2, else the native kernel at few rows
 # per expert; otherwise grouped
 register_op(Op("moe.experts", _experts_cases, reference_experts, close_for("x"),
                {"engine": experts_candidate, "grouped": sorted_candidate(grouped_experts),
