@@ -45,8 +45,8 @@ def _torch_attention(q, positions, request, blocks, latent, scale):
 
 @pytest.fixture(params=["native", "plain"])
 def build(request, monkeypatch):
-    """The widest vector build this CPU has (4-head, 16-lane blocks where it has AVX-512), and
-    plain C (every score and sum in the scalar loops)."""
+    """The widest vector build this CPU has (blocks of 4 heads by 16 lanes with AVX-512, by 8
+    with AVX2), and plain C (every score and sum in the scalar loops)."""
     if request.param == "plain":
         from oxserve.kernels import mla_attention, native
 

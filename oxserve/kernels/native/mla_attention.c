@@ -29,33 +29,59 @@
 
 static inline float model_round(float x, int bf16) { return bf16 ? round_bf16(x) : x; }
 
-#define LANES 16   /* floats per vector block */
 #define PREFETCH 8 /* latent rows read ahead */
 
-#ifdef __AVX512F__
-/* out[j][0..16) = sum_i a[j][i] * b[i][0..16) for 4 rows j at once (independent sums, so the
- * multiply-adds overlap), each summed in order of i: rows of a are `a_stride` apart, rows of b
- * `b_stride`, rows of out `out_stride`. Scores: a = 4 heads' queries, b = 16 positions of the
- * transposed latents; weighted sums: a = 4 heads' probabilities, b = 16 channels of the latents. */
-static inline void rows4_by_16(const float *a, int64_t a_stride, const float *b, int64_t b_stride, int64_t count,
-                               float *out, int64_t out_stride) {
-    __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
-    for (int64_t i = 0; i < count; i++) {
-        const __m512 row = _mm512_loadu_ps(b + i * b_stride);
-        s0 = _mm512_fmadd_ps(_mm512_set1_ps(a[i]), row, s0);
-        s1 = _mm512_fmadd_ps(_mm512_set1_ps(a[a_stride + i]), row, s1);
-        s2 = _mm512_fmadd_ps(_mm512_set1_ps(a[2 * a_stride + i]), row, s2);
-        s3 = _mm512_fmadd_ps(_mm512_set1_ps(a[3 * a_stride + i]), row, s3);
-    }
-    _mm512_storeu_ps(out, s0);
-    _mm512_storeu_ps(out + out_stride, s1);
-    _mm512_storeu_ps(out + 2 * out_stride, s2);
-    _mm512_storeu_ps(out + 3 * out_stride, s3);
-}
+/* Vectors of LANES floats: AVX-512 or AVX2 with FMA. Without either, the plain loops below
+ * do everything (BLOCK_HEADS 0). */
+#if defined(__AVX512F__)
+#define LANES 16
+typedef __m512 vec;
+#define vec_zero _mm512_setzero_ps
+#define vec_load _mm512_loadu_ps
+#define vec_store _mm512_storeu_ps
+#define vec_fmadd _mm512_fmadd_ps
+#define vec_set1 _mm512_set1_ps
 #define BLOCK_HEADS 4
+#elif defined(__AVX2__) && defined(__FMA__)
+#define LANES 8
+typedef __m256 vec;
+#define vec_zero _mm256_setzero_ps
+#define vec_load _mm256_loadu_ps
+#define vec_store _mm256_storeu_ps
+#define vec_fmadd _mm256_fmadd_ps
+#define vec_set1 _mm256_set1_ps
+#define BLOCK_HEADS 4
+#else
+#define LANES 16
+#define BLOCK_HEADS 0
+#endif
 
+#if BLOCK_HEADS
+/* out[j][0..LANES) = sum_i a[j][i] * b[i][0..LANES) for 4 rows j at once (independent sums,
+ * so the multiply-adds overlap), each summed in order of i: rows of a are `a_stride` apart,
+ * rows of b `b_stride`, rows of out `out_stride`. Scores: a = 4 heads' queries, b = LANES
+ * positions of the transposed latents; weighted sums: a = 4 heads' probabilities, b = LANES
+ * channels of the latents. */
+static inline void rows4_by_lanes(const float *a, int64_t a_stride, const float *b, int64_t b_stride, int64_t count,
+                                  float *out, int64_t out_stride) {
+    vec s0 = vec_zero(), s1 = s0, s2 = s0, s3 = s0;
+    for (int64_t i = 0; i < count; i++) {
+        const vec row = vec_load(b + i * b_stride);
+        s0 = vec_fmadd(vec_set1(a[i]), row, s0);
+        s1 = vec_fmadd(vec_set1(a[a_stride + i]), row, s1);
+        s2 = vec_fmadd(vec_set1(a[2 * a_stride + i]), row, s2);
+        s3 = vec_fmadd(vec_set1(a[3 * a_stride + i]), row, s3);
+    }
+    vec_store(out, s0);
+    vec_store(out + out_stride, s1);
+    vec_store(out + 2 * out_stride, s2);
+    vec_store(out + 3 * out_stride, s3);
+}
+#endif
+
+#if defined(__AVX512F__)
 /* The 16 x 16 block r[i][j] -> r[j][i], in registers: pairs, then quads, then 128-bit lanes. */
-static inline void transpose16(__m512 r[16]) {
+static inline void transpose_block(vec r[16]) {
     __m512 t[16];
     for (int i = 0; i < 16; i += 2) {
         t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
@@ -77,21 +103,39 @@ static inline void transpose16(__m512 r[16]) {
         r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xdd);
     }
 }
-#else
-#define BLOCK_HEADS 0 /* no vector blocks: the plain loops do everything */
+#elif BLOCK_HEADS
+/* The 8 x 8 block r[i][j] -> r[j][i]: pairs, then quads, then 128-bit halves. */
+static inline void transpose_block(vec r[8]) {
+    __m256 t[8];
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) {
+        r[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+        r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xee);
+        r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+        r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xee);
+    }
+    for (int i = 0; i < 4; i++) {
+        t[i] = _mm256_permute2f128_ps(r[i], r[i + 4], 0x20);
+        t[i + 4] = _mm256_permute2f128_ps(r[i], r[i + 4], 0x31);
+    }
+    for (int i = 0; i < 8; i++) r[i] = t[i];
+}
 #endif
 
-/* lat_t [C][n] = the transpose of lat [n][C]: 16 x 16 blocks in registers where the CPU has
- * AVX-512 (the scalar copy cost as much as the scores it feeds), the edges one by one. */
+/* lat_t [C][n] = the transpose of lat [n][C]: LANES x LANES blocks in registers where the CPU
+ * has vectors (the scalar copy cost as much as the scores it feeds), the edges one by one. */
 static void transpose(const float *lat, int64_t n, int64_t dim, float *lat_t) {
     int64_t k0 = 0;
-#ifdef __AVX512F__
+#if BLOCK_HEADS
     for (; k0 + LANES <= n; k0 += LANES)
         for (int64_t c0 = 0; c0 + LANES <= dim; c0 += LANES) {
-            __m512 r[16];
-            for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_ps(lat + (k0 + i) * dim + c0);
-            transpose16(r);
-            for (int i = 0; i < 16; i++) _mm512_storeu_ps(lat_t + (c0 + i) * n + k0, r[i]);
+            vec r[LANES];
+            for (int i = 0; i < LANES; i++) r[i] = vec_load(lat + (k0 + i) * dim + c0);
+            transpose_block(r);
+            for (int i = 0; i < LANES; i++) vec_store(lat_t + (c0 + i) * n + k0, r[i]);
         }
     for (int64_t k = 0; k < k0; k++) /* the columns past the last whole block, of the whole blocks' rows */
         for (int64_t c = dim / LANES * LANES; c < dim; c++) lat_t[c * n + k] = lat[k * dim + c];
@@ -105,10 +149,10 @@ static void transpose(const float *lat, int64_t n, int64_t dim, float *lat_t) {
  * transposed latents [C][n]; weighted sums: a = the probabilities, b = the latents [n][C]. */
 static void head_products(const float *a, int heads, int64_t count, const float *b, int64_t cols, float *out) {
     int h0 = 0;
-#ifdef __AVX512F__
+#if BLOCK_HEADS
     for (; h0 + BLOCK_HEADS <= heads; h0 += BLOCK_HEADS)
         for (int64_t j0 = 0; j0 + LANES <= cols; j0 += LANES)
-            rows4_by_16(a + h0 * count, count, b + j0, cols, count, out + h0 * cols + j0, cols);
+            rows4_by_lanes(a + h0 * count, count, b + j0, cols, count, out + h0 * cols + j0, cols);
 #endif
     for (int h = 0; h < heads; h++)
         for (int64_t j = h < h0 ? cols / LANES * LANES : 0; j < cols; j++) {
