@@ -152,7 +152,37 @@ static inline __attribute__((always_inline)) CONTRACTED void dot_rows(const floa
         }
 }
 
-/* mixed[i][j] = (x_i . fn_j) * inv_rms[i] for nt <= 4 rows x_i of `flat` values (`ldx` apart) and
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#include <immintrin.h>
+/* dot_rows for one row on AVX2, the same sums: GCC lowers the 64-byte vf to pairs of AVX2
+ * registers through the stack and general registers (~15 us a token here), so each VL-lane
+ * sum is held as two 8-lane halves by hand and added in lane order as dot_rows adds them. */
+static inline CONTRACTED void dot_row(const float *a, const float *b, int64_t ldb, int64_t count, float sums[OUTS]) {
+    __m256 lo[OUTS], hi[OUTS];
+    for (int o = 0; o < OUTS; o++) lo[o] = hi[o] = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + VL <= count; k += VL) {
+        const __m256 x_lo = _mm256_loadu_ps(a + k), x_hi = _mm256_loadu_ps(a + k + VL / 2);
+        for (int o = 0; o < OUTS; o++) {
+            lo[o] = _mm256_fmadd_ps(x_lo, _mm256_loadu_ps(b + o * ldb + k), lo[o]);
+            hi[o] = _mm256_fmadd_ps(x_hi, _mm256_loadu_ps(b + o * ldb + k + VL / 2), hi[o]);
+        }
+    }
+    for (int o = 0; o < OUTS; o++) {
+        float lanes[VL], sum = 0.0f;
+        _mm256_storeu_ps(lanes, lo[o]);
+        _mm256_storeu_ps(lanes + VL / 2, hi[o]);
+        for (int l = 0; l < VL; l++) sum += lanes[l];
+        for (int64_t i = k; i < count; i++) sum += a[i] * b[o * ldb + i];
+        sums[o] = sum;
+    }
+}
+#define PROJECT_ROWS 1
+#else
+#define PROJECT_ROWS 4
+#endif
+
+/* mixed[i][j] = (x_i . fn_j) * inv_rms[i] for nt <= PROJECT_ROWS rows x_i of `flat` values (`ldx` apart) and
  * all `width` outputs, the same sums for any nt: a token's gates never depend on its block. fn
  * is padded to a multiple of OUTS rows by the caller (`fn_rows`). */
 static CONTRACTED void project(const float *x, int64_t ldx, int64_t flat, int nt, const float *fn, int width,
@@ -160,12 +190,16 @@ static CONTRACTED void project(const float *x, int64_t ldx, int64_t flat, int nt
     float sums[4][OUTS];
     for (int j = 0; j < width; j += OUTS) {
         const float *b = fn + (int64_t)j * flat;
+#if PROJECT_ROWS == 1
+        dot_row(x, b, flat, flat, sums[0]);
+#else
         switch (nt) { /* a constant row count per case: registers, not memory */
         case 1: dot_rows(x, ldx, 1, b, flat, flat, sums); break;
         case 2: dot_rows(x, ldx, 2, b, flat, flat, sums); break;
         case 3: dot_rows(x, ldx, 3, b, flat, flat, sums); break;
         default: dot_rows(x, ldx, 4, b, flat, flat, sums); break;
         }
+#endif
         for (int i = 0; i < nt; i++)
             for (int o = 0; o < OUTS && j + o < width; o++) mixed[i * width + j + o] = sums[i][o] * inv_rms[i];
     }
@@ -222,8 +256,9 @@ int hc_collapse(const void *streams, int is_bf16, int64_t tokens, int n, int64_t
             widen_row(streams, (t0 + i) * flat, flat, is_bf16, x + i * ldx);
             inv_rms[i] = 1.0f / sqrtf(dot_f32(x + i * ldx, x + i * ldx, flat) / (float)flat + norm_eps);
         }
-        for (int i = 0; i < nt; i += 4)
-            project(x + i * ldx, ldx, flat, nt - i < 4 ? nt - i : 4, fn, width, inv_rms + i, mixed + i * width);
+        for (int i = 0; i < nt; i += PROJECT_ROWS)
+            project(x + i * ldx, ldx, flat, nt - i < PROJECT_ROWS ? nt - i : PROJECT_ROWS, fn, width, inv_rms + i,
+                    mixed + i * width);
         gates_block(mixed, base, scale, t0, nt, n, iters, eps, pre, post, comb);
         for (int i = 0; i < nt; i++) {
             const int64_t t = t0 + i;
