@@ -21,6 +21,9 @@
  * slots [B]; counts [B]: ring entries before this step (R: fold first). The host keeps counts. */
 #include <math.h>
 #include <stdint.h>
+#if defined(__AVX2__) && !defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #define MAX_D 256
 
@@ -150,9 +153,40 @@ typedef float vf_u __attribute__((vector_size(64), aligned(4)));
 /* S <- diag(a) S + k delta^T, and p = x^T S, r = y^T S of the new S, in one pass over S. The
  * sums of 32 columns stay in registers through all dk rows (two sets, even and odd rows, so
  * that consecutive multiply-adds do not wait on each other); dv % 32 columns take a plain loop. */
+#if defined(__AVX2__) && !defined(__AVX512F__)
+/* The 8 columns e0.. of one 32-column block of update_and_products on one AVX2 register, the
+ * same fused multiply-adds as GCC makes of the vf form under -ffp-contract=fast (bit-equal,
+ * checked): with the 64-byte vf it spills the block's sums through the stack and general
+ * registers, and a 512-token KDA prefill chunk took 18.0 ms instead of 2.5 here (4 heads of
+ * 64 x 64, an AVX2 EPYC). */
+static inline void update_and_products8(float *restrict S, const float *a, const float *k, const float *delta,
+                                        const float *x, const float *y, int dk, int dv, int e0, float *restrict p,
+                                        float *restrict r) {
+    const __m256 dl = _mm256_loadu_ps(delta + e0);
+    __m256 p_even = _mm256_setzero_ps(), p_odd = p_even, r_even = p_even, r_odd = p_even;
+    for (int d = 0; d < dk; d += 2) {
+        float *row = S + (int64_t)d * dv + e0, *next = row + dv;
+        const __m256 s0 = _mm256_fmadd_ps(_mm256_set1_ps(a[d]), _mm256_loadu_ps(row), _mm256_mul_ps(_mm256_set1_ps(k[d]), dl));
+        const __m256 s1 = _mm256_fmadd_ps(_mm256_set1_ps(a[d + 1]), _mm256_loadu_ps(next), _mm256_mul_ps(_mm256_set1_ps(k[d + 1]), dl));
+        _mm256_storeu_ps(row, s0);
+        _mm256_storeu_ps(next, s1);
+        p_even = _mm256_fmadd_ps(_mm256_set1_ps(x[d]), s0, p_even);
+        p_odd = _mm256_fmadd_ps(_mm256_set1_ps(x[d + 1]), s1, p_odd);
+        r_even = _mm256_fmadd_ps(_mm256_set1_ps(y[d]), s0, r_even);
+        r_odd = _mm256_fmadd_ps(_mm256_set1_ps(y[d + 1]), s1, r_odd);
+    }
+    _mm256_storeu_ps(p + e0, _mm256_add_ps(p_even, p_odd));
+    _mm256_storeu_ps(r + e0, _mm256_add_ps(r_even, r_odd));
+}
+#endif
+
 static void update_and_products(float *restrict S, const float *a, const float *k, const float *delta, const float *x,
                                 const float *y, int dk, int dv, float *restrict p, float *restrict r) {
     int e0 = 0;
+#if defined(__AVX2__) && !defined(__AVX512F__)
+    for (; e0 + 2 * VL <= dv && dk % 2 == 0; e0 += 2 * VL)
+        for (int e = e0; e < e0 + 2 * VL; e += 8) update_and_products8(S, a, k, delta, x, y, dk, dv, e, p, r);
+#endif
     for (; e0 + 2 * VL <= dv && dk % 2 == 0; e0 += 2 * VL) {
         const vf d0 = *(const vf_u *)(delta + e0), d1 = *(const vf_u *)(delta + e0 + VL);
         vf p0 = {0}, p1 = {0}, p2 = {0}, p3 = {0}, r0 = {0}, r1 = {0}, r2 = {0}, r3 = {0};
