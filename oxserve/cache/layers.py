@@ -19,6 +19,7 @@ the rows a step reads are gathered (never the whole table).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -137,6 +138,13 @@ class ReplayRing:
         return self.keys.shape[2]
 
 
+@functools.lru_cache(maxsize=4)
+def _window_picks(kept: tuple[int, ...], width: int, device: torch.device) -> torch.Tensor:
+    """Rows of the staged windows [V * width, ...] that `KDACache.accept` keeps: made once a
+    step for every KDA layer (a verify step's Python is what speculation must pay for)."""
+    return torch.tensor([i * width + n for i, n in enumerate(kept)], device=device)
+
+
 @dataclass
 class KDACache:
     conv: torch.Tensor
@@ -180,8 +188,8 @@ class KDACache:
         """Per verifying request of the last step, the index of its last kept token: its conv
         state becomes the one after that token."""
         slots, windows = self.staged_conv
-        index = torch.tensor(kept, device=windows.device)
-        scatter_rows(self.conv, slots, windows[torch.arange(len(kept), device=windows.device), index])
+        picks = _window_picks(tuple(kept), windows.shape[1], windows.device)
+        scatter_rows(self.conv, slots, windows.flatten(0, 1).index_select(0, picks))
         self.staged_conv = None
 
     def prefill(self, slots: torch.Tensor, has_initial_state: torch.Tensor, lens: list[int], chunks: ChunkLayout,

@@ -84,18 +84,17 @@ class KDAttention(nn.Module):
         with span(tracer, f"{self.name}.gates"):
             f, beta_logits = self.forget_gate(x), self.b_proj(x)
         gate_params = (self.forget_gate.dt_bias, self.forget_gate.A_log, self.lower_bound)
-        if not batch.num_verifies and self.conv_taps is not None and kda_io.conv_inputs_fit(
+        if self.conv_taps is not None and kda_io.conv_inputs_fit(
                 mixed, f, beta_logits, cache.conv, self.conv_act_name, self.head_dim):
             with span(tracer, f"{self.name}.conv"):  # the conv and the gates' pointwise math, in one call
+                if batch.num_verifies:  # staged from the states before the call updates them in place
+                    self._stage_conv_windows(mixed, batch, cache)
                 q, k, v, g, beta = kda_io.conv_inputs(mixed, cache.conv, batch.state_slots, batch.has_initial_state,
                                                       batch.query_runs, self.conv_taps, f, *gate_params, beta_logits,
                                                       self.head_dim)
         else:
             with span(tracer, f"{self.name}.conv"):
-                states = _initial(cache.conv_states(batch.state_slots).to(mixed.dtype), batch.has_initial_state)
-                if batch.num_verifies:  # the conv state after each verified token, for when drafts are rejected
-                    nd, nv = batch.num_decodes, batch.num_verifies
-                    cache.stage_conv(batch.state_slots[nd : nd + nv], conv_windows(mixed, states, batch.conv))
+                states = self._stage_conv_windows(mixed, batch, cache)
                 mixed, states = causal_conv(mixed, states, self.conv_weight, batch.conv, self.conv_act)
                 cache.store_conv_states(batch.state_slots, states)
             with span(tracer, f"{self.name}.gates"):
@@ -105,6 +104,16 @@ class KDAttention(nn.Module):
         with span(tracer, f"{self.name}.out"):
             gate = self.g_b_proj(self.g_a_proj(x))
             return self.o_proj(kda_io.gated_norm(core, gate, self.o_norm_weight, self.norm_eps).to(x.dtype))
+
+    @staticmethod
+    def _stage_conv_windows(mixed: torch.Tensor, batch: ForwardBatch, cache: KDACache) -> torch.Tensor:
+        """The conv states the step starts from (zeros without context); with verifies, the
+        conv state after each verified token is staged too, for when drafts are rejected."""
+        states = _initial(cache.conv_states(batch.state_slots).to(mixed.dtype), batch.has_initial_state)
+        if batch.num_verifies:
+            nd, nv = batch.num_decodes, batch.num_verifies
+            cache.stage_conv(batch.state_slots[nd : nd + nv], conv_windows(mixed, states, batch.conv))
+        return states
 
     def _delta_rule(self, q, k, v, g, beta, batch: ForwardBatch, cache: KDACache) -> torch.Tensor:
         """Decodes take one recurrent step each, on the cached states in place; verifies a
