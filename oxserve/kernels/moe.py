@@ -114,7 +114,7 @@ def native_experts(
         raise RuntimeError("native_experts needs a C compiler (cc / $CC)")
     if rows.dtype != torch.bfloat16 or gate_up.dtype != torch.bfloat16 or down.dtype != torch.bfloat16:
         raise ValueError(f"native_experts takes bf16 rows and weights, got {rows.dtype}, {gate_up.dtype}, {down.dtype}")
-    (p, hidden), (experts, inter) = rows.shape, down.shape[::2]
+    hidden, (experts, inter) = rows.shape[1], down.shape[::2]
     if gate_up.shape != (experts, 2 * inter, hidden) or down.shape != (experts, hidden, inter) or offsets.numel() != experts:
         raise ValueError(f"native_experts: weights {tuple(gate_up.shape)}, {tuple(down.shape)} and {offsets.numel()} "
                          f"offsets do not fit rows {tuple(rows.shape)}")
