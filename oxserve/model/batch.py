@@ -20,6 +20,7 @@ Block tables are padded with `num_blocks`, an id that no cache has: a stray read
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -227,10 +228,8 @@ def make_forward_batch(
     verify_lens = query_lens[num_decodes : num_decodes + num_verifies]
     if cfg.kda_layers:
         size, exact = chunk_plan(cfg.linear_lower_bound)
-        batch.conv = conv_layout(query_lens, cfg.linear_conv_kernel_dim, device, windows_from=num_decodes,
-                                 num_windowed=num_verifies)
-        batch.query_runs = token_runs(query_lens)
-        batch.chunks = chunk_layout(query_lens[num_decodes + num_verifies :], size, exact, device)
+        batch.conv, batch.query_runs, batch.chunks = _kda_layouts(
+            tuple(query_lens), num_decodes, num_verifies, cfg.linear_conv_kernel_dim, size, exact, device)
     if rings is not None:
         has_context = [req.num_computed_tokens > 0 for req in requests]
         batch.rings = rings.advance([req.state_slot for req in requests], has_context, num_decodes, device, verify_lens)
@@ -239,6 +238,18 @@ def make_forward_batch(
     if cfg.full_indexer_layers:
         batch.pools = _pool_completions(requests, cfg.index_kpool, block_size, device)
     return batch
+
+
+@functools.lru_cache(maxsize=64)
+def _kda_layouts(query_lens: tuple[int, ...], num_decodes: int, num_verifies: int, conv_kernel: int, chunk_size: int,
+                 exact: bool, device: torch.device | str) -> tuple[ConvLayout, torch.Tensor, ChunkLayout]:
+    """The KDA layers' conv layout, token runs and prefill chunk layout, which depend on the
+    query lengths only: a decode step of a batch size met before reuses them (read-only index
+    tensors) instead of building ~10 tensors from Python lists, about a tenth of a batch-1
+    step's host time on a slow core."""
+    lens = list(query_lens)
+    conv = conv_layout(lens, conv_kernel, device, windows_from=num_decodes, num_windowed=num_verifies)
+    return conv, token_runs(lens), chunk_layout(lens[num_decodes + num_verifies :], chunk_size, exact, device)
 
 
 def power_of_two(n: int) -> int:
