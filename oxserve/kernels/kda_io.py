@@ -57,7 +57,7 @@ def gated_norm_torch(core: torch.Tensor, gate: torch.Tensor, weight: torch.Tenso
 
 def gated_norm(core: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if not (_on_cpu_in(gate.dtype, core, gate) and weight.dtype == gate.dtype and core.dtype == torch.float32
-            and _kernel()):
+            and core.shape[-1] <= NATIVE_MAX_DIM and _kernel()):
         return gated_norm_torch(core, gate, weight, eps)
     tokens, heads, dim = core.shape
     core, gate, weight = core.contiguous(), gate.contiguous(), weight.contiguous()

@@ -10,10 +10,12 @@ static inline float bf16_to_f32(uint16_t v) {
     return c.f;
 }
 
+/* Branch-free (a select, not a jump), so that loops rounding to bf16 vectorise. */
 static inline uint16_t f32_to_bf16(float f) {
     union { float f; uint32_t u; } c = {.f = f};
-    if ((c.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((c.u >> 16) | 0x40);
-    return (uint16_t)((c.u + 0x7fffu + ((c.u >> 16) & 1u)) >> 16);
+    const uint32_t nearest_even = (c.u + 0x7fffu + ((c.u >> 16) & 1u)) >> 16;
+    const uint32_t quiet_nan = (c.u >> 16) | 0x40u;
+    return (uint16_t)((c.u & 0x7fffffffu) > 0x7f800000u ? quiet_nan : nearest_even);
 }
 
 static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }

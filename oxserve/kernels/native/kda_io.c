@@ -37,13 +37,6 @@ static inline float load(const void *base, int64_t i, int bf16) {
     return bf16 ? bf16_to_f32(((const uint16_t *)base)[i]) : ((const float *)base)[i];
 }
 
-static inline void store(void *base, int64_t i, float x, int bf16) {
-    if (bf16)
-        ((uint16_t *)base)[i] = f32_to_bf16(x);
-    else
-        ((float *)base)[i] = x;
-}
-
 static inline float model_round(float x, int bf16) { return bf16 ? round_bf16(x) : x; }
 
 static inline float sigmoid(float x) { return 1.0f / (1.0f + vexp(-x)); }
@@ -151,18 +144,23 @@ int kda_conv_inputs(const void *mixed, void *conv_table, const int64_t *slots, c
     return 0;
 }
 
+/* Rows are widened to fp32 and narrowed back around the arithmetic, so that its loop holds no
+ * dtype branch and vectorises. Returns 0, -1 for a head dim above MAX_DIM. */
 int kda_gated_norm(const float *core, const void *gate, const void *weight, int64_t tokens, int heads, int dim,
                    float eps, int bf16, void *out, int threads) {
+    if (dim > MAX_DIM) return -1;
+    float w[MAX_DIM];
+    widen_row(weight, 0, dim, bf16, w);
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t th = 0; th < tokens * heads; th++) {
+        float y[MAX_DIM];
         const float *x = core + th * dim;
         float sum = 0.0f;
         for (int d = 0; d < dim; d++) sum += x[d] * x[d];
         const float inv = 1.0f / sqrtf(sum / (float)dim + eps);
-        for (int d = 0; d < dim; d++) {
-            const float y = load(weight, d, bf16) * (x[d] * inv) * sigmoid(load(gate, th * dim + d, bf16));
-            store(out, th * dim + d, y, bf16);
-        }
+        widen_row(gate, th * dim, dim, bf16, y);
+        for (int d = 0; d < dim; d++) y[d] = w[d] * (x[d] * inv) * sigmoid(y[d]);
+        narrow_row(y, dim, bf16, out, th * dim);
     }
     return 0;
 }
