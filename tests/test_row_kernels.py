@@ -47,6 +47,9 @@ def test_greedy_picks_what_argmax_picks(kernel, batch, vocab):
         logits[2, vocab // 3] = float("nan")  # a NaN is the largest
         if vocab > 20:
             logits[2, vocab - 2] = float("nan")
+    if batch > 3 and vocab > 20:  # a tie of -0 and +0, which compare equal: the first wins
+        logits[3] = -1.0 - torch.rand(vocab)
+        logits[3, 9], logits[3, 17] = -0.0, 0.0
     assert rows.argmax_fit(logits)
     assert torch.equal(greedy_tokens(logits), logits.argmax(-1))
     wide = torch.randn(batch, vocab + 5)[:, :vocab]  # rows further apart than their length

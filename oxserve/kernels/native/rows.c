@@ -77,11 +77,34 @@ static int64_t argmax_row(const float *row, int64_t n) {
     }
     best = _mm512_reduce_max_ps(top);
     nan = unordered != 0;
+#elif defined(__AVX2__)
+    __m256 top = _mm256_set1_ps(-INFINITY), unordered = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8) {
+        const __m256 v = _mm256_loadu_ps(row + i);
+        top = _mm256_max_ps(v, top); /* a NaN lane of v keeps top */
+        unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, top);
+    for (int l = 0; l < 8; l++) best = lanes[l] > best ? lanes[l] : best;
+    nan = _mm256_movemask_ps(unordered) != 0;
 #endif
     for (; i < n; i++) {
         best = row[i] > best ? row[i] : best;
         nan |= row[i] != row[i];
     }
+#if defined(__AVX2__)
+    if (!nan) { /* the first lane equal to the max, eight at a time (-0 equals +0, as C's ==) */
+        const __m256 target = _mm256_set1_ps(best);
+        for (i = 0; i + 8 <= n; i += 8) {
+            const int hits = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(row + i), target, _CMP_EQ_OQ));
+            if (hits) return i + __builtin_ctz((unsigned)hits);
+        }
+        for (; i < n; i++)
+            if (row[i] == best) return i;
+        return 0;
+    }
+#endif
     for (i = 0; i < n; i++)
         if (nan ? row[i] != row[i] : row[i] == best) return i;
     return 0;
