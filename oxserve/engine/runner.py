@@ -200,10 +200,11 @@ class ModelRunner:
         logprobs: list = [None] * len(sampling)
         if plain:
             rows = [self._sampling_row(sampling[i].request_id) for i in plain]
-            # a copy: masks may write to it
-            plain_logits = logits.clone() if all_plain else torch.cat([per_request[i] for i in plain])
             grammars = [self._grammar(sampling[i].request_id) for i in plain]
-            if self.masks is not None:
+            masked = self.masks is not None and any(g is not None for g in grammars)
+            # a copy where a mask writes to it (`sample` itself leaves its logits untouched)
+            plain_logits = (logits.clone() if masked else logits) if all_plain else torch.cat([per_request[i] for i in plain])
+            if masked:
                 with span(self.tracer, "grammar_mask", track="engine"):
                     self.masks.apply(plain_logits, grammars)
             sampled = sample(plain_logits, rows)
