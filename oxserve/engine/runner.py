@@ -202,8 +202,10 @@ class ModelRunner:
             rows = [self._sampling_row(sampling[i].request_id) for i in plain]
             grammars = [self._grammar(sampling[i].request_id) for i in plain]
             masked = self.masks is not None and any(g is not None for g in grammars)
-            # a copy where a mask writes to it (`sample` itself leaves its logits untouched)
-            plain_logits = (logits.clone() if masked else logits) if all_plain else torch.cat([per_request[i] for i in plain])
+            if not all_plain:
+                plain_logits = torch.cat([per_request[i] for i in plain])
+            else:  # a copy only where a mask writes to it: `sample` leaves its logits untouched
+                plain_logits = logits.clone() if masked else logits
             if masked:
                 with span(self.tracer, "grammar_mask", track="engine"):
                     self.masks.apply(plain_logits, grammars)

@@ -93,19 +93,17 @@ static int64_t argmax_row(const float *row, int64_t n) {
         best = row[i] > best ? row[i] : best;
         nan |= row[i] != row[i];
     }
+    i = 0;
 #if defined(__AVX2__)
     if (!nan) { /* the first lane equal to the max, eight at a time (-0 equals +0, as C's ==) */
         const __m256 target = _mm256_set1_ps(best);
-        for (i = 0; i + 8 <= n; i += 8) {
+        for (; i + 8 <= n; i += 8) {
             const int hits = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(row + i), target, _CMP_EQ_OQ));
             if (hits) return i + __builtin_ctz((unsigned)hits);
         }
-        for (; i < n; i++)
-            if (row[i] == best) return i;
-        return 0;
     }
 #endif
-    for (i = 0; i < n; i++)
+    for (; i < n; i++)
         if (nan ? row[i] != row[i] : row[i] == best) return i;
     return 0;
 }
