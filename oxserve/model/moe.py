@@ -156,7 +156,8 @@ class MoE(nn.Module):
             weights, experts = self.gate(x)
         shared = self.shared_experts
         together = shared is not None and shared.panels is not None and self.experts.routes_natively
-        with span(tracer, f"{self.name}.experts"):  # with the shared expert where both run on panels
+        # One span for one call: the profile costs "experts_and_shared" as both, not the routed experts alone.
+        with span(tracer, f"{self.name}.experts_and_shared" if together else f"{self.name}.experts"):
             routed = self.experts(x, weights, experts, shared.panels if together else None)
         if shared is None or together:
             return routed

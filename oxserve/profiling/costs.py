@@ -263,6 +263,11 @@ def _moe_shared(cfg, s, b):
     return Cost(nbytes, f, b.precision())
 
 
+def _moe_experts_and_shared(cfg, s, b):
+    """The routed and the shared experts in one native call (CPU, bf16, packed panels)."""
+    return _moe_experts(cfg, s, b) + _moe_shared(cfg, s, b)
+
+
 def _mlp_dense(cfg, s, b):
     nbytes, f = _dense_mlp(s.num_tokens, cfg.hidden_size, cfg.intermediate_size, b)
     return Cost(nbytes, f, b.precision())
@@ -296,6 +301,7 @@ OP_COSTS: dict[str, Callable[[TextModelConfig, StepShape, Storage], Cost]] = {
     "moe.router": _moe_router,
     "moe.experts": _moe_experts,
     "moe.shared": _moe_shared,
+    "moe.experts_and_shared": _moe_experts_and_shared,
     "mlp.dense": _mlp_dense,
     "final_norm": _final_norm,
     "lm_head": _lm_head,

@@ -100,3 +100,27 @@ def test_quantized_storage_counts_int8_weights_and_caches():
     state = op_cost("kda.recurrent", CFG, step, dense(0)).bytes - op_cost("kda.recurrent", CFG, step, int8(0)).bytes
     assert state == pytest.approx(2 * 4 * h * d * d * 2)
     assert forward_cost(CFG, step, 4, int8).bytes < forward_cost(CFG, step, 4).bytes  # the tiny head dominates
+
+
+@pytest.mark.parametrize("tokens", [1, 32])
+def test_the_spans_of_a_bf16_moe_layer_are_costed_as_all_its_experts(tokens):
+    """Where the shared expert runs inside the routed experts' call (CPU panels), that one span
+    is costed as both: the profile must not charge shared-expert time to the routed experts."""
+    from oxserve.model.moe import MoE
+    from oxserve.profiling.spans import OpSpan
+    from oxserve.telemetry import Tracer
+
+    layer = MoE(CFG, "L1.moe")
+    for name, p in layer.named_parameters():  # a bf16 model; the router's bias stays fp32
+        p.data = (torch.randn_like(p, dtype=torch.float32) * 0.1).to(torch.float32 if "bias" in name else torch.bfloat16)
+    for module in reversed(list(layer.modules())):
+        if hasattr(module, "after_load"):
+            module.after_load()
+    tracer = Tracer()
+    layer(torch.randn(tokens, CFG.hidden_size).bfloat16(), tracer)
+    shape = StepShape(num_tokens=tokens, num_requests=tokens, num_decodes=tokens, mean_context=1.0, max_context=1)
+    costs = [op_cost(OpSpan(s.name, 0.0, 0.0).op_type, CFG, shape, 2) for s in tracer.spans]
+    assert None not in costs
+    want = [op_cost(op, CFG, shape, 2) for op in ("moe.router", "moe.experts", "moe.shared")]
+    assert sum(c.flops for c in costs) == sum(c.flops for c in want)
+    assert sum(c.bytes for c in costs) == sum(c.bytes for c in want)

@@ -216,7 +216,7 @@ def _decode_dominates(c: Context) -> str | None:
 
 
 def _experts_memory_bound(c: Context) -> str | None:
-    share = c.d.op_share.get("moe.experts", 0.0) + c.d.op_share.get("moe.shared", 0.0)
+    share = sum(c.d.op_share.get(op, 0.0) for op in ("moe.experts", "moe.shared", "moe.experts_and_shared"))
     return f"the experts are {share:.0%} of the time" if share >= 0.15 else None
 
 
