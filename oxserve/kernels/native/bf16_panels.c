@@ -274,26 +274,29 @@ static void panel_pair(const uint16_t *a, int64_t lda, int64_t k, const uint16_t
     }
 }
 #elif defined(__AVX2__) && defined(__FMA__)
-#define VEC_ROWS 4 /* rows per pass: 8 accumulators, four widened weight vectors, a row's pair */
+#define VEC_ROWS 4   /* rows per pass: 8 accumulators, four widened weight vectors, two broadcasts */
+#define X_CHUNK 512  /* inputs of a row block widened at a time (4 x 512 fp32: 8 KiB of stack) */
 
-/* `rows` (a constant after inlining) rows of a against one panel, channels 0-7 and 8-15 in
- * two registers per row. A weight pair vector (8 channels x 2 inputs) splits into its even
- * inputs (shifted up) and odd ones (masked), each loaded and widened once for every row. */
-static inline __attribute__((always_inline)) void widened_rows(const uint16_t *a, int64_t lda, int64_t k,
-                                                               const uint16_t *w, const int rows, float *acc) {
+/* `rows` (a constant after inlining) rows of x, already fp32 (X_CHUNK apart), against `pairs`
+ * input pairs of one panel, channels 0-7 and 8-15 in two registers per row. A weight pair
+ * vector (8 channels x 2 inputs) splits into its even inputs (shifted up) and odd ones
+ * (masked), each loaded and widened once for every row; a row's input is one broadcast load. */
+static inline __attribute__((always_inline)) void widened_rows(const float *x, int64_t pairs, const uint16_t *w,
+                                                               const int rows, float *acc) {
     const __m256i odd = _mm256_set1_epi32((int)0xffff0000u);
     __m256 lo[VEC_ROWS], hi[VEC_ROWS];
-    for (int r = 0; r < rows; r++) lo[r] = hi[r] = _mm256_setzero_ps();
-    for (int64_t p = 0; p < k / 2; p++) {
+    for (int r = 0; r < rows; r++) {
+        lo[r] = _mm256_loadu_ps(acc + r * TILE_N);
+        hi[r] = _mm256_loadu_ps(acc + r * TILE_N + 8);
+    }
+    for (int64_t p = 0; p < pairs; p++) {
         const __m256i w_lo = _mm256_loadu_si256((const __m256i *)(w + p * 2 * TILE_N));
         const __m256i w_hi = _mm256_loadu_si256((const __m256i *)(w + p * 2 * TILE_N + TILE_N));
         const __m256 even_lo = widen8(w_lo), odd_lo = _mm256_castsi256_ps(_mm256_and_si256(w_lo, odd));
         const __m256 even_hi = widen8(w_hi), odd_hi = _mm256_castsi256_ps(_mm256_and_si256(w_hi, odd));
         for (int r = 0; r < rows; r++) {
-            int32_t pair;
-            memcpy(&pair, a + r * lda + 2 * p, sizeof pair);
-            const __m256i x = _mm256_set1_epi32(pair);
-            const __m256 x_even = widen8(x), x_odd = _mm256_castsi256_ps(_mm256_and_si256(x, odd));
+            const __m256 x_even = _mm256_broadcast_ss(x + r * X_CHUNK + 2 * p);
+            const __m256 x_odd = _mm256_broadcast_ss(x + r * X_CHUNK + 2 * p + 1);
             lo[r] = _mm256_fmadd_ps(x_odd, odd_lo, _mm256_fmadd_ps(x_even, even_lo, lo[r]));
             hi[r] = _mm256_fmadd_ps(x_odd, odd_hi, _mm256_fmadd_ps(x_even, even_hi, hi[r]));
         }
@@ -304,18 +307,28 @@ static inline __attribute__((always_inline)) void widened_rows(const uint16_t *a
     }
 }
 
+/* A block of rows runs over the inputs X_CHUNK at a time: the chunk's rows widened once (for
+ * both panels), each panel's sums carried from chunk to chunk in acc, so every output is
+ * still summed in input order. */
 static void panel_pair(const uint16_t *a, int64_t lda, int64_t k, const uint16_t *w0, const uint16_t *w1, int m,
                        float *acc0, float *acc1) {
+    float x[VEC_ROWS * X_CHUNK];
+    memset(acc0, 0, (size_t)m * TILE_N * sizeof(float));
+    memset(acc1, 0, (size_t)m * TILE_N * sizeof(float));
     for (int r0 = 0; r0 < m; r0 += VEC_ROWS) {
-        const uint16_t *ar = a + r0 * lda;
-        for (int half = 0; half < 2; half++) {
-            const uint16_t *w = half ? w1 : w0;
-            float *out = (half ? acc1 : acc0) + r0 * TILE_N;
-            switch (m - r0 < VEC_ROWS ? m - r0 : VEC_ROWS) { /* a constant row count per case */
-            case 1: widened_rows(ar, lda, k, w, 1, out); break;
-            case 2: widened_rows(ar, lda, k, w, 2, out); break;
-            case 3: widened_rows(ar, lda, k, w, 3, out); break;
-            default: widened_rows(ar, lda, k, w, 4, out); break;
+        const int rows = m - r0 < VEC_ROWS ? m - r0 : VEC_ROWS;
+        for (int64_t k0 = 0; k0 < k; k0 += X_CHUNK) {
+            const int64_t n = k - k0 < X_CHUNK ? k - k0 : X_CHUNK;
+            for (int r = 0; r < rows; r++) widen_row(a + (r0 + r) * lda, k0, n, 1, x + r * X_CHUNK);
+            for (int half = 0; half < 2; half++) {
+                const uint16_t *w = (half ? w1 : w0) + k0 * TILE_N; /* a pair of inputs is 2 x 16 weights */
+                float *out = (half ? acc1 : acc0) + r0 * TILE_N;
+                switch (rows) { /* a constant row count per case */
+                case 1: widened_rows(x, n / 2, w, 1, out); break;
+                case 2: widened_rows(x, n / 2, w, 2, out); break;
+                case 3: widened_rows(x, n / 2, w, 3, out); break;
+                default: widened_rows(x, n / 2, w, 4, out); break;
+                }
             }
         }
     }
