@@ -204,6 +204,21 @@ static inline void store_rounded(const float *sums, int64_t valid, void *y, int6
 #endif
 
 static inline int64_t start_of(const int32_t *offsets, int64_t e) { return e == 0 ? 0 : offsets[e - 1]; }
+static inline int64_t rows_of(const int32_t *offsets, int64_t e) { return offsets[e] - start_of(offsets, e); }
+
+/* The experts that have rows, most rows first (equal counts in expert order), into order;
+ * returns how many. Tasks are handed out in this order: the last ones are the smallest, so
+ * threads finish together, and an expert without rows costs no task at all (a decode step
+ * of a model with hundreds of experts reaches few). A counting sort: slots holds P + 1. */
+static int64_t busiest_first(const int32_t *offsets, int64_t E, int64_t P, int64_t *order, int64_t *slots) {
+    memset(slots, 0, (size_t)(P + 1) * sizeof(int64_t));
+    for (int64_t e = 0; e < E; e++) /* key P - rows: 0 for the busiest possible */
+        if (rows_of(offsets, e) > 0) slots[P - rows_of(offsets, e) + 1]++;
+    for (int64_t k = 1; k <= P; k++) slots[k] += slots[k - 1]; /* slots[key]: where that key's experts start */
+    for (int64_t e = 0; e < E; e++)
+        if (rows_of(offsets, e) > 0) order[slots[P - rows_of(offsets, e)]++] = e;
+    return slots[P - 1];
+}
 
 /* Panel b of expert e in `packed` (per expert: N/16 panels of K/2 x 16 x 2). */
 static inline const uint16_t *panel(const uint16_t *packed, int64_t n, int64_t k, int64_t e, int64_t b) {
@@ -344,17 +359,23 @@ int panels_experts(const uint16_t *x, int64_t P, int64_t H, const int32_t *offse
                     const uint16_t *gate_up, const uint16_t *down, int64_t I, float limit, uint16_t *y, int nthreads) {
     if (P == 0) return 0;
     uint16_t *act = malloc((size_t)(P * I) * sizeof(uint16_t));
-    if (act == NULL) return -1;
-    int64_t panels_i = I / TILE_N, pairs_h = H / (2 * TILE_N);
-
+    int64_t *order = malloc((size_t)E * sizeof(int64_t)), *slots = malloc((size_t)(P + 1) * sizeof(int64_t));
+    if (act == NULL || order == NULL || slots == NULL) {
+        free(act);
+        free(order);
+        free(slots);
+        return -1;
+    }
+    const int64_t panels_i = I / TILE_N, pairs_h = H / (2 * TILE_N), busy = busiest_first(offsets, E, P, order, slots);
+    free(slots);
     #pragma omp parallel num_threads(nthreads)
     {
         int configured = 0;
         float acc0[TILE_M * TILE_N], acc1[TILE_M * TILE_N];
         /* gate and up for 16 intermediate channels of one expert, 16 rows at a time */
         #pragma omp for schedule(dynamic, 1)
-        for (int64_t task = 0; task < E * panels_i; task++) {
-            int64_t e = task / panels_i, b = task % panels_i;
+        for (int64_t task = 0; task < busy * panels_i; task++) {
+            int64_t e = order[task / panels_i], b = task % panels_i;
             for (int64_t m0 = start_of(offsets, e), end = offsets[e]; m0 < end; m0 += TILE_M) {
                 int m = end - m0 < TILE_M ? (int)(end - m0) : TILE_M;
                 rows_of_block(m, &configured);
@@ -366,8 +387,8 @@ int panels_experts(const uint16_t *x, int64_t P, int64_t H, const int32_t *offse
         }
         /* the implicit barrier: every act row is complete before the down products read it */
         #pragma omp for schedule(dynamic, 1)
-        for (int64_t task = 0; task < E * pairs_h; task++) {
-            int64_t e = task / pairs_h, b = 2 * (task % pairs_h);
+        for (int64_t task = 0; task < busy * pairs_h; task++) {
+            int64_t e = order[task / pairs_h], b = 2 * (task % pairs_h);
             for (int64_t m0 = start_of(offsets, e), end = offsets[e]; m0 < end; m0 += TILE_M) {
                 int m = end - m0 < TILE_M ? (int)(end - m0) : TILE_M;
                 rows_of_block(m, &configured);
@@ -382,10 +403,28 @@ int panels_experts(const uint16_t *x, int64_t P, int64_t H, const int32_t *offse
         release_tiles(configured);
     }
     free(act);
+    free(order);
     return 0;
 }
 
 #define LINEAR_ROWS 64 /* rows of x per task of panel_linear: its weight panels stay in L1 across them */
+
+#ifdef __AMX_TILE__
+#define ROW_STEP TILE_M /* rows a tile multiply takes */
+#else
+#define ROW_STEP VEC_ROWS /* rows a vector pass takes */
+#endif
+
+/* Rows per task: LINEAR_ROWS, or fewer (whole passes, as even as can be) where a narrow
+ * product has too few panels to give every thread two tasks: a projection of one or two
+ * panels would otherwise run on one thread while the others wait. */
+static int64_t rows_per_task(int64_t M, int64_t panel_tasks, int nthreads) {
+    int64_t groups = (M + LINEAR_ROWS - 1) / LINEAR_ROWS;
+    const int64_t wanted = (2 * (int64_t)nthreads + panel_tasks - 1) / panel_tasks;
+    if (groups < wanted) groups = wanted;
+    const int64_t rows = ((M + groups - 1) / groups + ROW_STEP - 1) / ROW_STEP * ROW_STEP;
+    return rows < LINEAR_ROWS ? rows : LINEAR_ROWS;
+}
 
 /* Plain products on the same panels, one per head: for each head h,
  *     y[:, h, :N] = x[:, h, :K] times W_h [N, K]^T      x [M, heads, K], y [M, heads, N] (bf16;
@@ -394,10 +433,11 @@ int panels_experts(const uint16_t *x, int64_t P, int64_t H, const int32_t *offse
  * output channels, the heads' panels one after another; only the N real outputs are stored.
  * heads = 1 is a plain linear layer; more are the per-head products of absorbed MLA. K a
  * multiple of 32. fp32 sums, rounded to bf16 once. Tasks are (head, pair of panels,
- * LINEAR_ROWS rows). */
+ * `rows_per_task` rows). */
 static int linear_products(const uint16_t *x, int64_t M, int64_t heads, int64_t K, const uint16_t *w, int64_t N,
                            int64_t n_packed, void *y, int f32_out, int nthreads) {
-    const int64_t pairs = n_packed / (2 * TILE_N), groups = (M + LINEAR_ROWS - 1) / LINEAR_ROWS;
+    const int64_t pairs = n_packed / (2 * TILE_N), rows = rows_per_task(M, heads * pairs, nthreads);
+    const int64_t groups = (M + rows - 1) / rows;
     const int64_t lda = heads * K, ldy = heads * N;
     #pragma omp parallel num_threads(nthreads)
     {
@@ -406,9 +446,9 @@ static int linear_products(const uint16_t *x, int64_t M, int64_t heads, int64_t 
         #pragma omp for schedule(static)
         for (int64_t task = 0; task < heads * pairs * groups; task++) {
             const int64_t b = 2 * (task % pairs), g = task / pairs % groups, h = task / (pairs * groups);
-            const int64_t end = (g + 1) * LINEAR_ROWS < M ? (g + 1) * LINEAR_ROWS : M;
+            const int64_t end = (g + 1) * rows < M ? (g + 1) * rows : M;
             const uint16_t *wh = w + h * n_packed * K;
-            for (int64_t m0 = g * LINEAR_ROWS; m0 < end; m0 += TILE_M) {
+            for (int64_t m0 = g * rows; m0 < end; m0 += TILE_M) {
                 int m = end - m0 < TILE_M ? (int)(end - m0) : TILE_M;
                 rows_of_block(m, &configured);
                 panel_pair(x + m0 * lda + h * K, lda, K, panel(wh, n_packed, K, 0, b), panel(wh, n_packed, K, 0, b + 1),
