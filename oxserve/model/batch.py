@@ -262,7 +262,7 @@ def _pool_completions(requests: list[BatchRequest], kpool, block_size, device) -
     does not complete one, from the tokens it has so far (a partial key, overwritten when the
     pool completes, never read before: queries see complete pools only), so that a decode step
     always compresses one pool per request (its shapes do not change from step to step)."""
-    members: list[list[int]] = []
+    members: list[int] = []  # kpool cache rows a pool, pools one after another
     pool_rows: list[int] = []
     pools_per_block = block_size // kpool
     for req in requests:
@@ -272,9 +272,9 @@ def _pool_completions(requests: list[BatchRequest], kpool, block_size, device) -
         if start > 0 and req.num_new_tokens == 1 and not ends:
             ends = [start]
         for last in ends:
-            first = last - last % kpool
-            members.append([table[p // block_size] * block_size + p % block_size
-                            for p in (min(q, last) for q in range(first, first + kpool))])  # fmt: skip
+            first = last - last % kpool  # a pool lies in one block (block_size is a multiple of kpool)
+            row = table[first // block_size] * block_size + first % block_size
+            members += [row + min(i, last - first) for i in range(kpool)]
             pool = last // kpool
             pool_rows.append(table[pool // pools_per_block] * pools_per_block + pool % pools_per_block)
     return PoolCompletions(
