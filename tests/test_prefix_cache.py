@@ -67,7 +67,8 @@ def _assert_same_greedy(ours, reference, margin: float = 1e-4):
 
 
 @pytest.mark.parametrize("kda_decode", ["write-back", "replay"])
-@pytest.mark.parametrize("deterministic", [True, False], ids=["deterministic", "default"])
+@pytest.mark.parametrize("deterministic", [pytest.param(True, id="deterministic", marks=pytest.mark.slow),
+                                           pytest.param(False, id="default")])
 def test_concurrent_conversations_with_forced_eviction_match_no_cache(tiny_model_dir, no_top_k_model_dir, kda_decode,
                                                                       deterministic):
     """Many conversations behind a shared system prompt, sent together turn by turn, with a

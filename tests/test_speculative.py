@@ -82,6 +82,7 @@ def test_bad_speculative_configs_are_refused(text, problem):
         SpeculativeConfig.parse(text)
 
 
+@pytest.mark.slow
 def test_rejection_sampling_keeps_the_target_distribution():
     """The first token out is distributed as the target samples it directly; after an
     accepted draft, the next one is distributed as the target samples it with the draft in

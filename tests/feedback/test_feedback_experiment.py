@@ -33,6 +33,7 @@ def settings(base, a="", b="", workload=None, **kw) -> Settings:
                     base_options=base, pairs=4, max_pairs=4, threads=1, quality_prompts=2, quality_tokens=4, **kw)
 
 
+@pytest.mark.slow
 def test_a_a_experiments_find_no_difference(base, data_dir, tmp_path):
     """Three real A/A experiments. A correct test at alpha = 0.05 calls a difference about one
     time in twenty by design (tests/feedback/test_feedback_stats.py measures that rate on
@@ -49,6 +50,7 @@ def test_a_a_experiments_find_no_difference(base, data_dir, tmp_path):
         assert r.stats["median_b"] < r.stats["rooflines"]["B"]
 
 
+@pytest.mark.slow
 def test_a_real_difference_is_detected(base, data_dir, tmp_path):
     """max_num_seqs 1 vs 16 with 8 requests in flight: B batches them, A runs them one by one."""
     workload = Workload.from_dict({"name": "eight_in_flight", "num_requests": 8, "input_len": {"uniform": [8, 16]},

@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 from server_harness import serve, tiny_dense_dsa_model  # noqa: F401  (fixture)
 
@@ -42,6 +43,7 @@ def write_task(directory: Path) -> None:
     (directory / f"{TASK}.yaml").write_text(yaml.safe_dump(task))
 
 
+@pytest.mark.slow
 def test_lm_eval_scores_equal_offline_prompt_logprobs(tiny_dense_dsa_model, tmp_path):
     model = tiny_dense_dsa_model
     write_task(tmp_path)
