@@ -1,5 +1,6 @@
-"""Step metadata: the block table padded from the runner's per-request tensors equals the
-one built from the Python lists, and `BlockIds` keeps its tensor in step with its list."""
+"""Step metadata: the block table filled from the runner's per-request arrays equals the one
+built from the Python lists, each row a request's ids padded with `num_blocks`, and
+`BlockIds` keeps its array in step with its list."""
 
 import random
 from pathlib import Path
@@ -13,16 +14,16 @@ from oxserve.model.config import TextModelConfig
 
 def test_block_ids_grow_as_their_list():
     blocks = BlockIds()
-    assert blocks.tensor().numel() == 0
+    assert blocks.array().size == 0
     want: list[int] = []
     for _ in range(40):
         new = [random.randrange(10_000) for _ in range(random.choice([0, 1, 1, 3, 17]))]
         blocks.extend(new)
         want += new
-        assert blocks.ids == want and blocks.tensor().tolist() == want
+        assert blocks.ids == want and blocks.array().tolist() == want
 
 
-def test_tables_from_tensors_equal_tables_from_lists():
+def test_tables_from_arrays_equal_tables_from_lists_padded_with_an_id_no_cache_has():
     cfg = TextModelConfig.from_file(Path(default_model()) / "config.json")
     block_size, num_blocks = 16, 5_000
     rng = random.Random()
@@ -38,9 +39,14 @@ def test_tables_from_tensors_equal_tables_from_lists():
     for c, n, ids, slot in requests:
         blocks = BlockIds()
         blocks.extend(ids)
-        held.append(BatchRequest(c, n, blocks.ids, slot, True, block_tensor=blocks.tensor()))
+        held.append(BatchRequest(c, n, blocks.ids, slot, True, block_array=blocks.array()))
     a, b = (make_forward_batch(r, cfg, block_size, num_blocks, "cpu") for r in (plain, held))
     assert torch.equal(a.block_tables, b.block_tables) and torch.equal(a.cache_rows, b.cache_rows)
+    longest = max(c + n for c, n, _, _ in requests)
+    width = a.block_tables.shape[1]  # a power of two, covering every request and the step's bound
+    assert width & (width - 1) == 0 and width * block_size >= a.seq_len_bound >= longest
+    for row, (_, _, ids, _) in zip(a.block_tables.tolist(), requests):
+        assert row == ids + [num_blocks] * (width - len(ids))
     assert torch.equal(a.pools.member_rows, b.pools.member_rows) and torch.equal(a.pools.pool_rows, b.pools.pool_rows)
 
 

@@ -1,5 +1,5 @@
 """Host-side cost of a decode step's metadata (`make_forward_batch`): block tables converted
-from every request's Python list of block ids, against padded from the per-request tensors
+from every request's Python list of block ids, against filled from the per-request arrays
 the runner keeps (`BlockIds`). 32 decoding requests at growing contexts, block size 16.
 
     python docs/bench/forward_batch_cost.py      # ms per call, mean of 50 calls
@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-import torch
+import numpy as np
 
 from oxserve.default_model import default_model
 from oxserve.model.batch import BatchRequest, make_forward_batch
@@ -30,12 +30,12 @@ def per_call_ms(requests, cfg, calls: int = 50) -> float:
 
 def main() -> None:
     cfg = TextModelConfig.from_file(Path(default_model()) / "config.json")
-    print(f"{'context':>8} {'batch':>6} {'from lists':>11} {'from tensors':>13}  (ms per call)")
+    print(f"{'context':>8} {'batch':>6} {'from lists':>11} {'from arrays':>13}  (ms per call)")
     for context, batch in ((512, 32), (4096, 32), (16384, 32), (16384, 1)):
         blocks = context // 16 + 1
         ids = [list(range(r * blocks, (r + 1) * blocks)) for r in range(batch)]
         lists = [BatchRequest(context, 1, ids[r], r, True) for r in range(batch)]
-        tensors = [BatchRequest(context, 1, ids[r], r, True, block_tensor=torch.tensor(ids[r])) for r in range(batch)]
+        tensors = [BatchRequest(context, 1, ids[r], r, True, block_array=np.array(ids[r])) for r in range(batch)]
         print(f"{context:>8} {batch:>6} {per_call_ms(lists, cfg):>11.3f} {per_call_ms(tensors, cfg):>13.3f}")
 
 

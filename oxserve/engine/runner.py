@@ -36,7 +36,7 @@ from oxserve.engine.mtp_drafter import MTPDrafter
 from oxserve.engine.prompt_logprobs import score_prompt_tokens
 from oxserve.engine.sampler import SamplingRow, make_generator, sample
 from oxserve.engine.speculative import verify
-from oxserve.model.batch import BatchRequest, BlockIds, make_forward_batch
+from oxserve.model.batch import BatchRequest, BlockIds, host_tensor, make_forward_batch
 from oxserve.model.glm5_next import Glm5NextForCausalLM
 from oxserve.multimodal.embedder import MultiModalEmbedder, ReceivedEmbeddings, RowSpan, placeholder_rows
 from oxserve.multimodal.inputs import MultiModalItem
@@ -267,12 +267,12 @@ class ModelRunner:
             requests = [
                 BatchRequest(s.num_computed_tokens, s.num_new_tokens, self.requests[s.request_id].blocks.ids, s.state_slot,
                              s.samples, s.num_draft_tokens, s.prompt_logprob_positions,
-                             self.requests[s.request_id].blocks.tensor())
+                             self.requests[s.request_id].blocks.array())
                 for s in scheduled
             ]
             batch = make_forward_batch(requests, self.model.config, self.layout.block_size, self.layout.num_blocks, self.device,
                                        self.rings)
-            input_ids = torch.tensor([t for s in scheduled for t in s.token_ids], dtype=torch.long, device=self.device)
+            input_ids = host_tensor([t for s in scheduled for t in s.token_ids], self.device)
         mm_embeds = self._mm_embeddings(scheduled)
         batch.tracer = self.tracer
         with span(self.tracer, "forward", track="engine", **step_conditions(batch)):

@@ -23,9 +23,8 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
-import torch.nn.functional as F
-from torch.nn.utils.rnn import pad_sequence
 
 from oxserve.cache.replay import ReplayBook, RingCounts
 from oxserve.kernels.kda import ChunkLayout, ConvLayout, chunk_layout, chunk_plan, conv_layout
@@ -35,27 +34,35 @@ from oxserve.telemetry import Tracer
 
 class BlockIds:
     """A request's cache block ids, append-only: as a Python list (host arithmetic) and as an
-    int64 tensor grown with it, so a step's block table is padded from tensors instead of
+    int64 array grown with it, so a step's block table is filled from arrays instead of
     converting every id of every request from Python each step (32 requests at 16k context:
     2.0 ms a step against 0.26 ms, `python docs/bench/forward_batch_cost.py`)."""
 
     def __init__(self) -> None:
         self.ids: list[int] = []
-        self._buffer = torch.empty(16, dtype=torch.long)
+        self._buffer = np.empty(16, dtype=np.int64)
 
     def extend(self, ids: list[int]) -> None:
         if not ids:
             return
         start, end = len(self.ids), len(self.ids) + len(ids)
-        if end > self._buffer.numel():
-            grown = torch.empty(max(end, 2 * self._buffer.numel()), dtype=torch.long)
+        if end > self._buffer.size:
+            grown = np.empty(max(end, 2 * self._buffer.size), dtype=np.int64)
             grown[:start] = self._buffer[:start]
             self._buffer = grown
-        self._buffer[start:end] = torch.tensor(ids, dtype=torch.long)
+        self._buffer[start:end] = ids
         self.ids.extend(ids)
 
-    def tensor(self) -> torch.Tensor:
+    def array(self) -> np.ndarray:
         return self._buffer[: len(self.ids)]
+
+
+def host_tensor(values, device: torch.device | str, dtype=np.int64) -> torch.Tensor:
+    """A tensor of a host list, through numpy: torch.tensor converts it value by value, and a
+    step makes about ten such index tensors (three ints: 10 us against 3.4 us on this
+    project's slowest cores; `python docs/bench/forward_batch_cost.py` for a whole step)."""
+    tensor = torch.from_numpy(np.asarray(values, dtype=dtype))  # an int64 array as it is
+    return tensor if torch.device(device).type == "cpu" else tensor.to(device)
 
 
 @dataclass(frozen=True)
@@ -69,7 +76,7 @@ class BatchRequest:
     samples: bool
     num_draft_tokens: int = 0  # speculative tokens at the end, verified this step
     scored_positions: range = range(0)  # more positions (in the request) whose logits are wanted: prompt logprobs
-    block_tensor: torch.Tensor | None = None  # block_ids as int64 (`BlockIds.tensor`), where the caller keeps one
+    block_array: np.ndarray | None = None  # block_ids as int64 (`BlockIds.array`), where the caller keeps one
 
     @property
     def verifies(self) -> bool:
@@ -152,7 +159,7 @@ def token_runs(query_lens: list[int]) -> torch.Tensor:
     for n in query_lens:
         runs.append((start, n))
         start += n
-    return torch.tensor(runs, dtype=torch.int64).view(len(query_lens), 2)
+    return host_tensor(runs, "cpu").view(len(query_lens), 2)
 
 
 def make_forward_batch(
@@ -195,19 +202,16 @@ def make_forward_batch(
     logits_indices += scored_rows
 
     def as_long(values) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.long, device=device)
+        return host_tensor(values, device)
 
-    if all(req.block_tensor is not None for req in requests):
-        block_tables = pad_sequence([req.block_tensor for req in requests], batch_first=True,
-                                    padding_value=num_blocks).to(device)
-    else:
-        width = max(len(req.block_ids) for req in requests)
-        block_tables = as_long([req.block_ids + [num_blocks] * (width - len(req.block_ids)) for req in requests])
     # Tables as wide as the blocks of seq_len_bound tokens (or a power of two past that): their
     # width changes when the bound does, a few times in a request's life.
     seq_len_bound = power_of_two(max(req.num_computed_tokens + req.num_new_tokens for req in requests))
-    width = max(power_of_two(block_tables.shape[1]), -(-seq_len_bound // block_size))
-    block_tables = F.pad(block_tables, (0, width - block_tables.shape[1]), value=num_blocks)
+    width = max(power_of_two(max(len(req.block_ids) for req in requests)), -(-seq_len_bound // block_size))
+    tables = np.full((len(requests), width), num_blocks, dtype=np.int64)
+    for r, req in enumerate(requests):
+        tables[r, : len(req.block_ids)] = req.block_ids if req.block_array is None else req.block_array
+    block_tables = host_tensor(tables, device)
 
     query_lens = [req.num_new_tokens for req in requests]
     batch = ForwardBatch(
@@ -219,7 +223,7 @@ def make_forward_batch(
         cache_rows=as_long(cache_rows),
         block_tables=block_tables,
         state_slots=as_long([req.state_slot for req in requests]),
-        has_initial_state=torch.tensor([req.num_computed_tokens > 0 for req in requests], device=device),
+        has_initial_state=host_tensor([req.num_computed_tokens > 0 for req in requests], device, np.bool_),
         block_size=block_size,
         seq_len_bound=seq_len_bound,
         logits_indices=as_long(logits_indices),
@@ -278,6 +282,6 @@ def _pool_completions(requests: list[BatchRequest], kpool, block_size, device) -
             pool = last // kpool
             pool_rows.append(table[pool // pools_per_block] * pools_per_block + pool % pools_per_block)
     return PoolCompletions(
-        member_rows=torch.tensor(members, dtype=torch.long, device=device).reshape(-1, kpool),
-        pool_rows=torch.tensor(pool_rows, dtype=torch.long, device=device),
+        member_rows=host_tensor(members, device).reshape(-1, kpool),
+        pool_rows=host_tensor(pool_rows, device),
     )
