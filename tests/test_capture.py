@@ -12,6 +12,7 @@ import torch
 
 from oxserve import LLM, SamplingParams
 from oxserve.engine.capture import CapturedDecode, StepRecording
+from oxserve.engine import sampler
 from oxserve.kernels.call_list import CallRun
 from oxserve.kernels import rows as row_kernels
 from oxserve.model.batch import BatchRequest, make_forward_batch
@@ -129,6 +130,22 @@ def test_the_default_model_replays_its_decode_steps_exactly():
     assert replayed == eager
     plans = [r._plan for r in captured.recordings.values() if r._plan is not None]
     assert plans and all(any(isinstance(step[1], CallRun) for step in plan) for plan in plans)  # kernel runs made from C
+
+
+def test_plain_greedy_steps_take_the_argmax_their_replay_made(monkeypatch):
+    """A replayed decode step computes each row's argmax with its logits, and the sampler takes
+    it for plain greedy rows (no logprobs, penalties or grammar) instead of making its own
+    pass: the same tokens as eager steps, where the sampler makes it every step."""
+    prompts = ["The quick brown fox", "def fibonacci(n):", "import os\n" * 20]
+    params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+    passes = []
+    own_pass = sampler.greedy_tokens
+    monkeypatch.setattr(sampler, "greedy_tokens", lambda logits: passes.append(len(logits)) or own_pass(logits))
+    eager, _ = _run(None, "bfloat16", True, prompts, params)
+    eager_passes = len(passes)
+    replayed, captured = _run(None, "bfloat16", False, prompts, params)
+    assert replayed == eager and captured.replays > 40
+    assert eager_passes >= 60 and len(passes) - eager_passes <= 3  # the replayed run's: its prefill steps only
 
 
 def test_compile_sizes_choose_the_batch_sizes_captured(tiny_model_dir):

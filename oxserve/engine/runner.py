@@ -36,6 +36,7 @@ from oxserve.engine.mtp_drafter import MTPDrafter
 from oxserve.engine.prompt_logprobs import score_prompt_tokens
 from oxserve.engine.sampler import SamplingRow, make_generator, sample
 from oxserve.engine.speculative import verify
+from oxserve.kernels.rows import argmax_fit, argmax_native
 from oxserve.model.batch import BatchRequest, BlockIds, host_tensor, make_forward_batch
 from oxserve.model.glm5_next import Glm5NextForCausalLM
 from oxserve.multimodal.embedder import MultiModalEmbedder, ReceivedEmbeddings, RowSpan, placeholder_rows
@@ -92,6 +93,7 @@ class ModelRunner:
         self.checkpoints = CheckpointStore(cache_specs, num_checkpoints, device) if num_checkpoints else None  # prefix caching
         self.requests: dict[str, RequestState] = {}
         self._step_hidden: torch.Tensor | None = None  # MTP drafting: this step's hidden states, every row
+        self._step_greedy: torch.Tensor | None = None  # a replayed step's argmax of its logits rows
         self.grammars = grammars
         self.masks = BatchMasks(grammars.vocab_size) if grammars is not None else None
         self.embedder = embedder  # images and video: their embeddings for placeholder rows
@@ -209,7 +211,7 @@ class ModelRunner:
             if masked:
                 with span(self.tracer, "grammar_mask", track="engine"):
                     self.masks.apply(plain_logits, grammars)
-            sampled = sample(plain_logits, rows)
+            sampled = sample(plain_logits, rows, self._step_greedy if all_plain and not masked else None)
             for i, token, lp, grammar in zip(plain, sampled.token_ids, sampled.logprobs, grammars):
                 tokens[i], logprobs[i] = [token], None if lp is None else [lp]
                 if grammar is not None:
@@ -277,10 +279,11 @@ class ModelRunner:
         batch.tracer = self.tracer
         with span(self.tracer, "forward", track="engine", **step_conditions(batch)):
             if self._replayable(batch, scheduled, mm_embeds):
-                logits, staged = self.captured.run(input_ids, batch)
+                logits, staged, self._step_greedy = self.captured.run(input_ids, batch)
                 for cache, conv in zip(self.kda_caches, staged):  # a replay stages what its recording did
                     cache.staged_conv = conv
                 return logits, {}
+            self._step_greedy = None
             if self.drafter is None:
                 hidden = self.model(input_ids, batch, self.caches, mm_embeds=mm_embeds)
             else:  # the drafter reads every row's hidden state after sampling
@@ -373,12 +376,16 @@ class ModelRunner:
 
 def decode_logits(model: Glm5NextForCausalLM, caches: list, kda_caches: list[KDACache], input_ids: torch.Tensor,
                   batch) -> tuple:
-    """A decode step's logits, and the conv states each KDA layer (`kda_caches`, among
-    `caches`) staged for verified tokens (`KDACache.staged_conv`, read after sampling): what
-    `CapturedDecode` records and replays (a replay recomputes those tensors, but sets no
-    attribute)."""
+    """A decode step's logits, the conv states each KDA layer (`kda_caches`, among `caches`)
+    staged for verified tokens (`KDACache.staged_conv`, read after sampling), and each logits
+    row's argmax where the native pass takes them (else None): what `CapturedDecode` records
+    and replays (a replay recomputes those tensors, but sets no attribute). The argmax rides in
+    the replay because on the host it cost more than its pass: after a replay has streamed the
+    weights through the caches, the sampler's checks and its allocation took ~70 us of a
+    batch-1 step here."""
     logits = model.compute_logits(model(input_ids, batch, caches), batch.tracer)
-    return logits, [cache.staged_conv for cache in kda_caches]
+    greedy = argmax_native(logits) if logits is not None and argmax_fit(logits) else None  # (None: a rank but the first)
+    return logits, [cache.staged_conv for cache in kda_caches], greedy
 
 
 def _image_spans(scheduled: list[ScheduledRequest], items_of) -> list[RowSpan]:

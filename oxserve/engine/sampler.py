@@ -44,10 +44,11 @@ def make_generator(seed: int | None, device: torch.device | str) -> torch.Genera
     return torch.Generator(device=device).manual_seed(seed)
 
 
-def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
-    """Sample one token per row of `logits` [R, V]; `logits` is left untouched."""
+def sample(logits: torch.Tensor, rows: list[SamplingRow], greedy: torch.Tensor | None = None) -> SamplerOutput:
+    """Sample one token per row of `logits` [R, V]; `logits` is left untouched. `greedy`: each
+    row's argmax, where the caller has it already (a replayed decode step makes it)."""
     if all(_is_plain_greedy(row.params) for row in rows):
-        return SamplerOutput(greedy_tokens(logits).tolist(), [None] * len(rows))
+        return SamplerOutput((greedy_tokens(logits) if greedy is None else greedy).tolist(), [None] * len(rows))
 
     # A private float32 copy: everything below may work in place.
     x = logits.to(torch.float32, copy=True)
