@@ -132,20 +132,27 @@ def test_the_default_model_replays_its_decode_steps_exactly():
     assert plans and all(any(isinstance(step[1], CallRun) for step in plan) for plan in plans)  # kernel runs made from C
 
 
-def test_plain_greedy_steps_take_the_argmax_their_replay_made(monkeypatch):
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_plain_greedy_steps_take_the_argmax_their_replay_made(monkeypatch, deterministic):
     """A replayed decode step computes each row's argmax with its logits, and the sampler takes
     it for plain greedy rows (no logprobs, penalties or grammar) instead of making its own
-    pass: the same tokens as eager steps, where the sampler makes it every step."""
+    pass: the same tokens as eager steps, where the sampler makes it every step. Only for
+    those very logits: deterministic mode replays one request at a time and samples their
+    concatenation, so the sampler makes its own pass there."""
     prompts = ["The quick brown fox", "def fibonacci(n):", "import os\n" * 20]
     params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
     passes = []
     own_pass = sampler.greedy_tokens
     monkeypatch.setattr(sampler, "greedy_tokens", lambda logits: passes.append(len(logits)) or own_pass(logits))
-    eager, _ = _run(None, "bfloat16", True, prompts, params)
+    eager, _ = _run(None, "bfloat16", True, prompts, params, deterministic=deterministic)
     eager_passes = len(passes)
-    replayed, captured = _run(None, "bfloat16", False, prompts, params)
+    replayed, captured = _run(None, "bfloat16", False, prompts, params, deterministic=deterministic)
     assert replayed == eager and captured.replays > 40
-    assert eager_passes >= 60 and len(passes) - eager_passes <= 3  # the replayed run's: its prefill steps only
+    assert eager_passes >= 60
+    if deterministic:
+        assert len(passes) == 2 * eager_passes
+    else:
+        assert len(passes) - eager_passes <= 3  # the replayed run's: its prefill steps only
 
 
 def test_compile_sizes_choose_the_batch_sizes_captured(tiny_model_dir):

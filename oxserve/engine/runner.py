@@ -93,7 +93,9 @@ class ModelRunner:
         self.checkpoints = CheckpointStore(cache_specs, num_checkpoints, device) if num_checkpoints else None  # prefix caching
         self.requests: dict[str, RequestState] = {}
         self._step_hidden: torch.Tensor | None = None  # MTP drafting: this step's hidden states, every row
-        self._step_greedy: torch.Tensor | None = None  # a replayed step's argmax of its logits rows
+        # A replay's logits and the argmax it made of their rows: the sampler takes that argmax
+        # only for these very logits (not for a copy, a concatenation, or logits from elsewhere).
+        self._replay_greedy: tuple[torch.Tensor, torch.Tensor | None] | None = None
         self.grammars = grammars
         self.masks = BatchMasks(grammars.vocab_size) if grammars is not None else None
         self.embedder = embedder  # images and video: their embeddings for placeholder rows
@@ -155,6 +157,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _execute(self, out: SchedulerOutput) -> ModelRunnerOutput | None:
+        self._replay_greedy = None
         self.apply_cache_ops(out)
         self._update_states(out)
         scheduled = sorted(out.scheduled, key=_batch_order)
@@ -211,7 +214,8 @@ class ModelRunner:
             if masked:
                 with span(self.tracer, "grammar_mask", track="engine"):
                     self.masks.apply(plain_logits, grammars)
-            sampled = sample(plain_logits, rows, self._step_greedy if all_plain and not masked else None)
+            made, greedy = self._replay_greedy or (None, None)
+            sampled = sample(plain_logits, rows, greedy if plain_logits is made else None)
             for i, token, lp, grammar in zip(plain, sampled.token_ids, sampled.logprobs, grammars):
                 tokens[i], logprobs[i] = [token], None if lp is None else [lp]
                 if grammar is not None:
@@ -279,11 +283,11 @@ class ModelRunner:
         batch.tracer = self.tracer
         with span(self.tracer, "forward", track="engine", **step_conditions(batch)):
             if self._replayable(batch, scheduled, mm_embeds):
-                logits, staged, self._step_greedy = self.captured.run(input_ids, batch)
+                logits, staged, greedy = self.captured.run(input_ids, batch)
                 for cache, conv in zip(self.kda_caches, staged):  # a replay stages what its recording did
                     cache.staged_conv = conv
+                self._replay_greedy = (logits, greedy)
                 return logits, {}
-            self._step_greedy = None
             if self.drafter is None:
                 hidden = self.model(input_ids, batch, self.caches, mm_embeds=mm_embeds)
             else:  # the drafter reads every row's hidden state after sampling
