@@ -17,6 +17,7 @@ from oxserve.kernels.int8 import (
     w8a8_grouped,
     w8a8_grouped_reference,
 )
+from oxserve.kernels.moe import clamped_glu
 from oxserve.model.forced import forced_logits
 from oxserve.model.linear import Linear
 from oxserve.model.loader import load_model
@@ -24,7 +25,7 @@ from oxserve.quantization.quality import agreement
 from oxserve.quantization.w8a8 import PackedInt8, W8A8Experts, W8A8Linear, quantize_w8a8_on_load
 
 
-VNNI = int8.panels_available()
+PANELS = int8.panels_available()
 
 
 def test_the_native_int8_kernel_builds_here():
@@ -69,17 +70,18 @@ def test_kernel_equals_reference_bit_for_bit(rows, k, n, experts, seed, threads)
 @settings(max_examples=40, deadline=None)
 @given(rows=st.integers(0, 40), k=st.integers(1, 300), n=st.integers(1, 70), experts=st.integers(1, 6),
        seed=st.integers(0, 2**31), threads=st.sampled_from([1, 2]), smooth=st.booleans())
-def test_vnni_panels_equal_reference_bit_for_bit(rows, k, n, experts, seed, threads, smooth):
-    """The panel kernel's shifted-byte sums are the same integers: the same outputs exactly,
-    with and without SmoothQuant factors; packing round-trips."""
+def test_panels_equal_reference_bit_for_bit(rows, k, n, experts, seed, threads, smooth):
+    """The panel kernel's sums (int16 pairs on AVX2, shifted bytes with VNNI) are the same
+    integers: the same outputs exactly, with and without SmoothQuant factors; packing
+    round-trips."""
     x, offsets, wq, sw = _grouped_case(rows, k, n, experts, seed)
     inv = torch.rand(experts, k, generator=torch.Generator().manual_seed(seed)) + 0.5 if smooth else None
+    if not PANELS:  # a CPU without AVX2 refuses, clearly (W8A8 modules keep the int16 kernel's rows)
+        with pytest.raises(RuntimeError, match="AVX2"):
+            int8.pack_panels(wq)
+        return
     panels, colsum = int8.pack_panels(wq)
     assert torch.equal(int8.unpack_panels(panels, n, k), wq)
-    if not VNNI:  # a CPU without AVX512-VNNI refuses, clearly (W8A8 modules keep the int16 kernel's rows)
-        with pytest.raises(RuntimeError, match="AVX512-VNNI"):
-            int8.w8a8_panels(x, offsets, panels, colsum, sw, inv)
-        return
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -89,15 +91,18 @@ def test_vnni_panels_equal_reference_bit_for_bit(rows, k, n, experts, seed, thre
     assert torch.equal(out, w8a8_grouped_reference(x, offsets, wq, sw, inv))
 
 
-def test_vnni_panels_are_taken_exactly_where_the_cpu_has_them_and_sum_extremes_exactly():
-    """Panels where the CPU has AVX512-VNNI (the W8A8 modules keep them, not rows); every
-    product at its largest: u8 255 x s8 -128 over 8192 inputs stays an exact int32 sum."""
+def test_panels_are_taken_exactly_where_the_cpu_has_them_and_sum_extremes_exactly():
+    """Panels where the CPU has AVX2, in the layout of its best int8 instruction (the W8A8
+    modules keep them, not rows); every product at its largest (-128 weights against
+    activations at +-127; with VNNI, u8 255 x s8 -128) over 8192 inputs is an exact int32 sum."""
     flags = open("/proc/cpuinfo").read().split()
-    assert VNNI == ("avx512_vnni" in flags and "avx512bw" in flags)
+    vnni = "avx512_vnni" in flags and "avx512bw" in flags
+    assert PANELS == ("avx2" in flags or vnni)
     packed = PackedInt8.from_weight(torch.randn(2, 40, 64))
-    assert (packed.panels is not None) == VNNI and (packed.rows is None) == VNNI
-    if not VNNI:
+    assert (packed.panels is not None) == PANELS and (packed.rows is None) == PANELS
+    if not PANELS:
         return
+    assert int8.panel_layout() == ((16, 4) if vnni else (8, 2))
     k = 8192
     x, wq, sw = _extreme_case(k, 40)
     out = int8.w8a8_panels(x, torch.tensor([3], dtype=torch.int32), *int8.pack_panels(wq), sw)
@@ -149,7 +154,7 @@ def test_w8a8_linear_equals_dequantized_product():
 
 
 def test_w8a8_linear_reads_and_writes_bf16_as_the_fp32_product_rounded():
-    """bf16 in and out (the kernel converts itself on VNNI CPUs): the fp32 product of the same
+    """bf16 in and out (the panel kernel converts itself): the fp32 product of the same
     values, rounded once to bf16."""
     torch.manual_seed(3)
     linear = Linear(72, (40,))
@@ -184,7 +189,7 @@ def test_w8a8_experts_equal_the_looped_reference(tiny_model_dir):
 @pytest.mark.parametrize("smooth", [False, True])
 @pytest.mark.parametrize("hidden,inter", [(72, 40), (256, 16)])
 def test_w8a8_routed_in_one_call_equals_the_routing_around_run_sorted(dtype, smooth, hidden, inter):
-    """Routing, both products and the GLU in one native call (VNNI CPUs) give what the parent's
+    """Routing, both products and the GLU in one native call (on panels) give what the parent's
     torch routing around `run_sorted` gives: the same integers, and a GLU whose exp may differ
     from torch's in the last bit (then one int8 step moves, rarely). Hidden wider than twice
     the expert width too (as under tensor parallelism, or in real models)."""
@@ -205,10 +210,10 @@ def test_w8a8_routed_in_one_call_equals_the_routing_around_run_sorted(dtype, smo
     x = (torch.randn(23, hidden, generator=gen) * 2).to(dtype)
     experts = torch.stack([torch.randperm(6, generator=gen)[:3] for _ in range(23)])
     weights = torch.rand(23, 3, generator=gen)
-    routed = Experts.forward(module, x, weights, experts)  # the parent's routing, around run_sorted
+    routed = module.route_sorted(x, weights, experts)  # the routing in torch, around run_sorted
     got = module(x, weights, experts)
     assert got.dtype == dtype and got.shape == x.shape
-    assert module.gate_up.panels is not None or not VNNI
+    assert module.gate_up.panels is not None or not PANELS
     torch.testing.assert_close(got.float(), routed.float(), rtol=2e-2, atol=2e-2)
     assert (got != routed).float().mean() < 0.01
 
@@ -307,3 +312,73 @@ def test_smoothed_kernel_equals_reference():
     inv = torch.rand(3, 50) * 2 + 0.05
     out = w8a8_grouped(x, offsets, pad_columns(wq, column_multiple()), sw, inv)
     assert torch.equal(out, w8a8_grouped_reference(x, offsets, wq, sw, inv))
+
+
+def _w8a8_moe(dtype: torch.dtype, n_shared: int, seed: int):
+    """A MoE layer with random weights, quantized on load (routed, shared and projections)."""
+    from oxserve.model.config import TextModelConfig
+    from oxserve.model.moe import MoE
+    from tiny_models import TINY_TEXT_CONFIG
+
+    overrides = dict(n_routed_experts=5, moe_intermediate_size=24, hidden_size=72, num_experts_per_tok=2,
+                     n_shared_experts=n_shared)
+    moe = MoE(TextModelConfig.from_hf_dict({**TINY_TEXT_CONFIG, **overrides}), "L0.moe")
+    gen = torch.Generator().manual_seed(seed)
+    for p in moe.parameters():
+        p.data = (torch.randn(p.shape, generator=gen) * 0.2).to(dtype)
+    quantize_w8a8_on_load(moe)
+    for module in reversed(list(moe.modules())):  # children first, as the loader does
+        if hasattr(module, "after_load"):
+            module.after_load()
+    return moe, gen
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_w8a8_mlp_in_one_call_equals_its_integer_reference(dtype):
+    """gate|up, the clamped GLU in fp32 and down in one native call: the products are the
+    reference's integers; the GLU's exp may differ from torch's in the last bit (then one int8
+    step of the down projection's input moves, rarely)."""
+    from oxserve.quantization.w8a8 import W8A8DenseMLP
+
+    moe, gen = _w8a8_moe(dtype, 2, seed=11)
+    mlp = moe.shared_experts
+    assert isinstance(mlp, W8A8DenseMLP) and mlp.stacks() is not None
+    x = (torch.randn(13, 72, generator=gen) * 2).to(dtype)
+    every = torch.tensor([13], dtype=torch.int32)
+    gate_up, down = mlp.gate_up_proj.packed, mlp.down_proj.packed
+    gate, up = w8a8_grouped_reference(x, every, gate_up.qweight, gate_up.scale).chunk(2, dim=-1)
+    act = clamped_glu(gate, up, mlp.swiglu_limit)
+    expected = w8a8_grouped_reference(act, every, down.qweight, down.scale).to(dtype)
+    got = mlp(x)
+    assert got.dtype == dtype and got.shape == x.shape
+    torch.testing.assert_close(got.float(), expected.float(), rtol=2e-2, atol=2e-2)
+    assert (got != expected).float().mean() < 0.01
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n_shared", [1, 2])
+def test_w8a8_moe_runs_its_shared_expert_inside_the_routed_call(dtype, n_shared):
+    """The shared expert in the routed experts' call (its own width: n_shared x the routed
+    one's) gives exactly the routed call plus the shared call, added as torch adds them."""
+    from oxserve.telemetry import Tracer
+
+    moe, gen = _w8a8_moe(dtype, n_shared, seed=n_shared)
+    assert moe.experts.takes_shared(moe.shared_experts)
+    x = (torch.randn(17, 72, generator=gen) * 2).to(dtype)
+    weights, experts = moe.gate(x)
+    separate = moe.experts(x, weights, experts) + moe.shared_experts(x)
+    tracer = Tracer()
+    got = moe(x, tracer)
+    assert torch.equal(got, separate)
+    assert {s.name for s in tracer.spans} == {"L0.moe.router", "L0.moe.experts_and_shared"}
+
+
+def test_on_load_runs_dense_mlps_in_one_call_only_where_both_projections_are_int8(tiny_model_dir):
+    from oxserve.model.common import DenseMLP
+    from oxserve.quantization.w8a8 import W8A8DenseMLP
+
+    model = load_model(tiny_model_dir, dtype=torch.float32,
+                       transform=lambda m: quantize_w8a8_on_load(m, in_layer=lambda layer: layer != 1)).model
+    mlps = {name: m for name, m in model.named_modules() if isinstance(m, DenseMLP)}
+    assert mlps and all(isinstance(m, W8A8DenseMLP) == (not name.startswith("layers.1.")) for name, m in mlps.items())
+    assert all(m.stacks() is not None for m in mlps.values() if isinstance(m, W8A8DenseMLP))

@@ -13,9 +13,10 @@ version it is tested against, bit for bit, and what runs where no C compiler is 
 On this project's AVX2 CPUs `torch._int_mm` runs 15-110x slower than the fp32 product it
 would replace (docs/bench/w8a8_matmul.py), so it is not used on CPU.
 
-Where the CPU has AVX512-VNNI, `w8a8_panels` computes the same integers (so the same outputs,
-bit for bit) with `vpdpbusd` on weights packed once by `pack_panels`: 16 output channels by 4
-inputs per vector, each loaded once for 8 rows (`native/w8a8.c`).
+Where the CPU has AVX2 (or AVX512-VNNI), `w8a8_panels` computes the same integers (so the
+same outputs, bit for bit) on weights packed once by `pack_panels` into panels whose vectors
+each serve a block of rows: 8 output channels by 2 inputs widened to int16 for `madd_epi16`
+on AVX2, 16 by 4 bytes for `vpdpbusd` with AVX512-VNNI (`native/w8a8.c`).
 """
 
 from __future__ import annotations
@@ -84,9 +85,11 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.w8a8_panels_grouped.argtypes = [p, i64, i64, p, i64, p, p, p, p, i64, i64, i64, p, ctypes.c_int]
     lib.w8a8_panels_linear.restype = ctypes.c_int
     lib.w8a8_panels_linear.argtypes = [p, ctypes.c_int, i64, i64, p, p, p, p, i64, i64, i64, p, ctypes.c_int, ctypes.c_int]
-    lib.w8a8_panels_routed.restype = ctypes.c_int
-    lib.w8a8_panels_routed.argtypes = [p, ctypes.c_int, i64, i64, p, p, i64, i64, i64, ctypes.c_float,
-                                       p, p, p, p, i64, i64, p, p, p, p, i64, i64, p, ctypes.c_int]
+    lib.w8a8_panels_routed.restype = lib.w8a8_panels_mlp.restype = ctypes.c_int
+    lib.w8a8_panels_routed.argtypes = [p, ctypes.c_int, i64, i64, p, p, i64, i64, i64, ctypes.c_float, p, p, p, p, i64, p,
+                                       ctypes.c_int]
+    lib.w8a8_panels_mlp.argtypes = [p, ctypes.c_int, i64, i64, i64, ctypes.c_float, p, p, p, ctypes.c_int]
+    lib.w8a8_panel_width.restype = lib.w8a8_panel_depth.restype = ctypes.c_int
     return lib
 
 
@@ -106,10 +109,9 @@ def column_multiple() -> int:
     return lib.w8a8_kstep() if lib is not None else 1
 
 
-# ---- packed panels (AVX512-VNNI) -----------------------------------------------------------
+# ---- packed panels (AVX2, AVX512-VNNI) -----------------------------------------------------
 
-PANEL_WIDTH = 16  # output channels per panel
-MAX_PANEL_K = 65536  # MAX_PANEL_K in w8a8.c: shifted-byte sums stay exact in int32
+MAX_PANEL_K = 65536  # MAX_PANEL_K in w8a8.c: the panels' int32 sums stay exact
 
 
 def panels_available() -> bool:
@@ -117,32 +119,47 @@ def panels_available() -> bool:
     return lib is not None and lib.w8a8_panels_available() == 1
 
 
+def panel_layout() -> tuple[int, int]:
+    """(output channels per panel, inputs per channel in one vector) of this CPU's build: (8, 2)
+    on AVX2, (16, 4) with AVX512-VNNI."""
+    if not panels_available():
+        raise RuntimeError("w8a8 panels need a CPU with AVX2 or AVX512-VNNI and a C compiler")
+    lib = _kernel()
+    return lib.w8a8_panel_width(), lib.w8a8_panel_depth()
+
+
 def pack_panels(wq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """int8 [E, N, K] -> (panels [E, Np/16, Kp/4, 16, 4], colsum [E, Np] int32): N padded with
-    zero rows to a multiple of 32, K with zero columns to a multiple of 4 (`native/w8a8.c`)."""
+    """int8 [E, N, K] -> (panels [E, Np/W, Kp/D, W, D], colsum [E, Np] int32) for this CPU's
+    `panel_layout()` (W, D): N padded with zero rows to a multiple of 2W, K with zero columns to
+    a multiple of D (`native/w8a8.c`)."""
+    width, depth = panel_layout()
     e, n, k = wq.shape
-    n_pad, k_pad = -(-n // (2 * PANEL_WIDTH)) * 2 * PANEL_WIDTH, -(-k // 4) * 4
+    n_pad, k_pad = -(-n // (2 * width)) * 2 * width, -(-k // depth) * depth
     w = F.pad(wq, (0, k_pad - k, 0, n_pad - n))
-    panels = w.reshape(e, n_pad // PANEL_WIDTH, PANEL_WIDTH, k_pad // 4, 4).permute(0, 1, 3, 2, 4).contiguous()
+    panels = w.reshape(e, n_pad // width, width, k_pad // depth, depth).permute(0, 1, 3, 2, 4).contiguous()
     return panels, w.sum(-1, dtype=torch.int32).contiguous()
 
 
 def unpack_panels(panels: torch.Tensor, n: int, k: int) -> torch.Tensor:
     """The inverse of `pack_panels`: [E, n, k] int8."""
-    e, blocks, quads, width, four = panels.shape
-    return panels.permute(0, 1, 3, 2, 4).reshape(e, blocks * width, quads * four)[:, :n, :k]
+    e, blocks, steps, width, depth = panels.shape
+    return panels.permute(0, 1, 3, 2, 4).reshape(e, blocks * width, steps * depth)[:, :n, :k]
+
+
+def _padded(panels: torch.Tensor) -> tuple[int, int]:
+    """(Np, Kp) of packed panels."""
+    return panels.shape[1] * panels.shape[3], panels.shape[2] * panels.shape[4]
 
 
 def w8a8_panels(x: torch.Tensor, offsets: torch.Tensor, panels: torch.Tensor, colsum: torch.Tensor, sw: torch.Tensor,
                 inv_smooth: torch.Tensor | None = None) -> torch.Tensor:
     """As `w8a8_grouped_reference` (bit for bit) on `pack_panels`' weights, where
     `panels_available()`: x [P, K] float sorted by expert, sw [E, N] -> [P, N] fp32."""
-    if not panels_available():
-        raise RuntimeError("w8a8 panels need a CPU with AVX512-VNNI and a C compiler")
+    panel_layout()  # a clear error where the CPU has no panels
     x, sw = x.float().contiguous(), sw.float().contiguous()
     offsets = offsets.to(torch.int32).contiguous()
     (experts, n), (p, k) = sw.shape, x.shape
-    k_pad, n_pad = panels.shape[2] * 4, panels.shape[1] * PANEL_WIDTH
+    n_pad, k_pad = _padded(panels)
     if inv_smooth is not None:
         inv_smooth = inv_smooth.float().contiguous()
     if k_pad < k or k_pad > MAX_PANEL_K or offsets.numel() != experts or colsum.shape != (experts, n_pad):
@@ -163,47 +180,82 @@ def w8a8_panels_linear(x: torch.Tensor, panels: torch.Tensor, colsum: torch.Tens
     the kernel reads and writes the model dtype itself (a decode step makes ~50 of these calls)."""
     rows = x if x.is_contiguous() else x.contiguous()
     (m, k), n = rows.shape, sw.shape[-1]
-    k_pad = panels.shape[2] * 4
+    n_pad, k_pad = _padded(panels)
     if k_pad < k or rows.dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"w8a8: panels {tuple(panels.shape)} do not fit x {tuple(x.shape)} ({x.dtype})")
     out = torch.empty(m, n, dtype=rows.dtype)
     bf16 = rows.dtype == torch.bfloat16
     status = _kernel().w8a8_panels_linear(
         rows.data_ptr(), bf16, m, k, panels.data_ptr(), colsum.data_ptr(), sw.data_ptr(),
-        None if inv_smooth is None else inv_smooth.data_ptr(), n, panels.shape[1] * PANEL_WIDTH, k_pad, out.data_ptr(),
+        None if inv_smooth is None else inv_smooth.data_ptr(), n, n_pad, k_pad, out.data_ptr(),
         bf16, torch.get_num_threads())
     if status != 0:
         raise MemoryError(f"w8a8: no scratch memory for {m} x {k_pad} activations")
     return out
 
 
-# (panels, weight sums, scales [E, N], smoothing factors [E, K] or None): one packed stack
-PanelStack = tuple[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"]
+class PanelStack(ctypes.Structure):
+    """One packed weight stack as the routed and MLP entry points read it (`Stack` in
+    native/w8a8.c): panels and weight sums from `pack_panels`, scales [E, N] fp32 and
+    smoothing factors [E, K] fp32 or None. Built once per module; it keeps the tensors its
+    pointers point into."""
+
+    _fields_ = [("panels", ctypes.c_void_p), ("colsum", ctypes.c_void_p), ("scale", ctypes.c_void_p),
+                ("smooth", ctypes.c_void_p), ("n_padded", ctypes.c_int64), ("k_padded", ctypes.c_int64)]
+
+    @classmethod
+    def of(cls, panels: torch.Tensor, colsum: torch.Tensor, scale: torch.Tensor,
+           smooth: torch.Tensor | None) -> PanelStack:
+        tensors = (panels, colsum, scale) + (() if smooth is None else (smooth,))
+        if not all(t.is_contiguous() for t in tensors) or scale.dtype != torch.float32 or (
+                smooth is not None and smooth.dtype != torch.float32):
+            raise ValueError("w8a8: a panel stack needs contiguous tensors and fp32 scales")
+        stack = cls(panels.data_ptr(), colsum.data_ptr(), scale.data_ptr(), None if smooth is None else smooth.data_ptr(),
+                    *_padded(panels))
+        stack.tensors = tensors
+        stack.experts, stack.out_features = scale.shape
+        return stack
+
+
+def _mlp_check(status: int, rows: int) -> None:
+    if status == -3:
+        raise ValueError(f"w8a8: a panel stack wider than {MAX_PANEL_K} inputs")
+    if status != 0:
+        raise MemoryError(f"w8a8: no scratch memory for {rows} rows")
 
 
 def w8a8_panels_routed(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, gate_up: PanelStack,
-                       down: PanelStack, limit: float) -> torch.Tensor:
+                       down: PanelStack, limit: float, shared: tuple[PanelStack, PanelStack] | None = None) -> torch.Tensor:
     """The routed experts in one native call (`native/w8a8.c`): x [T, H] (bf16 or fp32), the
     router's weights and expert ids [T, k] -> [T, H] in x's dtype; gate_up packed from [E, 2I, H],
     down from [E, H, I]. The pairs' products are `w8a8_panels`'; the GLU between them is
-    computed in fp32 as `clamped_glu` does it, times the routing weight."""
-    if not panels_available():
-        raise RuntimeError("w8a8 panels need a CPU with AVX512-VNNI and a C compiler")
+    computed in fp32 as `clamped_glu` does it, times the routing weight. `shared`: a shared
+    expert's stacks (one expert each), its `w8a8_panels_mlp` added as `MoE.forward` adds it."""
+    panel_layout()
     rows, ids, weights = x.contiguous(), experts.to(torch.int64).contiguous(), weights.float().contiguous()
-    (tokens, hidden), num_experts, inter = rows.shape, gate_up[2].shape[0], gate_up[2].shape[1] // 2
     out = torch.empty_like(rows)
-    ptr = native.pointer
-
-    def stack(s: PanelStack) -> list:
-        panels, colsum, scale, smooth = s
-        return [ptr(panels), ptr(colsum), ptr(scale), None if smooth is None else ptr(smooth), panels.shape[1] * PANEL_WIDTH,
-                panels.shape[2] * 4]
-
+    shared_gate_up, shared_down = shared if shared is not None else (None, None)
     status = _kernel().w8a8_panels_routed(
-        ptr(rows), int(rows.dtype == torch.bfloat16), tokens, hidden, ptr(ids), ptr(weights), ids.shape[1], num_experts,
-        inter, limit, *stack(gate_up), *stack(down), ptr(out), torch.get_num_threads())
-    if status != 0:
-        raise MemoryError(f"w8a8 routed experts: no scratch memory for {ids.numel()} rows")
+        rows.data_ptr(), int(rows.dtype == torch.bfloat16), rows.shape[0], rows.shape[1], ids.data_ptr(),
+        weights.data_ptr(), ids.shape[1], gate_up.experts, gate_up.out_features // 2, limit, ctypes.addressof(gate_up),
+        ctypes.addressof(down), None if shared is None else ctypes.addressof(shared_gate_up),
+        None if shared is None else ctypes.addressof(shared_down), 0 if shared is None else shared_gate_up.out_features // 2,
+        out.data_ptr(), torch.get_num_threads())
+    _mlp_check(status, ids.numel())
+    return out
+
+
+def w8a8_panels_mlp(x: torch.Tensor, gate_up: PanelStack, down: PanelStack, limit: float) -> torch.Tensor:
+    """A SiLU MLP (a dense layer's, a shared expert's) in one native call: x [T, H] (bf16 or
+    fp32) -> [T, H] in x's dtype; gate|up, the clamped GLU in fp32 and down, as one routed
+    expert that every row takes at weight 1."""
+    panel_layout()
+    rows = x.contiguous()
+    out = torch.empty_like(rows)
+    status = _kernel().w8a8_panels_mlp(
+        rows.data_ptr(), int(rows.dtype == torch.bfloat16), rows.shape[0], rows.shape[1], gate_up.out_features // 2, limit,
+        ctypes.addressof(gate_up), ctypes.addressof(down), out.data_ptr(), torch.get_num_threads())
+    _mlp_check(status, rows.shape[0])
     return out
 
 

@@ -88,15 +88,24 @@ class Experts(nn.Module):
         """Whether forward runs in one native call (packed panels, every expert on this rank)."""
         return self.packed and not self.sliced
 
+    def takes_shared(self, shared: DenseMLP) -> bool:
+        """Whether forward can run `shared` (the layer's shared expert) inside its own call."""
+        return self.routes_natively and shared.panels is not None
+
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
-                shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                shared: DenseMLP | None = None) -> torch.Tensor:
         """Sort (token, expert) pairs by expert, run the experts, add each pair back to its token.
         Expert-parallel: only the pairs routed to this rank's experts. `shared`: a shared
-        expert's panels, run and added in the same call (only where it routes natively)."""
+        expert that `takes_shared` accepted, run and added in the same call."""
         if self.routes_natively:
-            return panel_routed(x, weights, experts, self.gate_up_panels, self.down_panels, self.swiglu_limit, shared)
+            return panel_routed(x, weights, experts, self.gate_up_panels, self.down_panels, self.swiglu_limit,
+                                None if shared is None else shared.panels)
         if shared is not None:
             raise ValueError("a shared expert runs inside the routed experts' call only where they route natively")
+        return self.route_sorted(x, weights, experts)
+
+    def route_sorted(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """The routing in torch around `run_sorted`."""
         top_k = experts.shape[1]
         flat, pair_weights = experts.flatten() - self.first_expert, weights.flatten()
         pairs = None
@@ -155,10 +164,10 @@ class MoE(nn.Module):
         with span(tracer, f"{self.name}.router"):
             weights, experts = self.gate(x)
         shared = self.shared_experts
-        together = shared is not None and shared.panels is not None and self.experts.routes_natively
+        together = shared is not None and self.experts.takes_shared(shared)
         # One span for one call: the profile costs "experts_and_shared" as both, not the routed experts alone.
         with span(tracer, f"{self.name}.experts_and_shared" if together else f"{self.name}.experts"):
-            routed = self.experts(x, weights, experts, shared.panels if together else None)
+            routed = self.experts(x, weights, experts, shared if together else None)
         if shared is None or together:
             return routed
         with span(tracer, f"{self.name}.shared"):

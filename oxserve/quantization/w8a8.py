@@ -28,9 +28,11 @@ from oxserve.kernels.int8 import (
     w8a8_grouped,
     w8a8_panels,
     w8a8_panels_linear,
+    w8a8_panels_mlp,
     w8a8_panels_routed,
 )
 from oxserve.kernels.moe import clamped_glu, looped_experts
+from oxserve.model.common import DenseMLP
 from oxserve.model.linear import (
     CheckpointError,
     Linear,
@@ -70,17 +72,19 @@ def int8_loader(part_rows: tuple[int, ...] | None = None) -> WeightLoader:
 
 class PackedInt8:
     """int8 weights [E, N, K], scales [E, N] and, when the weights were smoothed, the factors
-    [E, K] the activations are multiplied by first. Kept as the VNNI kernel's panels where the
-    CPU has AVX512-VNNI, else as rows with K zero-padded for the int16 kernel."""
+    [E, K] the activations are multiplied by first. Kept as the panel kernel's panels where the
+    CPU has them (AVX2 or AVX512-VNNI), else as rows with K zero-padded for the int16 kernel."""
 
     def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, in_features: int, inv_smooth: torch.Tensor | None = None):
         self.scale = scale.float().contiguous()
         self.in_features = in_features
-        self.inv_smooth = inv_smooth
+        self.inv_smooth = None if inv_smooth is None else inv_smooth.float().contiguous()
         self.panels: tuple[torch.Tensor, torch.Tensor] | None = None  # (panels, weight sums)
+        self.stack: PanelStack | None = None  # the panels as the one-call entry points take them
         self.rows: torch.Tensor | None = None
         if panels_available() and in_features <= MAX_PANEL_K:
             self.panels = pack_panels(qweight[..., :in_features].contiguous())
+            self.stack = PanelStack.of(*self.panels, self.scale, self.inv_smooth)
         else:
             self.rows = pad_columns(qweight, column_multiple())
 
@@ -98,10 +102,6 @@ class PackedInt8:
         if self.panels is not None:
             return unpack_panels(self.panels[0], self.scale.shape[-1], self.in_features)
         return self.rows
-
-    def panel_stack(self) -> PanelStack:
-        """What `w8a8_panels_routed` takes (where `panels` is set)."""
-        return (*self.panels, self.scale, self.inv_smooth)
 
     def matmul(self, rows: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         if self.panels is not None and rows.device.type == "cpu":
@@ -218,15 +218,24 @@ class W8A8Experts(Experts):
             param.data = param.data.new_empty(0)
         self.inputs = None
 
+    @property
+    def routes_natively(self) -> bool:
+        """Whether forward runs in one native call: panels, every expert on this rank."""
+        return not self.sliced and self.gate_up is not None and self.gate_up.stack is not None and self.down.stack is not None
+
+    def takes_shared(self, shared: DenseMLP) -> bool:
+        return self.routes_natively and isinstance(shared, W8A8DenseMLP) and shared.stacks() is not None
+
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
-                shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """On VNNI panels, routing, both products and the GLU in one native call; else the
-        parent's routing around `run_sorted`."""
-        if (shared is None and not self.sliced and self.gate_up is not None and self.gate_up.panels is not None
-                and self.down.panels is not None and x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float32)):
-            return w8a8_panels_routed(x, weights, experts, self.gate_up.panel_stack(), self.down.panel_stack(),
-                                      self.swiglu_limit)
-        return super().forward(x, weights, experts, shared)
+                shared: DenseMLP | None = None) -> torch.Tensor:
+        """On panels (CPU), routing, both products and the GLU in one native call, with the
+        shared expert when `takes_shared` accepted one; else the parent's routing around
+        `run_sorted`."""
+        if self.routes_natively and x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float32):
+            return w8a8_panels_routed(x, weights, experts, self.gate_up.stack, self.down.stack, self.swiglu_limit,
+                                      None if shared is None else shared.stacks())
+        routed = self.route_sorted(x, weights, experts)
+        return routed if shared is None else routed + shared(x)
 
     def run_sorted(self, rows: torch.Tensor, row_weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         if self.gate_up is None or self.down is None:
@@ -254,6 +263,38 @@ class W8A8Experts(Experts):
         return self.gate_up.dequantized().to(self.dtype), self.down.dequantized().to(self.dtype)
 
 
+class W8A8DenseMLP(DenseMLP):
+    """A dense MLP or shared expert whose projections are W8A8Linear: on panels, gate|up, the
+    clamped GLU (in fp32, as the routed experts' call computes it) and down in one native call
+    (`w8a8_panels_mlp`), or inside the routed experts' call for a shared expert; otherwise
+    DenseMLP's two products around the eager GLU."""
+
+    def __init__(self, mlp: DenseMLP):
+        nn.Module.__init__(self)  # not DenseMLP.__init__: the projections are `mlp`'s
+        self.hidden, self.intermediate = mlp.hidden, mlp.intermediate
+        self.gate_up_proj, self.down_proj = mlp.gate_up_proj, mlp.down_proj
+        self.swiglu_limit, self.hidden_act, self.act = mlp.swiglu_limit, mlp.hidden_act, mlp.act
+        self.panels = None  # DenseMLP's bf16 panels: never, the projections are int8
+        self._ones = mlp._ones
+
+    def stacks(self) -> tuple[PanelStack, PanelStack] | None:
+        """(gate_up, down) panel stacks, where both projections are quantized onto panels."""
+        gate_up, down = self.gate_up_proj, self.down_proj
+        if self.hidden_act not in ("silu", "swish") or not all(
+                isinstance(p, W8A8Linear) and p.packed is not None and p.packed.stack is not None for p in (gate_up, down)):
+            return None
+        return gate_up.packed.stack, down.packed.stack
+
+    def after_load(self) -> None:
+        pass  # DenseMLP's bf16 panels are not for int8 projections
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        stacks = self.stacks()
+        if stacks is None or x.device.type != "cpu" or x.dtype not in (torch.bfloat16, torch.float32):
+            return super().forward(x)
+        return w8a8_panels_mlp(x.reshape(-1, self.hidden), *stacks, self.swiglu_limit).view(x.shape)
+
+
 def quantize_w8a8_on_load(
     model: nn.Module, keep: tuple[str, ...] = KEEP_ON_LOAD, deferred: bool = False,
     in_layer: Callable[[int | None], bool] = lambda layer: True,
@@ -271,7 +312,20 @@ def quantize_w8a8_on_load(
             return module
         return W8A8Linear(module, deferred=deferred)
 
-    return swap_modules(model, Experts, experts) + swap_modules(model, Linear, linear)
+    swapped = swap_modules(model, Experts, experts) + swap_modules(model, Linear, linear)
+    _mlps_in_one_call(model)
+    return swapped
+
+
+def _mlps_in_one_call(model: nn.Module) -> None:
+    """Dense MLPs whose projections are both W8A8 become W8A8DenseMLP (not counted among the
+    swapped modules: their projections are)."""
+
+    def mlp(name: str, module: DenseMLP) -> nn.Module:
+        both = all(isinstance(p, W8A8Linear) for p in (module.gate_up_proj, module.down_proj))
+        return W8A8DenseMLP(module) if both and type(module) is DenseMLP else module
+
+    swap_modules(model, DenseMLP, mlp)
 
 
 def use_prequantized_w8a8(model: nn.Module, modules: set[str]) -> None:
@@ -287,4 +341,5 @@ def use_prequantized_w8a8(model: nn.Module, modules: set[str]) -> None:
         else:
             raise CheckpointError(f"the checkpoint quantizes {name} ({type(module).__name__}), which oxserve runs in high precision")
         setattr(model.get_submodule(parent_name) if parent_name else model, attr, replacement)
+    _mlps_in_one_call(model)
 

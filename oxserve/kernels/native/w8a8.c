@@ -139,38 +139,54 @@ int w8a8_grouped(const float *x, int64_t P, int64_t K, const int32_t *offsets, i
     return 0;
 }
 
-/* ---- packed panels on AVX512-VNNI --------------------------------------------------------
+/* ---- packed panels ----------------------------------------------------------------------
  *
- * `vpdpbusd` multiplies unsigned bytes by signed bytes, four pairs summed into each int32 lane
- * without saturation. Activations are signed, so they are stored shifted, u = q + 128 in
- * [1, 255], and the shift is taken back exactly with each output channel's weight sum:
+ * Weights are packed once at load into panels of PANEL output channels, one vector per
+ * PANEL_K inputs of the panel's channels:
+ *
+ *     W [N, K] -> packed [Np/PANEL][Kp/PANEL_K][PANEL][PANEL_K]:
+ *                 packed[b][p][n][t] = W[PANEL b + n][PANEL_K p + t]
+ *
+ * N padded with zero rows to Np (a multiple of 2 PANEL: panels go in pairs), K with zero
+ * columns to Kp (a multiple of PANEL_K). Each weight vector is loaded once for PANEL_ROWS
+ * rows, and the sums are the same integers as the int16 kernel's above, so the outputs are
+ * bit for bit the same. w8a8_panel_width() and w8a8_panel_depth() give the packer PANEL and
+ * PANEL_K.
+ *
+ * AVX512-VNNI: `vpdpbusd` multiplies unsigned bytes by signed bytes, four pairs summed into
+ * each int32 lane without saturation, 16 channels x 4 inputs per 64-byte vector. Activations
+ * are signed, so they are stored shifted, u = q + 128 in [1, 255], and the shift is taken
+ * back exactly with each output channel's weight sum:
  *
  *     sum_k q[k] w[n, k] = sum_k u[k] w[n, k] - 128 * colsum[n],   colsum[n] = sum_k w[n, k]
  *
- * (|sum_k u w| <= 255 * 128 * K fits int32 for K <= MAX_PANEL_K). Weights are packed once at
- * load like the bf16 panels, 16 output channels by 4 inputs per 64-byte vector:
+ * (|sum_k u w| <= 255 * 128 * K fits int32 for K <= MAX_PANEL_K).
  *
- *     W [N, K] -> packed [Np/16][Kp/4][16][4]:  packed[b][p][n][t] = W[16 b + n][4 p + t]
- *
- * N padded with zero rows to Np (a multiple of 32: panels go in pairs), K with zero columns to
- * Kp (a multiple of 4). Each weight vector is loaded once for PANEL_ROWS rows, and the sums
- * are the same integers as the int16 kernel's, so the outputs are bit for bit the same. */
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+ * AVX2: 8 channels x 2 inputs per 16 bytes, widened to int16 on load and multiplied by a
+ * broadcast pair of int16 activations with `madd_epi16` (pairs summed into int32, exact as
+ * above). No shift, so colsum is not read. On the AVX2 cores of this project an int16
+ * multiply-add instruction does 16 products in the time of two 8-lane fp32 FMAs: W8A8 saves
+ * bytes there, not arithmetic. */
+#if (defined(__AVX512VNNI__) && defined(__AVX512BW__)) || defined(__AVX2__)
 #include "bf16.h"
 #include "pairs.h"
 #include "vmath.h"
 
 #define H_CHUNK 256 /* output channels a token's sum keeps at once */
-
-#define PANEL 16
-#define PANEL_ROWS 8 /* rows a pass: 16 accumulators, two weight vectors and a broadcast in registers */
 #define MAX_PANEL_K 65536
 
 int w8a8_panels_available(void) { return 1; }
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define PANEL 16
+#define PANEL_K 4
+#define PANEL_ROWS 8 /* rows a pass: 16 accumulators, two weight vectors and a broadcast in registers */
+typedef uint8_t Act; /* a quantized activation as the products read it: q + 128 */
+typedef __m512i Acc;
+
 /* As w8a8_quantize_rows, into shifted bytes q + 128 (128 in the padding: q = 0), 16 inputs a
  * vector: the same IEEE divisions and round-half-even, so the same bytes. */
-static void quantize_row_u8(const float *row, int64_t K, int64_t Kp, const float *inv_smooth, uint8_t *q, float *sx) {
+static void quantize_row(const float *row, int64_t K, int64_t Kp, const float *inv_smooth, uint8_t *q, float *sx) {
     __m512 top = _mm512_setzero_ps();
     int64_t k = 0;
     for (; k + 16 <= K; k += 16) {
@@ -200,8 +216,7 @@ static void quantize_row_u8(const float *row, int64_t K, int64_t Kp, const float
 
 /* `rows` (a constant after inlining) rows of shifted bytes against two panels. */
 static inline __attribute__((always_inline)) void panel_rows(const uint8_t *x, int64_t Kp, const int8_t *w0,
-                                                             const int8_t *w1, const int rows, __m512i *acc0,
-                                                             __m512i *acc1) {
+                                                             const int8_t *w1, const int rows, Acc *acc0, Acc *acc1) {
     __m512i c0[PANEL_ROWS], c1[PANEL_ROWS];
     for (int r = 0; r < rows; r++) c0[r] = c1[r] = _mm512_setzero_si512();
     for (int64_t p = 0; p < Kp / 4; p++) {
@@ -221,16 +236,86 @@ static inline __attribute__((always_inline)) void panel_rows(const uint8_t *x, i
 }
 
 /* y[m, n] = (float)(sum - 128 colsum[n]) * sx[m] * sw[n] for the 16 channels from n0, n < N. */
-static void store_panel(__m512i sum, const int32_t *colsum, const float *sw, float sx, int64_t n0, int64_t N,
-                        float *y) {
+static void store_panel(Acc sum, const int32_t *colsum, const float *sw, float sx, int64_t n0, int64_t N, float *y) {
     const int64_t valid = N - n0 < PANEL ? (N - n0 > 0 ? N - n0 : 0) : PANEL;
     const __mmask16 keep = (__mmask16)((1u << valid) - 1u);
     const __m512i exact = _mm512_sub_epi32(sum, _mm512_slli_epi32(_mm512_loadu_si512(colsum + n0), 7));
     const __m512 scaled = _mm512_mul_ps(_mm512_cvtepi32_ps(exact), _mm512_set1_ps(sx));
     _mm512_mask_storeu_ps(y + n0, keep, _mm512_mul_ps(scaled, _mm512_maskz_loadu_ps(keep, sw + n0)));
 }
+#else
+#define PANEL 8
+#define PANEL_K 2
+#define PANEL_ROWS 4 /* rows a pass: 8 accumulators, two widened weight vectors, a broadcast */
+typedef int16_t Act; /* a quantized activation, q itself */
+typedef __m256i Acc;
 
-/* One expert's weights: panels [Np/16][Kp/4][16][4], their channel sums [Np], scales [N], and
+/* As w8a8_quantize_rows, 8 inputs a vector: the same IEEE divisions and round-half-even, so
+ * the same values (0 in the padding). */
+static void quantize_row(const float *row, int64_t K, int64_t Kp, const float *inv_smooth, int16_t *q, float *sx) {
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    __m256 top = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 8 <= K; k += 8) {
+        __m256 v = _mm256_loadu_ps(row + k);
+        if (inv_smooth) v = _mm256_mul_ps(v, _mm256_loadu_ps(inv_smooth + k));
+        top = _mm256_max_ps(_mm256_and_ps(v, magnitude), top); /* passes a NaN over, as fmaxf does */
+    }
+    float lanes[8], amax = 0.0f;
+    _mm256_storeu_ps(lanes, top);
+    for (int i = 0; i < 8; i++) amax = fmaxf(amax, lanes[i]);
+    for (int64_t i = k; i < K; i++) amax = fmaxf(amax, fabsf(inv_smooth ? row[i] * inv_smooth[i] : row[i]));
+    const float s = amax > 0.0f ? amax / 127.0f : 1.0f;
+    *sx = s;
+    const __m256 scale = _mm256_set1_ps(s), lo = _mm256_set1_ps(-127.0f), hi = _mm256_set1_ps(127.0f);
+    for (k = 0; k + 8 <= K; k += 8) {
+        __m256 v = _mm256_loadu_ps(row + k);
+        if (inv_smooth) v = _mm256_mul_ps(v, _mm256_loadu_ps(inv_smooth + k));
+        const __m256 r = _mm256_round_ps(_mm256_div_ps(v, scale), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        const __m256i q32 = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, lo), hi));
+        _mm_storeu_si128((__m128i *)(q + k), _mm_packs_epi32(_mm256_castsi256_si128(q32), _mm256_extracti128_si256(q32, 1)));
+    }
+    for (; k < K; k++) {
+        const float r = nearbyintf((inv_smooth ? row[k] * inv_smooth[k] : row[k]) / s);
+        q[k] = (int16_t)(r > 127.0f ? 127.0f : (r < -127.0f ? -127.0f : r));
+    }
+    for (k = K; k < Kp; k++) q[k] = 0;
+}
+
+/* `rows` (a constant after inlining) rows of int16 activations against two panels: per input
+ * pair, each panel's 8 x 2 weights widened once, each row's pair one broadcast. */
+static inline __attribute__((always_inline)) void panel_rows(const int16_t *x, int64_t Kp, const int8_t *w0,
+                                                             const int8_t *w1, const int rows, Acc *acc0, Acc *acc1) {
+    __m256i c0[PANEL_ROWS], c1[PANEL_ROWS];
+    for (int r = 0; r < rows; r++) c0[r] = c1[r] = _mm256_setzero_si256();
+    for (int64_t p = 0; p < Kp / 2; p++) {
+        const __m256i b0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w0 + p * 2 * PANEL)));
+        const __m256i b1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w1 + p * 2 * PANEL)));
+        for (int r = 0; r < rows; r++) {
+            int32_t pair;
+            memcpy(&pair, x + r * Kp + 2 * p, sizeof pair);
+            const __m256i a = _mm256_set1_epi32(pair);
+            c0[r] = _mm256_add_epi32(c0[r], _mm256_madd_epi16(a, b0));
+            c1[r] = _mm256_add_epi32(c1[r], _mm256_madd_epi16(a, b1));
+        }
+    }
+    for (int r = 0; r < rows; r++) {
+        acc0[r] = c0[r];
+        acc1[r] = c1[r];
+    }
+}
+
+/* y[m, n] = (float)sum * sx[m] * sw[n] for the 8 channels from n0, n < N (colsum: see above). */
+static void store_panel(Acc sum, const int32_t *colsum, const float *sw, float sx, int64_t n0, int64_t N, float *y) {
+    (void)colsum;
+    const int64_t valid = N - n0 < PANEL ? (N - n0 > 0 ? N - n0 : 0) : PANEL;
+    const __m256i keep = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)valid), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    const __m256 scaled = _mm256_mul_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(sx));
+    _mm256_maskstore_ps(y + n0, keep, _mm256_mul_ps(scaled, _mm256_maskload_ps(sw + n0, keep)));
+}
+#endif
+
+/* One expert's weights: panels [Np/PANEL][Kp/PANEL_K][PANEL][PANEL_K], their channel sums [Np], scales [N], and
  * smoothing factors [K] for its inputs (NULL: none). */
 typedef struct {
     const int8_t *panels;
@@ -246,24 +331,26 @@ static Int8Weights expert_weights(const int8_t *panels, const int32_t *colsum, c
     return w;
 }
 
-/* Rows [start, end) of shifted bytes xq (row scales sx) times one pair of panels (from channel
- * 32 b2), into y's fp32 rows (`ldy` apart). */
-static void pair_products(const uint8_t *xq, const float *sx, int64_t start, int64_t end, const Int8Weights *w,
+/* Rows [start, end) of quantized activations xq (row scales sx) times one pair of panels (from
+ * channel 2 PANEL b2), into y's fp32 rows (`ldy` apart). */
+static void pair_products(const Act *xq, const float *sx, int64_t start, int64_t end, const Int8Weights *w,
                           int64_t b2, float *y, int64_t ldy) {
     const int8_t *w0 = w->panels + b2 * 2 * PANEL * w->Kp, *w1 = w0 + PANEL * w->Kp;
-    __m512i acc0[PANEL_ROWS], acc1[PANEL_ROWS];
+    Acc acc0[PANEL_ROWS], acc1[PANEL_ROWS];
     for (int64_t m0 = start; m0 < end; m0 += PANEL_ROWS) {
-        const uint8_t *xm = xq + m0 * w->Kp;
+        const Act *xm = xq + m0 * w->Kp;
         const int64_t Kp = w->Kp;
         switch (end - m0 < PANEL_ROWS ? end - m0 : PANEL_ROWS) { /* a constant row count per case */
         case 1: panel_rows(xm, Kp, w0, w1, 1, acc0, acc1); break;
         case 2: panel_rows(xm, Kp, w0, w1, 2, acc0, acc1); break;
         case 3: panel_rows(xm, Kp, w0, w1, 3, acc0, acc1); break;
+#if PANEL_ROWS == 8
         case 4: panel_rows(xm, Kp, w0, w1, 4, acc0, acc1); break;
         case 5: panel_rows(xm, Kp, w0, w1, 5, acc0, acc1); break;
         case 6: panel_rows(xm, Kp, w0, w1, 6, acc0, acc1); break;
         case 7: panel_rows(xm, Kp, w0, w1, 7, acc0, acc1); break;
-        default: panel_rows(xm, Kp, w0, w1, 8, acc0, acc1); break;
+#endif
+        default: panel_rows(xm, Kp, w0, w1, PANEL_ROWS, acc0, acc1); break;
         }
         for (int64_t r = 0; r < PANEL_ROWS && m0 + r < end; r++) {
             float *row = y + (m0 + r) * ldy;
@@ -279,36 +366,50 @@ static inline int64_t expert_of(const int32_t *offsets, int64_t m) {
     return e;
 }
 
+/* Rows per task: all of an expert's where there are enough (expert, pair of panels) tasks to
+ * give every thread two, else whole passes of PANEL_ROWS, as even as can be: a narrow product
+ * (a projection of a panel pair or two) would otherwise run on one thread while the rest wait. */
+static int64_t rows_per_task(int64_t P, int64_t tasks, int nthreads) {
+    const int64_t groups = (2 * (int64_t)nthreads + tasks - 1) / tasks;
+    if (groups <= 1 || P <= PANEL_ROWS) return P > 0 ? P : 1;
+    return ((P + groups - 1) / groups + PANEL_ROWS - 1) / PANEL_ROWS * PANEL_ROWS;
+}
+
 /* The quantized rows of x [P, K] (sorted by expert, each with its expert's smoothing) and
- * their products with every expert's weights, into y [P, N]. */
+ * their products with every expert's weights, into y [P, N]. Tasks are (expert, row group,
+ * pair of panels). */
 static void grouped_products(const float *x, int64_t P, const int32_t *offsets, int64_t E, const int8_t *panels,
                              const int32_t *colsum, const float *sw, const float *inv_smooth, int64_t N, int64_t Np,
-                             int64_t K, int64_t Kp, uint8_t *xq, float *sx, float *y, int nthreads) {
+                             int64_t K, int64_t Kp, Act *xq, float *sx, float *y, int nthreads) {
     #pragma omp parallel num_threads(nthreads)
     {
         #pragma omp for schedule(static)
         for (int64_t m = 0; m < P; m++)
-            quantize_row_u8(x + m * K, K, Kp, inv_smooth ? inv_smooth + expert_of(offsets, m) * K : NULL, xq + m * Kp,
+            quantize_row(x + m * K, K, Kp, inv_smooth ? inv_smooth + expert_of(offsets, m) * K : NULL, xq + m * Kp,
                             sx + m);
-        const int64_t pairs = Np / (2 * PANEL);
+        const int64_t pairs = Np / (2 * PANEL), rows = rows_per_task(P, E * pairs, nthreads);
+        const int64_t groups = (P + rows - 1) / rows;
         #pragma omp for schedule(dynamic, 1)
-        for (int64_t task = 0; task < E * pairs; task++) {
-            const int64_t e = task / pairs;
+        for (int64_t task = 0; task < E * groups * pairs; task++) {
+            const int64_t e = task / (groups * pairs), g = task / pairs % groups;
+            const int64_t start = (e == 0 ? 0 : offsets[e - 1]) + g * rows;
+            const int64_t end = start + rows < offsets[e] ? start + rows : offsets[e];
+            if (start >= end) continue;
             const Int8Weights w = expert_weights(panels, colsum, sw, inv_smooth, e, N, Np, K, Kp);
-            pair_products(xq, sx, e == 0 ? 0 : offsets[e - 1], offsets[e], &w, task % pairs, y, N);
+            pair_products(xq, sx, start, end, &w, task % pairs, y, N);
         }
     }
 }
 
-/* As w8a8_grouped, on weights packed as above: panels [E][Np/16][Kp/4][16][4], colsum [E, Np]
- * int32, sw [E, N]. Tasks are (expert, pair of panels). Returns 0, -1 without scratch memory,
+/* As w8a8_grouped, on weights packed as above: panels [E][Np/PANEL][Kp/PANEL_K][PANEL][PANEL_K],
+ * colsum [E, Np] int32, sw [E, N]. Returns 0, -1 without scratch memory,
  * -3 for K above MAX_PANEL_K. */
 int w8a8_panels_grouped(const float *x, int64_t P, int64_t K, const int32_t *offsets, int64_t E, const int8_t *panels,
                         const int32_t *colsum, const float *sw, const float *inv_smooth, int64_t N, int64_t Np,
                         int64_t Kp, float *y, int nthreads) {
     if (Kp > MAX_PANEL_K) return -3;
     if (P == 0) return 0;
-    uint8_t *xq = malloc((size_t)(P * Kp));
+    Act *xq = malloc((size_t)(P * Kp) * sizeof(Act));
     float *sx = malloc((size_t)P * sizeof(float));
     if (xq == NULL || sx == NULL) { free(xq); free(sx); return -1; }
     grouped_products(x, P, offsets, E, panels, colsum, sw, inv_smooth, N, Np, K, Kp, xq, sx, y, nthreads);
@@ -326,7 +427,7 @@ int w8a8_panels_linear(const void *x, int x_bf16, int64_t M, int64_t K, const in
     if (M == 0) return 0;
     float *xf = x_bf16 ? malloc((size_t)(M * K) * sizeof(float)) : (float *)x;
     float *yf = y_bf16 ? malloc((size_t)(M * N) * sizeof(float)) : (float *)y;
-    uint8_t *xq = malloc((size_t)(M * Kp));
+    Act *xq = malloc((size_t)(M * Kp) * sizeof(Act));
     float *sx = malloc((size_t)M * sizeof(float));
     int status = -1;
     if (xf == NULL || yf == NULL || xq == NULL || sx == NULL) goto done;
@@ -343,47 +444,115 @@ done:
     return status;
 }
 
-/* Routed experts in one call: the (token, slot) pairs of ids [T, k] sorted by expert (stable),
- * their rows of x [T, H] (bf16 when x_bf16, else fp32) gathered, gate|up products (N = 2I,
- * K = H), act = silu(min(gate, limit)) * clamp(up, +-limit) * the pair's weight in fp32, down
- * products (N = H, K = I), each pair's output rounded to x's dtype, then each token's outputs
- * summed in fp32 in expert order and rounded once into y [T, H]. Returns 0, -1 without
- * scratch memory, -3 for a width above MAX_PANEL_K. */
-int w8a8_panels_routed(const void *x, int x_bf16, int64_t T, int64_t H, const int64_t *ids, const float *weights,
-                       int64_t k, int64_t E, int64_t I, float limit,
-                       const int8_t *gu_panels, const int32_t *gu_colsum, const float *gu_sw, const float *gu_smooth,
-                       int64_t gu_Np, int64_t gu_Kp,
-                       const int8_t *d_panels, const int32_t *d_colsum, const float *d_sw, const float *d_smooth,
-                       int64_t d_Np, int64_t d_Kp, void *y, int nthreads) {
-    if (gu_Kp > MAX_PANEL_K || d_Kp > MAX_PANEL_K) return -3;
-    const int64_t P = T * k, rows = P > 0 ? P : 1, wide = gu_Kp > d_Kp ? gu_Kp : d_Kp;
-    int32_t *offsets = calloc((size_t)E, sizeof(int32_t));
-    int64_t *slot_of = malloc((size_t)rows * sizeof(int64_t));
-    float *in = malloc((size_t)(rows * (H > I ? H : I)) * sizeof(float)); /* gathered rows, then act */
-    float *h = malloc((size_t)(rows * (2 * I > H ? 2 * I : H)) * sizeof(float)); /* gate|up, then the outputs */
-    float *sx = malloc((size_t)rows * sizeof(float)), *row_weight = malloc((size_t)rows * sizeof(float));
-    uint8_t *xq = malloc((size_t)(rows * wide));
-    int status = -1;
-    if (!offsets || !slot_of || !in || !h || !sx || !row_weight || !xq) goto done;
-    sort_pairs(ids, P, E, offsets, slot_of);
-    #pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t p = 0; p < P; p++) {
-        widen_row(x, (p / k) * H, H, x_bf16, in + slot_of[p] * H);
-        row_weight[slot_of[p]] = weights[p];
-    }
-    grouped_products(in, P, offsets, E, gu_panels, gu_colsum, gu_sw, gu_smooth, 2 * I, gu_Np, H, gu_Kp, xq, sx, h,
-                     nthreads);
+/* A packed weight stack as the entry points below take it (`PanelStack` in kernels/int8.py):
+ * panels [E][Np/PANEL][Kp/PANEL_K][PANEL][PANEL_K], colsum [E, Np], scales sw [E, N] and
+ * smoothing factors [E, K] (NULL: none). */
+typedef struct {
+    const int8_t *panels;
+    const int32_t *colsum;
+    const float *sw, *smooth;
+    int64_t Np, Kp;
+} Stack;
+
+/* Scratch for P rows of an MLP of width H and intermediate width I. */
+typedef struct {
+    float *in; /* [P, max(H, I)]: the rows, then the activations */
+    float *h;  /* [P, max(2I, H)]: gate|up, then the outputs */
+    float *sx;
+    Act *xq;
+} MlpScratch;
+
+static void free_scratch(MlpScratch *s) {
+    free(s->in);
+    free(s->h);
+    free(s->sx);
+    free(s->xq);
+}
+
+static int alloc_scratch(MlpScratch *s, int64_t P, int64_t H, int64_t I, const Stack *gu, const Stack *d) {
+    const int64_t rows = P > 0 ? P : 1, wide = gu->Kp > d->Kp ? gu->Kp : d->Kp;
+    s->in = malloc((size_t)(rows * (H > I ? H : I)) * sizeof(float));
+    s->h = malloc((size_t)(rows * (2 * I > H ? 2 * I : H)) * sizeof(float));
+    s->sx = malloc((size_t)rows * sizeof(float));
+    s->xq = malloc((size_t)(rows * wide) * sizeof(Act));
+    if (s->in && s->h && s->sx && s->xq) return 0;
+    free_scratch(s);
+    return -1;
+}
+
+/* Each expert's MLP on its rows s->in [P, H] (fp32, sorted by expert: offsets [E]): gate|up
+ * products (N = 2I, K = H), act = silu(min(gate, limit)) * clamp(up, +-limit) * the row's
+ * weight (1 without row_weight) in fp32, down products (N = H, K = I) into s->h [P, H]. */
+static void expert_mlps(MlpScratch *s, int64_t P, const int32_t *offsets, int64_t E, const float *row_weight, int64_t H,
+                        int64_t I, float limit, const Stack *gu, const Stack *d, int nthreads) {
+    grouped_products(s->in, P, offsets, E, gu->panels, gu->colsum, gu->sw, gu->smooth, 2 * I, gu->Np, H, gu->Kp, s->xq,
+                     s->sx, s->h, nthreads);
     #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t m = 0; m < P; m++) {
-        const float *gate = h + m * 2 * I, *up = gate + I;
-        float *act = in + m * I;
+        const float *gate = s->h + m * 2 * I, *up = gate + I;
+        const float w = row_weight ? row_weight[m] : 1.0f;
+        float *act = s->in + m * I;
         for (int64_t c = 0; c < I; c++) {
             const float g = gate[c] < limit ? gate[c] : limit;
             const float u = up[c] < -limit ? -limit : (up[c] > limit ? limit : up[c]);
-            act[c] = g / (1.0f + vexp(-g)) * u * row_weight[m];
+            act[c] = g / (1.0f + vexp(-g)) * u * w;
         }
     }
-    grouped_products(in, P, offsets, E, d_panels, d_colsum, d_sw, d_smooth, H, d_Np, I, d_Kp, xq, sx, h, nthreads);
+    grouped_products(s->in, P, offsets, E, d->panels, d->colsum, d->sw, d->smooth, H, d->Np, I, d->Kp, s->xq, s->sx,
+                     s->h, nthreads);
+}
+
+/* A dense MLP (a shared expert: one expert, every row at weight 1) on x [T, H] (bf16 when
+ * x_bf16, else fp32) into s->h [T, H] fp32. Returns 0, or -1 without scratch memory. */
+static int dense_mlp(const void *x, int x_bf16, int64_t T, int64_t H, int64_t I, float limit, const Stack *gu,
+                     const Stack *d, MlpScratch *s, int nthreads) {
+    if (alloc_scratch(s, T, H, I, gu, d) != 0) return -1;
+    #pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t t = 0; t < T; t++) widen_row(x, t * H, H, x_bf16, s->in + t * H);
+    const int32_t rows = (int32_t)T;
+    expert_mlps(s, T, &rows, 1, NULL, H, I, limit, gu, d, nthreads);
+    return 0;
+}
+
+/* A dense SiLU MLP in one call: dense_mlp, rounded into y [T, H] in x's dtype. Returns 0, -1
+ * without scratch memory, -3 for a width above MAX_PANEL_K. */
+int w8a8_panels_mlp(const void *x, int x_bf16, int64_t T, int64_t H, int64_t I, float limit, const Stack *gu,
+                    const Stack *d, void *y, int nthreads) {
+    if (gu->Kp > MAX_PANEL_K || d->Kp > MAX_PANEL_K) return -3;
+    MlpScratch s;
+    if (dense_mlp(x, x_bf16, T, H, I, limit, gu, d, &s, nthreads) != 0) return -1;
+    narrow_row(s.h, T * H, x_bf16, y, 0);
+    free_scratch(&s);
+    return 0;
+}
+
+/* Routed experts in one call: the (token, slot) pairs of ids [T, k] sorted by expert (stable),
+ * their rows of x [T, H] (bf16 when x_bf16, else fp32) gathered, expert_mlps with the pairs'
+ * weights, each pair's output rounded to x's dtype, then each token's outputs summed in fp32 in
+ * expert order and rounded once into y [T, H]. With a shared expert (shared_gu and shared_d,
+ * intermediate width shared_I; else NULL), its dense_mlp output is added as MoE.forward adds
+ * it: both rounded to x's dtype first. Returns 0, -1 without scratch memory, -3 for a width
+ * above MAX_PANEL_K. */
+int w8a8_panels_routed(const void *x, int x_bf16, int64_t T, int64_t H, const int64_t *ids, const float *weights,
+                       int64_t k, int64_t E, int64_t I, float limit, const Stack *gu, const Stack *d,
+                       const Stack *shared_gu, const Stack *shared_d, int64_t shared_I, void *y, int nthreads) {
+    if (gu->Kp > MAX_PANEL_K || d->Kp > MAX_PANEL_K) return -3;
+    if (shared_gu && (shared_gu->Kp > MAX_PANEL_K || shared_d->Kp > MAX_PANEL_K)) return -3;
+    const int64_t P = T * k, rows = P > 0 ? P : 1;
+    MlpScratch s, shared = {0};
+    if (shared_gu && dense_mlp(x, x_bf16, T, H, shared_I, limit, shared_gu, shared_d, &shared, nthreads) != 0) return -1;
+    int32_t *offsets = calloc((size_t)E, sizeof(int32_t));
+    int64_t *slot_of = malloc((size_t)rows * sizeof(int64_t));
+    float *row_weight = malloc((size_t)rows * sizeof(float));
+    int status = -1;
+    if (!offsets || !slot_of || !row_weight || alloc_scratch(&s, P, H, I, gu, d) != 0) goto done;
+    sort_pairs(ids, P, E, offsets, slot_of);
+    #pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t p = 0; p < P; p++) {
+        widen_row(x, (p / k) * H, H, x_bf16, s.in + slot_of[p] * H);
+        row_weight[slot_of[p]] = weights[p];
+    }
+    expert_mlps(&s, P, offsets, E, row_weight, H, I, limit, gu, d, nthreads);
     #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t t = 0; t < T; t++) {
         float sum[H_CHUNK];
@@ -392,27 +561,35 @@ int w8a8_panels_routed(const void *x, int x_bf16, int64_t T, int64_t H, const in
             for (int64_t c = 0; c < n; c++) sum[c] = 0.0f;
             for (int64_t j = 0, pair = -1; j < k; j++) {
                 pair = next_pair(slot_of + t * k, k, pair);
-                const float *out = h + pair * H + c0;
+                const float *out = s.h + pair * H + c0;
                 for (int64_t c = 0; c < n; c++) sum[c] += x_bf16 ? round_bf16(out[c]) : out[c];
+            }
+            if (shared_gu) {
+                const float *add = shared.h + t * H + c0;
+                for (int64_t c = 0; c < n; c++) sum[c] = x_bf16 ? round_bf16(sum[c]) + round_bf16(add[c]) : sum[c] + add[c];
             }
             narrow_row(sum, n, x_bf16, y, t * H + c0);
         }
     }
+    free_scratch(&s);
     status = 0;
 done:
     free(offsets);
     free(slot_of);
-    free(in);
-    free(h);
-    free(sx);
     free(row_weight);
-    free(xq);
+    if (shared_gu) free_scratch(&shared);
     return status;
 }
+
+int w8a8_panel_width(void) { return PANEL; }
+int w8a8_panel_depth(void) { return PANEL_K; }
 #else
 int w8a8_panels_available(void) { return 0; }
+int w8a8_panel_width(void) { return 0; }
+int w8a8_panel_depth(void) { return 0; }
 
-int w8a8_panels_grouped(void) { return -2; }  /* built without AVX512-VNNI: never called (panels_available) */
+int w8a8_panels_grouped(void) { return -2; }  /* built without AVX2: never called (panels_available) */
 int w8a8_panels_routed(void) { return -2; }
+int w8a8_panels_mlp(void) { return -2; }
 int w8a8_panels_linear(void) { return -2; }
 #endif
