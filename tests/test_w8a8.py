@@ -153,17 +153,19 @@ def test_w8a8_linear_equals_dequantized_product():
     assert module.weight.numel() == 0  # the dense copy is freed
 
 
-def test_w8a8_linear_reads_and_writes_bf16_as_the_fp32_product_rounded():
-    """bf16 in and out (the panel kernel converts itself): the fp32 product of the same
-    values, rounded once to bf16."""
+@pytest.mark.parametrize("k,n", [(72, 40), (77, 37)])
+def test_w8a8_linear_reads_and_writes_bf16_as_the_fp32_product_rounded(k, n):
+    """bf16 in and out (the panel kernel converts each row as it quantizes it and each output
+    as it stores it): the fp32 product of the same values, rounded once to bf16; widths that
+    leave a tail of inputs and of output channels too."""
     torch.manual_seed(3)
-    linear = Linear(72, (40,))
-    linear.weight.data = torch.randn(40, 72).bfloat16()
+    linear = Linear(k, (n,))
+    linear.weight.data = torch.randn(n, k).bfloat16()
     module = W8A8Linear(linear)
     module.after_load()
-    x = torch.randn(3, 7, 72).bfloat16()
-    expected = w8a8_grouped_reference(x.reshape(21, 72), torch.tensor([21]), module.packed.qweight[..., :72],
-                                      module.packed.scale).to(torch.bfloat16).view(3, 7, 40)
+    x = torch.randn(3, 7, k).bfloat16()
+    expected = w8a8_grouped_reference(x.reshape(21, k), torch.tensor([21]), module.packed.qweight[..., :k],
+                                      module.packed.scale).to(torch.bfloat16).view(3, 7, n)
     got = module(x)
     assert got.dtype == torch.bfloat16 and torch.equal(got, expected)
 

@@ -177,6 +177,24 @@ int w8a8_grouped(const float *x, int64_t P, int64_t K, const int32_t *offsets, i
 
 int w8a8_panels_available(void) { return 1; }
 
+/* Rows read and written in bf16 or fp32 (`bf16` says which): element k of a row, and the row
+ * `m` rows of `width` after x. */
+static inline float element(const void *row, int64_t k, int bf16) {
+    return bf16 ? bf16_to_f32(((const uint16_t *)row)[k]) : ((const float *)row)[k];
+}
+
+static inline const void *row_of(const void *x, int64_t m, int64_t width, int bf16) {
+    return (const char *)x + m * width * (bf16 ? 2 : 4);
+}
+
+/* The `valid` first of a panel's PANEL outputs into y from channel n0, rounded to bf16 or not. */
+static inline void put_outputs(const float *out, int64_t valid, void *y, int64_t n0, int bf16) {
+    if (bf16)
+        for (int64_t c = 0; c < valid; c++) ((uint16_t *)y)[n0 + c] = f32_to_bf16(out[c]);
+    else
+        memcpy((float *)y + n0, out, (size_t)valid * sizeof(float));
+}
+
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define PANEL 16
 #define PANEL_K 4
@@ -186,21 +204,31 @@ typedef __m512i Acc;
 
 /* As w8a8_quantize_rows, into shifted bytes q + 128 (128 in the padding: q = 0), 16 inputs a
  * vector: the same IEEE divisions and round-half-even, so the same bytes. */
-static void quantize_row(const float *row, int64_t K, int64_t Kp, const float *inv_smooth, uint8_t *q, float *sx) {
+static inline __m512 load16(const void *row, int64_t k, int bf16) {
+    if (!bf16) return _mm512_loadu_ps((const float *)row + k);
+    const __m256i bits = _mm256_loadu_si256((const __m256i *)((const uint16_t *)row + k));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+static void quantize_row(const void *row, int bf16, int64_t K, int64_t Kp, const float *inv_smooth, uint8_t *q,
+                         float *sx) {
     __m512 top = _mm512_setzero_ps();
     int64_t k = 0;
     for (; k + 16 <= K; k += 16) {
-        __m512 v = _mm512_loadu_ps(row + k);
+        __m512 v = load16(row, k, bf16);
         if (inv_smooth) v = _mm512_mul_ps(v, _mm512_loadu_ps(inv_smooth + k));
         top = _mm512_max_ps(_mm512_abs_ps(v), top);
     }
     float amax = _mm512_reduce_max_ps(top);
-    for (int64_t i = k; i < K; i++) amax = fmaxf(amax, fabsf(inv_smooth ? row[i] * inv_smooth[i] : row[i]));
+    for (int64_t i = k; i < K; i++) {
+        const float v = element(row, i, bf16);
+        amax = fmaxf(amax, fabsf(inv_smooth ? v * inv_smooth[i] : v));
+    }
     const float s = amax > 0.0f ? amax / 127.0f : 1.0f;
     *sx = s;
     const __m512 scale = _mm512_set1_ps(s), lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
     for (k = 0; k + 16 <= K; k += 16) {
-        __m512 v = _mm512_loadu_ps(row + k);
+        __m512 v = load16(row, k, bf16);
         if (inv_smooth) v = _mm512_mul_ps(v, _mm512_loadu_ps(inv_smooth + k));
         const __m512 r = _mm512_roundscale_ps(_mm512_div_ps(v, scale), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
         const __m512i shifted = _mm512_add_epi32(_mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(r, lo), hi)),
@@ -208,7 +236,8 @@ static void quantize_row(const float *row, int64_t K, int64_t Kp, const float *i
         _mm_storeu_si128((__m128i *)(q + k), _mm512_cvtepi32_epi8(shifted));
     }
     for (; k < K; k++) {
-        const float r = nearbyintf((inv_smooth ? row[k] * inv_smooth[k] : row[k]) / s);
+        const float v = element(row, k, bf16);
+        const float r = nearbyintf((inv_smooth ? v * inv_smooth[k] : v) / s);
         q[k] = (uint8_t)((int)(r > 127.0f ? 127.0f : (r < -127.0f ? -127.0f : r)) + 128);
     }
     for (k = K; k < Kp; k++) q[k] = 128;
@@ -235,13 +264,13 @@ static inline __attribute__((always_inline)) void panel_rows(const uint8_t *x, i
     }
 }
 
-/* y[m, n] = (float)(sum - 128 colsum[n]) * sx[m] * sw[n] for the 16 channels from n0, n < N. */
-static void store_panel(Acc sum, const int32_t *colsum, const float *sw, float sx, int64_t n0, int64_t N, float *y) {
-    const int64_t valid = N - n0 < PANEL ? (N - n0 > 0 ? N - n0 : 0) : PANEL;
+/* out[n] = (float)(sum - 128 colsum[n]) * sx[m] * sw[n] for the `valid` channels from n0. */
+static void panel_outputs(Acc sum, const int32_t *colsum, const float *sw, float sx, int64_t n0, int64_t valid,
+                          float *out) {
     const __mmask16 keep = (__mmask16)((1u << valid) - 1u);
     const __m512i exact = _mm512_sub_epi32(sum, _mm512_slli_epi32(_mm512_loadu_si512(colsum + n0), 7));
     const __m512 scaled = _mm512_mul_ps(_mm512_cvtepi32_ps(exact), _mm512_set1_ps(sx));
-    _mm512_mask_storeu_ps(y + n0, keep, _mm512_mul_ps(scaled, _mm512_maskz_loadu_ps(keep, sw + n0)));
+    _mm512_storeu_ps(out, _mm512_mul_ps(scaled, _mm512_maskz_loadu_ps(keep, sw + n0)));
 }
 #else
 #define PANEL 8
@@ -252,31 +281,42 @@ typedef __m256i Acc;
 
 /* As w8a8_quantize_rows, 8 inputs a vector: the same IEEE divisions and round-half-even, so
  * the same values (0 in the padding). */
-static void quantize_row(const float *row, int64_t K, int64_t Kp, const float *inv_smooth, int16_t *q, float *sx) {
+static inline __m256 load8(const void *row, int64_t k, int bf16) {
+    if (!bf16) return _mm256_loadu_ps((const float *)row + k);
+    const __m128i bits = _mm_loadu_si128((const __m128i *)((const uint16_t *)row + k));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+
+static void quantize_row(const void *row, int bf16, int64_t K, int64_t Kp, const float *inv_smooth, int16_t *q,
+                         float *sx) {
     const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     __m256 top = _mm256_setzero_ps();
     int64_t k = 0;
     for (; k + 8 <= K; k += 8) {
-        __m256 v = _mm256_loadu_ps(row + k);
+        __m256 v = load8(row, k, bf16);
         if (inv_smooth) v = _mm256_mul_ps(v, _mm256_loadu_ps(inv_smooth + k));
         top = _mm256_max_ps(_mm256_and_ps(v, magnitude), top); /* passes a NaN over, as fmaxf does */
     }
     float lanes[8], amax = 0.0f;
     _mm256_storeu_ps(lanes, top);
     for (int i = 0; i < 8; i++) amax = fmaxf(amax, lanes[i]);
-    for (int64_t i = k; i < K; i++) amax = fmaxf(amax, fabsf(inv_smooth ? row[i] * inv_smooth[i] : row[i]));
+    for (int64_t i = k; i < K; i++) {
+        const float v = element(row, i, bf16);
+        amax = fmaxf(amax, fabsf(inv_smooth ? v * inv_smooth[i] : v));
+    }
     const float s = amax > 0.0f ? amax / 127.0f : 1.0f;
     *sx = s;
     const __m256 scale = _mm256_set1_ps(s), lo = _mm256_set1_ps(-127.0f), hi = _mm256_set1_ps(127.0f);
     for (k = 0; k + 8 <= K; k += 8) {
-        __m256 v = _mm256_loadu_ps(row + k);
+        __m256 v = load8(row, k, bf16);
         if (inv_smooth) v = _mm256_mul_ps(v, _mm256_loadu_ps(inv_smooth + k));
         const __m256 r = _mm256_round_ps(_mm256_div_ps(v, scale), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
         const __m256i q32 = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, lo), hi));
         _mm_storeu_si128((__m128i *)(q + k), _mm_packs_epi32(_mm256_castsi256_si128(q32), _mm256_extracti128_si256(q32, 1)));
     }
     for (; k < K; k++) {
-        const float r = nearbyintf((inv_smooth ? row[k] * inv_smooth[k] : row[k]) / s);
+        const float v = element(row, k, bf16);
+        const float r = nearbyintf((inv_smooth ? v * inv_smooth[k] : v) / s);
         q[k] = (int16_t)(r > 127.0f ? 127.0f : (r < -127.0f ? -127.0f : r));
     }
     for (k = K; k < Kp; k++) q[k] = 0;
@@ -305,13 +345,13 @@ static inline __attribute__((always_inline)) void panel_rows(const int16_t *x, i
     }
 }
 
-/* y[m, n] = (float)sum * sx[m] * sw[n] for the 8 channels from n0, n < N (colsum: see above). */
-static void store_panel(Acc sum, const int32_t *colsum, const float *sw, float sx, int64_t n0, int64_t N, float *y) {
+/* out[n] = (float)sum * sx[m] * sw[n] for the `valid` channels from n0 (colsum: see above). */
+static void panel_outputs(Acc sum, const int32_t *colsum, const float *sw, float sx, int64_t n0, int64_t valid,
+                          float *out) {
     (void)colsum;
-    const int64_t valid = N - n0 < PANEL ? (N - n0 > 0 ? N - n0 : 0) : PANEL;
     const __m256i keep = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)valid), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
     const __m256 scaled = _mm256_mul_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(sx));
-    _mm256_maskstore_ps(y + n0, keep, _mm256_mul_ps(scaled, _mm256_maskload_ps(sw + n0, keep)));
+    _mm256_storeu_ps(out, _mm256_mul_ps(scaled, _mm256_maskload_ps(sw + n0, keep)));
 }
 #endif
 
@@ -332,9 +372,9 @@ static Int8Weights expert_weights(const int8_t *panels, const int32_t *colsum, c
 }
 
 /* Rows [start, end) of quantized activations xq (row scales sx) times one pair of panels (from
- * channel 2 PANEL b2), into y's fp32 rows (`ldy` apart). */
+ * channel 2 PANEL b2), into y's rows (`ldy` apart; bf16 when y_bf16, else fp32). */
 static void pair_products(const Act *xq, const float *sx, int64_t start, int64_t end, const Int8Weights *w,
-                          int64_t b2, float *y, int64_t ldy) {
+                          int64_t b2, void *y, int y_bf16, int64_t ldy) {
     const int8_t *w0 = w->panels + b2 * 2 * PANEL * w->Kp, *w1 = w0 + PANEL * w->Kp;
     Acc acc0[PANEL_ROWS], acc1[PANEL_ROWS];
     for (int64_t m0 = start; m0 < end; m0 += PANEL_ROWS) {
@@ -353,9 +393,15 @@ static void pair_products(const Act *xq, const float *sx, int64_t start, int64_t
         default: panel_rows(xm, Kp, w0, w1, PANEL_ROWS, acc0, acc1); break;
         }
         for (int64_t r = 0; r < PANEL_ROWS && m0 + r < end; r++) {
-            float *row = y + (m0 + r) * ldy;
-            store_panel(acc0[r], w->colsum, w->sw, sx[m0 + r], 2 * b2 * PANEL, w->N, row);
-            store_panel(acc1[r], w->colsum, w->sw, sx[m0 + r], (2 * b2 + 1) * PANEL, w->N, row);
+            void *row = (void *)row_of(y, m0 + r, ldy, y_bf16);
+            for (int half = 0; half < 2; half++) {
+                const Acc sum = half ? acc1[r] : acc0[r];
+                const int64_t n0 = (2 * b2 + half) * PANEL, valid = w->N - n0 < PANEL ? w->N - n0 : PANEL;
+                if (valid <= 0) continue;
+                float out[PANEL];
+                panel_outputs(sum, w->colsum, w->sw, sx[m0 + r], n0, valid, out);
+                put_outputs(out, valid, row, n0, y_bf16);
+            }
         }
     }
 }
@@ -376,17 +422,18 @@ static int64_t rows_per_task(int64_t P, int64_t tasks, int nthreads) {
 }
 
 /* The quantized rows of x [P, K] (sorted by expert, each with its expert's smoothing) and
- * their products with every expert's weights, into y [P, N]. Tasks are (expert, row group,
- * pair of panels). */
-static void grouped_products(const float *x, int64_t P, const int32_t *offsets, int64_t E, const int8_t *panels,
-                             const int32_t *colsum, const float *sw, const float *inv_smooth, int64_t N, int64_t Np,
-                             int64_t K, int64_t Kp, Act *xq, float *sx, float *y, int nthreads) {
+ * their products with every expert's weights, into y [P, N]; x and y bf16 where their flags
+ * say, else fp32. Tasks are (expert, row group, pair of panels). */
+static void grouped_products(const void *x, int x_bf16, int64_t P, const int32_t *offsets, int64_t E,
+                             const int8_t *panels, const int32_t *colsum, const float *sw, const float *inv_smooth,
+                             int64_t N, int64_t Np, int64_t K, int64_t Kp, Act *xq, float *sx, void *y, int y_bf16,
+                             int nthreads) {
     #pragma omp parallel num_threads(nthreads)
     {
         #pragma omp for schedule(static)
         for (int64_t m = 0; m < P; m++)
-            quantize_row(x + m * K, K, Kp, inv_smooth ? inv_smooth + expert_of(offsets, m) * K : NULL, xq + m * Kp,
-                            sx + m);
+            quantize_row(row_of(x, m, K, x_bf16), x_bf16, K, Kp,
+                         inv_smooth ? inv_smooth + expert_of(offsets, m) * K : NULL, xq + m * Kp, sx + m);
         const int64_t pairs = Np / (2 * PANEL), rows = rows_per_task(P, E * pairs, nthreads);
         const int64_t groups = (P + rows - 1) / rows;
         #pragma omp for schedule(dynamic, 1)
@@ -396,7 +443,7 @@ static void grouped_products(const float *x, int64_t P, const int32_t *offsets, 
             const int64_t end = start + rows < offsets[e] ? start + rows : offsets[e];
             if (start >= end) continue;
             const Int8Weights w = expert_weights(panels, colsum, sw, inv_smooth, e, N, Np, K, Kp);
-            pair_products(xq, sx, start, end, &w, task % pairs, y, N);
+            pair_products(xq, sx, start, end, &w, task % pairs, y, y_bf16, N);
         }
     }
 }
@@ -412,7 +459,7 @@ int w8a8_panels_grouped(const float *x, int64_t P, int64_t K, const int32_t *off
     Act *xq = malloc((size_t)(P * Kp) * sizeof(Act));
     float *sx = malloc((size_t)P * sizeof(float));
     if (xq == NULL || sx == NULL) { free(xq); free(sx); return -1; }
-    grouped_products(x, P, offsets, E, panels, colsum, sw, inv_smooth, N, Np, K, Kp, xq, sx, y, nthreads);
+    grouped_products(x, 0, P, offsets, E, panels, colsum, sw, inv_smooth, N, Np, K, Kp, xq, sx, y, 0, nthreads);
     free(xq);
     free(sx);
     return 0;
@@ -425,20 +472,14 @@ int w8a8_panels_linear(const void *x, int x_bf16, int64_t M, int64_t K, const in
                        int y_bf16, int nthreads) {
     if (Kp > MAX_PANEL_K) return -3;
     if (M == 0) return 0;
-    float *xf = x_bf16 ? malloc((size_t)(M * K) * sizeof(float)) : (float *)x;
-    float *yf = y_bf16 ? malloc((size_t)(M * N) * sizeof(float)) : (float *)y;
     Act *xq = malloc((size_t)(M * Kp) * sizeof(Act));
     float *sx = malloc((size_t)M * sizeof(float));
     int status = -1;
-    if (xf == NULL || yf == NULL || xq == NULL || sx == NULL) goto done;
-    if (x_bf16) widen_row(x, 0, M * K, 1, xf);
+    if (xq == NULL || sx == NULL) goto done;
     const int32_t rows = (int32_t)M;
-    grouped_products(xf, M, &rows, 1, panels, colsum, sw, inv_smooth, N, Np, K, Kp, xq, sx, yf, nthreads);
-    if (y_bf16) narrow_row(yf, M * N, 1, y, 0);
+    grouped_products(x, x_bf16, M, &rows, 1, panels, colsum, sw, inv_smooth, N, Np, K, Kp, xq, sx, y, y_bf16, nthreads);
     status = 0;
 done:
-    if (x_bf16) free(xf);
-    if (y_bf16) free(yf);
     free(xq);
     free(sx);
     return status;
@@ -485,8 +526,8 @@ static int alloc_scratch(MlpScratch *s, int64_t P, int64_t H, int64_t I, const S
  * weight (1 without row_weight) in fp32, down products (N = H, K = I) into s->h [P, H]. */
 static void expert_mlps(MlpScratch *s, int64_t P, const int32_t *offsets, int64_t E, const float *row_weight, int64_t H,
                         int64_t I, float limit, const Stack *gu, const Stack *d, int nthreads) {
-    grouped_products(s->in, P, offsets, E, gu->panels, gu->colsum, gu->sw, gu->smooth, 2 * I, gu->Np, H, gu->Kp, s->xq,
-                     s->sx, s->h, nthreads);
+    grouped_products(s->in, 0, P, offsets, E, gu->panels, gu->colsum, gu->sw, gu->smooth, 2 * I, gu->Np, H, gu->Kp,
+                     s->xq, s->sx, s->h, 0, nthreads);
     #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t m = 0; m < P; m++) {
         const float *gate = s->h + m * 2 * I, *up = gate + I;
@@ -498,8 +539,8 @@ static void expert_mlps(MlpScratch *s, int64_t P, const int32_t *offsets, int64_
             act[c] = g / (1.0f + vexp(-g)) * u * w;
         }
     }
-    grouped_products(s->in, P, offsets, E, d->panels, d->colsum, d->sw, d->smooth, H, d->Np, I, d->Kp, s->xq, s->sx,
-                     s->h, nthreads);
+    grouped_products(s->in, 0, P, offsets, E, d->panels, d->colsum, d->sw, d->smooth, H, d->Np, I, d->Kp, s->xq, s->sx,
+                     s->h, 0, nthreads);
 }
 
 /* A dense MLP (a shared expert: one expert, every row at weight 1) on x [T, H] (bf16 when
