@@ -40,6 +40,7 @@
 
 #include "bf16.h"
 #include "pairs.h"
+#include "scratch.h"
 
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
@@ -352,22 +353,33 @@ static void panel_pair(const uint16_t *a, int64_t lda, int64_t k, const uint16_t
 #error "bf16_panels.c needs AMX-BF16 (-mamx-tile -mamx-bf16), AVX512-BF16, or AVX2 with FMA"
 #endif
 
-/* x [P, H] bf16 sorted by expert; offsets [E] int32 (end of each expert's rows); row_weight
- * [P] fp32; gate_up, down packed as above; y [P, H] bf16. H and I multiples of 32. Returns
- * 0, or -1 without scratch memory. */
-int panels_experts(const uint16_t *x, int64_t P, int64_t H, const int32_t *offsets, int64_t E, const float *row_weight,
-                    const uint16_t *gate_up, const uint16_t *down, int64_t I, float limit, uint16_t *y, int nthreads) {
-    if (P == 0) return 0;
-    uint16_t *act = malloc((size_t)(P * I) * sizeof(uint16_t));
-    int64_t *order = malloc((size_t)E * sizeof(int64_t)), *slots = malloc((size_t)(P + 1) * sizeof(int64_t));
-    if (act == NULL || order == NULL || slots == NULL) {
-        free(act);
-        free(order);
-        free(slots);
-        return -1;
-    }
-    const int64_t panels_i = I / TILE_N, pairs_h = H / (2 * TILE_N), busy = busiest_first(offsets, E, P, order, slots);
-    free(slots);
+/* The scratch of experts_products: act [P, I] bf16, order [E], slots [P + 1]. */
+typedef struct {
+    uint16_t *act;
+    int64_t *order, *slots;
+} ExpertsScratch;
+
+static size_t experts_scratch_bytes(int64_t P, int64_t E, int64_t I) {
+    return scratch_padded((size_t)(P * I) * sizeof(uint16_t)) + scratch_padded((size_t)E * sizeof(int64_t)) +
+           scratch_padded((size_t)(P + 1) * sizeof(int64_t));
+}
+
+static ExpertsScratch take_experts_scratch(int64_t P, int64_t E, int64_t I) {
+    ExpertsScratch s;
+    s.act = scratch_take((size_t)(P * I) * sizeof(uint16_t));
+    s.order = scratch_take((size_t)E * sizeof(int64_t));
+    s.slots = scratch_take((size_t)(P + 1) * sizeof(int64_t));
+    return s;
+}
+
+/* panels_experts on scratch taken by its caller. */
+static void experts_products(const uint16_t *x, int64_t P, int64_t H, const int32_t *offsets, int64_t E,
+                             const float *row_weight, const uint16_t *gate_up, const uint16_t *down, int64_t I,
+                             float limit, uint16_t *y, int nthreads, ExpertsScratch s) {
+    if (P == 0) return;
+    uint16_t *act = s.act;
+    const int64_t *order = s.order;
+    const int64_t panels_i = I / TILE_N, pairs_h = H / (2 * TILE_N), busy = busiest_first(offsets, E, P, s.order, s.slots);
     #pragma omp parallel num_threads(nthreads)
     {
         int configured = 0;
@@ -402,8 +414,17 @@ int panels_experts(const uint16_t *x, int64_t P, int64_t H, const int32_t *offse
         }
         release_tiles(configured);
     }
-    free(act);
-    free(order);
+}
+
+/* x [P, H] bf16 sorted by expert; offsets [E] int32 (end of each expert's rows); row_weight
+ * [P] fp32; gate_up, down packed as above; y [P, H] bf16. H and I multiples of 32. Returns
+ * 0, or -1 without scratch memory. */
+int panels_experts(const uint16_t *x, int64_t P, int64_t H, const int32_t *offsets, int64_t E, const float *row_weight,
+                    const uint16_t *gate_up, const uint16_t *down, int64_t I, float limit, uint16_t *y, int nthreads) {
+    if (P == 0) return 0;
+    if (scratch_reserve(experts_scratch_bytes(P, E, I)) != 0) return -1;
+    experts_products(x, P, H, offsets, E, row_weight, gate_up, down, I, limit, y, nthreads, take_experts_scratch(P, E, I));
+    scratch_done();
     return 0;
 }
 
@@ -487,39 +508,37 @@ int panels_routed(const uint16_t *x, int64_t T, int64_t H, const int64_t *ids, c
                    int64_t E, const uint16_t *gate_up, const uint16_t *down, int64_t I, float limit,
                    const uint16_t *shared_gate_up, const uint16_t *shared_down, int64_t shared_I, uint16_t *y,
                    int nthreads) {
-    const int64_t P = T * k;
+    const int64_t P = T * k, threads = nthreads > 0 ? nthreads : 1;
+    const size_t shared_bytes = (size_t)(T * H) * sizeof(uint16_t), ones_bytes = (size_t)T * sizeof(float);
+    const size_t pairs_bytes = (size_t)P * sizeof(int64_t), rows_bytes = (size_t)(P * H) * sizeof(uint16_t);
+    size_t bytes = scratch_padded((size_t)E * sizeof(int32_t)) + scratch_padded(pairs_bytes) +
+                   2 * scratch_padded(rows_bytes) + scratch_padded((size_t)P * sizeof(float)) +
+                   scratch_padded((size_t)(threads * H) * sizeof(float)) + experts_scratch_bytes(P, E, I);
+    if (shared_gate_up != NULL)
+        bytes += scratch_padded(shared_bytes) + scratch_padded(ones_bytes) + experts_scratch_bytes(T, 1, shared_I);
+    if (scratch_reserve(bytes) != 0) return -1;
+    int32_t *offsets = memset(scratch_take((size_t)E * sizeof(int32_t)), 0, (size_t)E * sizeof(int32_t));
+    int64_t *slot_of = scratch_take(pairs_bytes); /* pair -> sorted position */
+    uint16_t *rows = scratch_take(rows_bytes), *out = scratch_take(rows_bytes);
+    float *row_weight = scratch_take((size_t)P * sizeof(float));
+    float *acc = scratch_take((size_t)(threads * H) * sizeof(float)); /* a token's sum, per thread */
+    const ExpertsScratch routed_scratch = take_experts_scratch(P, E, I);
     uint16_t *shared = NULL; /* the shared expert's rows, when there is one */
     if (shared_gate_up != NULL) {
-        shared = malloc((size_t)(T * H > 0 ? T * H : 1) * sizeof(uint16_t));
-        float *ones = malloc((size_t)(T > 0 ? T : 1) * sizeof(float));
+        shared = scratch_take(shared_bytes);
+        float *ones = scratch_take(ones_bytes);
         const int32_t all_rows = (int32_t)T;
-        int failed = shared == NULL || ones == NULL;
-        if (!failed) {
-            for (int64_t t = 0; t < T; t++) ones[t] = 1.0f;
-            failed = panels_experts(x, T, H, &all_rows, 1, ones, shared_gate_up, shared_down, shared_I, limit, shared,
-                                     nthreads) != 0;
-        }
-        free(ones);
-        if (failed) {
-            free(shared);
-            return -1;
-        }
+        for (int64_t t = 0; t < T; t++) ones[t] = 1.0f;
+        experts_products(x, T, H, &all_rows, 1, ones, shared_gate_up, shared_down, shared_I, limit, shared, nthreads,
+                         take_experts_scratch(T, 1, shared_I));
     }
-    int32_t *offsets = calloc((size_t)E, sizeof(int32_t));
-    int64_t *slot_of = malloc((size_t)(P > 0 ? P : 1) * sizeof(int64_t)); /* pair -> sorted position */
-    uint16_t *rows = malloc((size_t)(P * H > 0 ? P * H : 1) * sizeof(uint16_t));
-    uint16_t *out = malloc((size_t)(P * H > 0 ? P * H : 1) * sizeof(uint16_t));
-    float *row_weight = malloc((size_t)(P > 0 ? P : 1) * sizeof(float));
-    float *acc = malloc((size_t)((nthreads > 0 ? nthreads : 1) * H) * sizeof(float)); /* a token's sum, per thread */
-    int status = -1;
-    if (offsets == NULL || slot_of == NULL || rows == NULL || out == NULL || row_weight == NULL || acc == NULL) goto done;
     sort_pairs(ids, P, E, offsets, slot_of);
     #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t p = 0; p < P; p++) {
         memcpy(rows + slot_of[p] * H, x + (p / k) * H, (size_t)H * sizeof(uint16_t));
         row_weight[slot_of[p]] = weights[p];
     }
-    if (panels_experts(rows, P, H, offsets, E, row_weight, gate_up, down, I, limit, out, nthreads) != 0) goto done;
+    experts_products(rows, P, H, offsets, E, row_weight, gate_up, down, I, limit, out, nthreads, routed_scratch);
     #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t t = 0; t < T; t++) {
         float *sum = acc + (int64_t)omp_get_thread_num() * H;
@@ -535,14 +554,6 @@ int panels_routed(const uint16_t *x, int64_t T, int64_t H, const int64_t *ids, c
         else
             for (int64_t c = 0; c < H; c++) y[t * H + c] = f32_to_bf16(sum[c]);
     }
-    status = 0;
-done:
-    free(offsets);
-    free(slot_of);
-    free(rows);
-    free(out);
-    free(row_weight);
-    free(acc);
-    free(shared);
-    return status;
+    scratch_done();
+    return 0;
 }

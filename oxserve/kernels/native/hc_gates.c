@@ -17,6 +17,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "scratch.h"
 
 #define LANES 8
 #define MAX_N 16
@@ -236,15 +237,14 @@ int hc_collapse(const void *streams, int is_bf16, int64_t tokens, int n, int64_t
     const int width = (2 + n) * n;
     const int64_t flat = (int64_t)n * d, ldx = flat + 16, per_thread = BLOCK * ldx + d; /* ldx: rows off 4 KiB strides */
     const int fn_rows = (width + OUTS - 1) / OUTS * OUTS; /* project reads whole groups of OUTS rows */
-    float *scratch = malloc((size_t)(threads * per_thread) * sizeof(float));
-    float *padded = fn_rows > width ? calloc((size_t)(fn_rows * flat), sizeof(float)) : NULL;
-    if (scratch == NULL || (fn_rows > width && padded == NULL)) {
-        free(scratch);
-        free(padded);
-        return -2;
-    }
-    if (padded != NULL) {
+    const size_t scratch_bytes = (size_t)(threads * per_thread) * sizeof(float);
+    const size_t padded_bytes = fn_rows > width ? (size_t)(fn_rows * flat) * sizeof(float) : 0;
+    if (scratch_reserve(scratch_padded(scratch_bytes) + scratch_padded(padded_bytes)) != 0) return -2;
+    float *scratch = scratch_take(scratch_bytes);
+    if (padded_bytes > 0) {
+        float *padded = scratch_take(padded_bytes);
         memcpy(padded, fn, (size_t)(width * flat) * sizeof(float));
+        memset(padded + width * flat, 0, (size_t)((fn_rows - width) * flat) * sizeof(float));
         fn = padded;
     }
 #pragma omp parallel for num_threads(threads) schedule(static)
@@ -274,8 +274,7 @@ int hc_collapse(const void *streams, int is_bf16, int64_t tokens, int n, int64_t
             narrow_row(row, d, is_bf16, out, t * d);
         }
     }
-    free(scratch);
-    free(padded);
+    scratch_done();
     return 0;
 }
 
@@ -288,8 +287,9 @@ int hc_expand(const float *post, const float *comb, const void *block, const voi
     if (tokens == 0) return 0;
     if (threads < 1) threads = 1;
     const int64_t per_thread = (int64_t)(n + 2) * d;
-    float *scratch = malloc((size_t)(threads * per_thread) * sizeof(float));
-    if (scratch == NULL) return -2;
+    const size_t scratch_bytes = (size_t)(threads * per_thread) * sizeof(float);
+    if (scratch_reserve(scratch_padded(scratch_bytes)) != 0) return -2;
+    float *scratch = scratch_take(scratch_bytes);
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t t = 0; t < tokens; t++) {
         float *s = scratch + (int64_t)omp_get_thread_num() * per_thread, *b = s + n * d, *o = s + (n + 1) * d;
@@ -306,6 +306,6 @@ int hc_expand(const float *post, const float *comb, const void *block, const voi
             narrow_row(o, d, is_bf16, out, (t * n + i) * d);
         }
     }
-    free(scratch);
+    scratch_done();
     return 0;
 }

@@ -29,6 +29,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "scratch.h"
 #include "vmath.h"
 
 #define MAX_DIM 1024 /* head dim; NATIVE_MAX_DIM in kda_io.py */
@@ -76,13 +77,11 @@ int kda_conv_inputs(const void *mixed, void *conv_table, const int64_t *slots, c
     int64_t tokens = 0;
     for (int64_t b = 0; b < requests; b++)
         if (runs[2 * b] + runs[2 * b + 1] > tokens) tokens = runs[2 * b] + runs[2 * b + 1];
-    int64_t *owner = malloc((size_t)(tokens > 0 ? tokens : 1) * sizeof(int64_t));
-    float *scratch = malloc((size_t)(threads * 2 * channels) * sizeof(float)); /* per thread: a tap, the sums */
-    if (owner == NULL || scratch == NULL) {
-        free(owner);
-        free(scratch);
-        return -2;
-    }
+    const size_t owner_bytes = (size_t)(tokens > 0 ? tokens : 1) * sizeof(int64_t);
+    const size_t scratch_bytes = (size_t)(threads * 2 * channels) * sizeof(float); /* per thread: a tap, the sums */
+    if (scratch_reserve(scratch_padded(owner_bytes) + scratch_padded(scratch_bytes)) != 0) return -2;
+    int64_t *owner = scratch_take(owner_bytes);
+    float *scratch = scratch_take(scratch_bytes);
     for (int64_t t = 0; t < tokens; t++) owner[t] = -1;
     for (int64_t b = 0; b < requests; b++)
         for (int64_t t = runs[2 * b]; t < runs[2 * b] + runs[2 * b + 1]; t++) owner[t] = b;
@@ -139,8 +138,7 @@ int kda_conv_inputs(const void *mixed, void *conv_table, const int64_t *slots, c
             }
         }
     }
-    free(owner);
-    free(scratch);
+    scratch_done();
     return 0;
 }
 

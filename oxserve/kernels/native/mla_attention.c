@@ -24,6 +24,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "scratch.h"
 #include "vmath.h"
 
 
@@ -169,13 +170,11 @@ int mla_latent_attention(const void *q, const void *latent, const int64_t *posit
     const int64_t k_room = width > 0 ? width : 1;
     /* per thread: the query's heads [H][C], sums [H][C], scores [H][K], latents [K][C] and [C][K] */
     const int64_t per_thread = 2 * heads * dim + heads * k_room + 2 * k_room * dim;
-    float *scratch = malloc((size_t)(threads * per_thread) * sizeof(float));
-    int64_t *rows_all = malloc((size_t)(threads * k_room) * sizeof(int64_t));
-    if (scratch == NULL || rows_all == NULL) {
-        free(scratch);
-        free(rows_all);
-        return -2;
-    }
+    const size_t scratch_bytes = (size_t)(threads * per_thread) * sizeof(float);
+    const size_t rows_bytes = (size_t)(threads * k_room) * sizeof(int64_t);
+    if (scratch_reserve(scratch_padded(scratch_bytes) + scratch_padded(rows_bytes)) != 0) return -2;
+    float *scratch = scratch_take(scratch_bytes);
+    int64_t *rows_all = scratch_take(rows_bytes);
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t t = 0; t < tokens; t++) {
         const int id = omp_get_thread_num();
@@ -218,7 +217,6 @@ int mla_latent_attention(const void *q, const void *latent, const int64_t *posit
             memcpy((float *)out + at, acc, (size_t)(heads * dim) * sizeof(float));
         }
     }
-    free(scratch);
-    free(rows_all);
+    scratch_done();
     return 0;
 }

@@ -170,6 +170,7 @@ int w8a8_grouped(const float *x, int64_t P, int64_t K, const int32_t *offsets, i
 #if (defined(__AVX512VNNI__) && defined(__AVX512BW__)) || defined(__AVX2__)
 #include "bf16.h"
 #include "pairs.h"
+#include "scratch.h"
 #include "vmath.h"
 
 #define H_CHUNK 256 /* output channels a token's sum keeps at once */
@@ -448,6 +449,9 @@ static void grouped_products(const void *x, int x_bf16, int64_t P, const int32_t
     }
 }
 
+/* Quantized rows and their scales for P rows of Kp inputs. */
+static size_t rows_bytes(int64_t P, int64_t Kp) { return scratch_padded((size_t)(P * Kp) * sizeof(Act)) + scratch_padded((size_t)P * sizeof(float)); }
+
 /* As w8a8_grouped, on weights packed as above: panels [E][Np/PANEL][Kp/PANEL_K][PANEL][PANEL_K],
  * colsum [E, Np] int32, sw [E, N]. Returns 0, -1 without scratch memory,
  * -3 for K above MAX_PANEL_K. */
@@ -456,12 +460,11 @@ int w8a8_panels_grouped(const float *x, int64_t P, int64_t K, const int32_t *off
                         int64_t Kp, float *y, int nthreads) {
     if (Kp > MAX_PANEL_K) return -3;
     if (P == 0) return 0;
-    Act *xq = malloc((size_t)(P * Kp) * sizeof(Act));
-    float *sx = malloc((size_t)P * sizeof(float));
-    if (xq == NULL || sx == NULL) { free(xq); free(sx); return -1; }
+    if (scratch_reserve(rows_bytes(P, Kp)) != 0) return -1;
+    Act *xq = scratch_take((size_t)(P * Kp) * sizeof(Act));
+    float *sx = scratch_take((size_t)P * sizeof(float));
     grouped_products(x, 0, P, offsets, E, panels, colsum, sw, inv_smooth, N, Np, K, Kp, xq, sx, y, 0, nthreads);
-    free(xq);
-    free(sx);
+    scratch_done();
     return 0;
 }
 
@@ -472,17 +475,13 @@ int w8a8_panels_linear(const void *x, int x_bf16, int64_t M, int64_t K, const in
                        int y_bf16, int nthreads) {
     if (Kp > MAX_PANEL_K) return -3;
     if (M == 0) return 0;
-    Act *xq = malloc((size_t)(M * Kp) * sizeof(Act));
-    float *sx = malloc((size_t)M * sizeof(float));
-    int status = -1;
-    if (xq == NULL || sx == NULL) goto done;
+    if (scratch_reserve(rows_bytes(M, Kp)) != 0) return -1;
+    Act *xq = scratch_take((size_t)(M * Kp) * sizeof(Act));
+    float *sx = scratch_take((size_t)M * sizeof(float));
     const int32_t rows = (int32_t)M;
     grouped_products(x, x_bf16, M, &rows, 1, panels, colsum, sw, inv_smooth, N, Np, K, Kp, xq, sx, y, y_bf16, nthreads);
-    status = 0;
-done:
-    free(xq);
-    free(sx);
-    return status;
+    scratch_done();
+    return 0;
 }
 
 /* A packed weight stack as the entry points below take it (`PanelStack` in kernels/int8.py):
@@ -503,22 +502,22 @@ typedef struct {
     Act *xq;
 } MlpScratch;
 
-static void free_scratch(MlpScratch *s) {
-    free(s->in);
-    free(s->h);
-    free(s->sx);
-    free(s->xq);
+static size_t in_bytes(int64_t P, int64_t H, int64_t I) { return (size_t)(P * (H > I ? H : I)) * sizeof(float); }
+static size_t h_bytes(int64_t P, int64_t H, int64_t I) { return (size_t)(P * (2 * I > H ? 2 * I : H)) * sizeof(float); }
+static int64_t wider(const Stack *gu, const Stack *d) { return gu->Kp > d->Kp ? gu->Kp : d->Kp; }
+
+/* What an MLP's scratch takes from the arena (a sum of padded sizes). */
+static size_t scratch_bytes(int64_t P, int64_t H, int64_t I, const Stack *gu, const Stack *d) {
+    return scratch_padded(in_bytes(P, H, I)) + scratch_padded(h_bytes(P, H, I)) + rows_bytes(P, wider(gu, d));
 }
 
-static int alloc_scratch(MlpScratch *s, int64_t P, int64_t H, int64_t I, const Stack *gu, const Stack *d) {
-    const int64_t rows = P > 0 ? P : 1, wide = gu->Kp > d->Kp ? gu->Kp : d->Kp;
-    s->in = malloc((size_t)(rows * (H > I ? H : I)) * sizeof(float));
-    s->h = malloc((size_t)(rows * (2 * I > H ? 2 * I : H)) * sizeof(float));
-    s->sx = malloc((size_t)rows * sizeof(float));
-    s->xq = malloc((size_t)(rows * wide) * sizeof(Act));
-    if (s->in && s->h && s->sx && s->xq) return 0;
-    free_scratch(s);
-    return -1;
+static MlpScratch take_scratch(int64_t P, int64_t H, int64_t I, const Stack *gu, const Stack *d) {
+    MlpScratch s;
+    s.in = scratch_take(in_bytes(P, H, I));
+    s.h = scratch_take(h_bytes(P, H, I));
+    s.xq = scratch_take((size_t)(P * wider(gu, d)) * sizeof(Act));
+    s.sx = scratch_take((size_t)P * sizeof(float));
+    return s;
 }
 
 /* Each expert's MLP on its rows s->in [P, H] (fp32, sorted by expert: offsets [E]): gate|up
@@ -544,15 +543,13 @@ static void expert_mlps(MlpScratch *s, int64_t P, const int32_t *offsets, int64_
 }
 
 /* A dense MLP (a shared expert: one expert, every row at weight 1) on x [T, H] (bf16 when
- * x_bf16, else fp32) into s->h [T, H] fp32. Returns 0, or -1 without scratch memory. */
-static int dense_mlp(const void *x, int x_bf16, int64_t T, int64_t H, int64_t I, float limit, const Stack *gu,
-                     const Stack *d, MlpScratch *s, int nthreads) {
-    if (alloc_scratch(s, T, H, I, gu, d) != 0) return -1;
+ * x_bf16, else fp32) into s->h [T, H] fp32. */
+static void dense_mlp(const void *x, int x_bf16, int64_t T, int64_t H, int64_t I, float limit, const Stack *gu,
+                      const Stack *d, MlpScratch *s, int nthreads) {
     #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t t = 0; t < T; t++) widen_row(x, t * H, H, x_bf16, s->in + t * H);
     const int32_t rows = (int32_t)T;
     expert_mlps(s, T, &rows, 1, NULL, H, I, limit, gu, d, nthreads);
-    return 0;
 }
 
 /* A dense SiLU MLP in one call: dense_mlp, rounded into y [T, H] in x's dtype. Returns 0, -1
@@ -560,10 +557,11 @@ static int dense_mlp(const void *x, int x_bf16, int64_t T, int64_t H, int64_t I,
 int w8a8_panels_mlp(const void *x, int x_bf16, int64_t T, int64_t H, int64_t I, float limit, const Stack *gu,
                     const Stack *d, void *y, int nthreads) {
     if (gu->Kp > MAX_PANEL_K || d->Kp > MAX_PANEL_K) return -3;
-    MlpScratch s;
-    if (dense_mlp(x, x_bf16, T, H, I, limit, gu, d, &s, nthreads) != 0) return -1;
+    if (scratch_reserve(scratch_bytes(T, H, I, gu, d)) != 0) return -1;
+    MlpScratch s = take_scratch(T, H, I, gu, d);
+    dense_mlp(x, x_bf16, T, H, I, limit, gu, d, &s, nthreads);
     narrow_row(s.h, T * H, x_bf16, y, 0);
-    free_scratch(&s);
+    scratch_done();
     return 0;
 }
 
@@ -579,14 +577,19 @@ int w8a8_panels_routed(const void *x, int x_bf16, int64_t T, int64_t H, const in
                        const Stack *shared_gu, const Stack *shared_d, int64_t shared_I, void *y, int nthreads) {
     if (gu->Kp > MAX_PANEL_K || d->Kp > MAX_PANEL_K) return -3;
     if (shared_gu && (shared_gu->Kp > MAX_PANEL_K || shared_d->Kp > MAX_PANEL_K)) return -3;
-    const int64_t P = T * k, rows = P > 0 ? P : 1;
-    MlpScratch s, shared = {0};
-    if (shared_gu && dense_mlp(x, x_bf16, T, H, shared_I, limit, shared_gu, shared_d, &shared, nthreads) != 0) return -1;
-    int32_t *offsets = calloc((size_t)E, sizeof(int32_t));
-    int64_t *slot_of = malloc((size_t)rows * sizeof(int64_t));
-    float *row_weight = malloc((size_t)rows * sizeof(float));
-    int status = -1;
-    if (!offsets || !slot_of || !row_weight || alloc_scratch(&s, P, H, I, gu, d) != 0) goto done;
+    const int64_t P = T * k;
+    size_t bytes = scratch_padded((size_t)E * sizeof(int32_t)) + scratch_padded((size_t)P * sizeof(int64_t)) +
+                   scratch_padded((size_t)P * sizeof(float)) + scratch_bytes(P, H, I, gu, d);
+    if (shared_gu) bytes += scratch_bytes(T, H, shared_I, shared_gu, shared_d);
+    if (scratch_reserve(bytes) != 0) return -1;
+    int32_t *offsets = memset(scratch_take((size_t)E * sizeof(int32_t)), 0, (size_t)E * sizeof(int32_t));
+    int64_t *slot_of = scratch_take((size_t)P * sizeof(int64_t));
+    float *row_weight = scratch_take((size_t)P * sizeof(float));
+    MlpScratch s = take_scratch(P, H, I, gu, d), shared;
+    if (shared_gu) {
+        shared = take_scratch(T, H, shared_I, shared_gu, shared_d);
+        dense_mlp(x, x_bf16, T, H, shared_I, limit, shared_gu, shared_d, &shared, nthreads);
+    }
     sort_pairs(ids, P, E, offsets, slot_of);
     #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t p = 0; p < P; p++) {
@@ -612,14 +615,8 @@ int w8a8_panels_routed(const void *x, int x_bf16, int64_t T, int64_t H, const in
             narrow_row(sum, n, x_bf16, y, t * H + c0);
         }
     }
-    free_scratch(&s);
-    status = 0;
-done:
-    free(offsets);
-    free(slot_of);
-    free(row_weight);
-    if (shared_gu) free_scratch(&shared);
-    return status;
+    scratch_done();
+    return 0;
 }
 
 int w8a8_panel_width(void) { return PANEL; }
