@@ -169,8 +169,6 @@ int w8a8_grouped(const float *x, int64_t P, int64_t K, const int32_t *offsets, i
  * bytes there, not arithmetic. */
 #if (defined(__AVX512VNNI__) && defined(__AVX512BW__)) || defined(__AVX2__)
 #include "bf16.h"
-#include <omp.h>
-
 #include "pairs.h"
 #include "scratch.h"
 #include "vmath.h"
@@ -424,36 +422,19 @@ static int64_t rows_per_task(int64_t P, int64_t tasks, int nthreads) {
     return ((P + groups - 1) / groups + PANEL_ROWS - 1) / PANEL_ROWS * PANEL_ROWS;
 }
 
-/* Rows quantized for a call of P rows: up to a pass's worth, each thread quantizes them all
- * for itself (nthreads copies), so its products need not wait at a barrier for the others;
- * more are quantized once, shared. */
-static int64_t quantized_rows(int64_t P, int nthreads) { return P <= PANEL_ROWS ? P * (nthreads > 1 ? nthreads : 1) : P; }
-
 /* The quantized rows of x [P, K] (sorted by expert, each with its expert's smoothing) and
  * their products with every expert's weights, into y [P, N]; x and y bf16 where their flags
- * say, else fp32. xq and sx hold quantized_rows(P, nthreads) rows. Tasks are (expert, row
- * group, pair of panels). */
+ * say, else fp32. Tasks are (expert, row group, pair of panels). */
 static void grouped_products(const void *x, int x_bf16, int64_t P, const int32_t *offsets, int64_t E,
                              const int8_t *panels, const int32_t *colsum, const float *sw, const float *inv_smooth,
                              int64_t N, int64_t Np, int64_t K, int64_t Kp, Act *xq, float *sx, void *y, int y_bf16,
                              int nthreads) {
-    const int own_copy = P <= PANEL_ROWS; /* the same for every thread: all or none meet the omp for */
     #pragma omp parallel num_threads(nthreads)
     {
-        Act *rows_q = xq;
-        float *scales = sx;
-        if (own_copy) {
-            rows_q += omp_get_thread_num() * P * Kp;
-            scales += omp_get_thread_num() * P;
-            for (int64_t m = 0; m < P; m++)
-                quantize_row(row_of(x, m, K, x_bf16), x_bf16, K, Kp,
-                             inv_smooth ? inv_smooth + expert_of(offsets, m) * K : NULL, rows_q + m * Kp, scales + m);
-        } else {
-            #pragma omp for schedule(static)
-            for (int64_t m = 0; m < P; m++)
-                quantize_row(row_of(x, m, K, x_bf16), x_bf16, K, Kp,
-                             inv_smooth ? inv_smooth + expert_of(offsets, m) * K : NULL, xq + m * Kp, sx + m);
-        }
+        #pragma omp for schedule(static)
+        for (int64_t m = 0; m < P; m++)
+            quantize_row(row_of(x, m, K, x_bf16), x_bf16, K, Kp,
+                         inv_smooth ? inv_smooth + expert_of(offsets, m) * K : NULL, xq + m * Kp, sx + m);
         const int64_t pairs = Np / (2 * PANEL), rows = rows_per_task(P, E * pairs, nthreads);
         const int64_t groups = (P + rows - 1) / rows;
         #pragma omp for schedule(dynamic, 1)
@@ -463,16 +444,13 @@ static void grouped_products(const void *x, int x_bf16, int64_t P, const int32_t
             const int64_t end = start + rows < offsets[e] ? start + rows : offsets[e];
             if (start >= end) continue;
             const Int8Weights w = expert_weights(panels, colsum, sw, inv_smooth, e, N, Np, K, Kp);
-            pair_products(rows_q, scales, start, end, &w, task % pairs, y, y_bf16, N);
+            pair_products(xq, sx, start, end, &w, task % pairs, y, y_bf16, N);
         }
     }
 }
 
 /* Quantized rows and their scales for P rows of Kp inputs. */
-static size_t rows_bytes(int64_t P, int64_t Kp, int nthreads) {
-    const int64_t rows = quantized_rows(P, nthreads);
-    return scratch_padded((size_t)(rows * Kp) * sizeof(Act)) + scratch_padded((size_t)rows * sizeof(float));
-}
+static size_t rows_bytes(int64_t P, int64_t Kp) { return scratch_padded((size_t)(P * Kp) * sizeof(Act)) + scratch_padded((size_t)P * sizeof(float)); }
 
 /* As w8a8_grouped, on weights packed as above: panels [E][Np/PANEL][Kp/PANEL_K][PANEL][PANEL_K],
  * colsum [E, Np] int32, sw [E, N]. Returns 0, -1 without scratch memory,
@@ -482,9 +460,9 @@ int w8a8_panels_grouped(const float *x, int64_t P, int64_t K, const int32_t *off
                         int64_t Kp, float *y, int nthreads) {
     if (Kp > MAX_PANEL_K) return -3;
     if (P == 0) return 0;
-    if (scratch_reserve(rows_bytes(P, Kp, nthreads)) != 0) return -1;
-    Act *xq = scratch_take((size_t)(quantized_rows(P, nthreads) * Kp) * sizeof(Act));
-    float *sx = scratch_take((size_t)quantized_rows(P, nthreads) * sizeof(float));
+    if (scratch_reserve(rows_bytes(P, Kp)) != 0) return -1;
+    Act *xq = scratch_take((size_t)(P * Kp) * sizeof(Act));
+    float *sx = scratch_take((size_t)P * sizeof(float));
     grouped_products(x, 0, P, offsets, E, panels, colsum, sw, inv_smooth, N, Np, K, Kp, xq, sx, y, 0, nthreads);
     scratch_done();
     return 0;
@@ -497,9 +475,9 @@ int w8a8_panels_linear(const void *x, int x_bf16, int64_t M, int64_t K, const in
                        int y_bf16, int nthreads) {
     if (Kp > MAX_PANEL_K) return -3;
     if (M == 0) return 0;
-    if (scratch_reserve(rows_bytes(M, Kp, nthreads)) != 0) return -1;
-    Act *xq = scratch_take((size_t)(quantized_rows(M, nthreads) * Kp) * sizeof(Act));
-    float *sx = scratch_take((size_t)quantized_rows(M, nthreads) * sizeof(float));
+    if (scratch_reserve(rows_bytes(M, Kp)) != 0) return -1;
+    Act *xq = scratch_take((size_t)(M * Kp) * sizeof(Act));
+    float *sx = scratch_take((size_t)M * sizeof(float));
     const int32_t rows = (int32_t)M;
     grouped_products(x, x_bf16, M, &rows, 1, panels, colsum, sw, inv_smooth, N, Np, K, Kp, xq, sx, y, y_bf16, nthreads);
     scratch_done();
@@ -529,16 +507,16 @@ static size_t h_bytes(int64_t P, int64_t H, int64_t I) { return (size_t)(P * (2 
 static int64_t wider(const Stack *gu, const Stack *d) { return gu->Kp > d->Kp ? gu->Kp : d->Kp; }
 
 /* What an MLP's scratch takes from the arena (a sum of padded sizes). */
-static size_t scratch_bytes(int64_t P, int64_t H, int64_t I, const Stack *gu, const Stack *d, int nthreads) {
-    return scratch_padded(in_bytes(P, H, I)) + scratch_padded(h_bytes(P, H, I)) + rows_bytes(P, wider(gu, d), nthreads);
+static size_t scratch_bytes(int64_t P, int64_t H, int64_t I, const Stack *gu, const Stack *d) {
+    return scratch_padded(in_bytes(P, H, I)) + scratch_padded(h_bytes(P, H, I)) + rows_bytes(P, wider(gu, d));
 }
 
-static MlpScratch take_scratch(int64_t P, int64_t H, int64_t I, const Stack *gu, const Stack *d, int nthreads) {
+static MlpScratch take_scratch(int64_t P, int64_t H, int64_t I, const Stack *gu, const Stack *d) {
     MlpScratch s;
     s.in = scratch_take(in_bytes(P, H, I));
     s.h = scratch_take(h_bytes(P, H, I));
-    s.xq = scratch_take((size_t)(quantized_rows(P, nthreads) * wider(gu, d)) * sizeof(Act));
-    s.sx = scratch_take((size_t)quantized_rows(P, nthreads) * sizeof(float));
+    s.xq = scratch_take((size_t)(P * wider(gu, d)) * sizeof(Act));
+    s.sx = scratch_take((size_t)P * sizeof(float));
     return s;
 }
 
@@ -579,8 +557,8 @@ static void dense_mlp(const void *x, int x_bf16, int64_t T, int64_t H, int64_t I
 int w8a8_panels_mlp(const void *x, int x_bf16, int64_t T, int64_t H, int64_t I, float limit, const Stack *gu,
                     const Stack *d, void *y, int nthreads) {
     if (gu->Kp > MAX_PANEL_K || d->Kp > MAX_PANEL_K) return -3;
-    if (scratch_reserve(scratch_bytes(T, H, I, gu, d, nthreads)) != 0) return -1;
-    MlpScratch s = take_scratch(T, H, I, gu, d, nthreads);
+    if (scratch_reserve(scratch_bytes(T, H, I, gu, d)) != 0) return -1;
+    MlpScratch s = take_scratch(T, H, I, gu, d);
     dense_mlp(x, x_bf16, T, H, I, limit, gu, d, &s, nthreads);
     narrow_row(s.h, T * H, x_bf16, y, 0);
     scratch_done();
@@ -601,15 +579,15 @@ int w8a8_panels_routed(const void *x, int x_bf16, int64_t T, int64_t H, const in
     if (shared_gu && (shared_gu->Kp > MAX_PANEL_K || shared_d->Kp > MAX_PANEL_K)) return -3;
     const int64_t P = T * k;
     size_t bytes = scratch_padded((size_t)E * sizeof(int32_t)) + scratch_padded((size_t)P * sizeof(int64_t)) +
-                   scratch_padded((size_t)P * sizeof(float)) + scratch_bytes(P, H, I, gu, d, nthreads);
-    if (shared_gu) bytes += scratch_bytes(T, H, shared_I, shared_gu, shared_d, nthreads);
+                   scratch_padded((size_t)P * sizeof(float)) + scratch_bytes(P, H, I, gu, d);
+    if (shared_gu) bytes += scratch_bytes(T, H, shared_I, shared_gu, shared_d);
     if (scratch_reserve(bytes) != 0) return -1;
     int32_t *offsets = memset(scratch_take((size_t)E * sizeof(int32_t)), 0, (size_t)E * sizeof(int32_t));
     int64_t *slot_of = scratch_take((size_t)P * sizeof(int64_t));
     float *row_weight = scratch_take((size_t)P * sizeof(float));
-    MlpScratch s = take_scratch(P, H, I, gu, d, nthreads), shared;
+    MlpScratch s = take_scratch(P, H, I, gu, d), shared;
     if (shared_gu) {
-        shared = take_scratch(T, H, shared_I, shared_gu, shared_d, nthreads);
+        shared = take_scratch(T, H, shared_I, shared_gu, shared_d);
         dense_mlp(x, x_bf16, T, H, shared_I, limit, shared_gu, shared_d, &shared, nthreads);
     }
     sort_pairs(ids, P, E, offsets, slot_of);
