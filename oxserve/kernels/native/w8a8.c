@@ -203,14 +203,15 @@ static inline void put_outputs(const float *out, int64_t valid, void *y, int64_t
 typedef uint8_t Act; /* a quantized activation as the products read it: q + 128 */
 typedef __m512i Acc;
 
-/* As w8a8_quantize_rows, into shifted bytes q + 128 (128 in the padding: q = 0), 16 inputs a
- * vector: the same IEEE divisions and round-half-even, so the same bytes. */
+/* Inputs k..k+15 of a bf16 or fp32 row as fp32. */
 static inline __m512 load16(const void *row, int64_t k, int bf16) {
     if (!bf16) return _mm512_loadu_ps((const float *)row + k);
     const __m256i bits = _mm256_loadu_si256((const __m256i *)((const uint16_t *)row + k));
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
 }
 
+/* As w8a8_quantize_rows, into shifted bytes q + 128 (128 in the padding: q = 0), 16 inputs a
+ * vector: the same IEEE divisions and round-half-even, so the same bytes. */
 static void quantize_row(const void *row, int bf16, int64_t K, int64_t Kp, const float *inv_smooth, uint8_t *q,
                          float *sx) {
     __m512 top = _mm512_setzero_ps();
@@ -280,14 +281,15 @@ static void panel_outputs(Acc sum, const int32_t *colsum, const float *sw, float
 typedef int16_t Act; /* a quantized activation, q itself */
 typedef __m256i Acc;
 
-/* As w8a8_quantize_rows, 8 inputs a vector: the same IEEE divisions and round-half-even, so
- * the same values (0 in the padding). */
+/* Inputs k..k+7 of a bf16 or fp32 row as fp32. */
 static inline __m256 load8(const void *row, int64_t k, int bf16) {
     if (!bf16) return _mm256_loadu_ps((const float *)row + k);
     const __m128i bits = _mm_loadu_si128((const __m128i *)((const uint16_t *)row + k));
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
 }
 
+/* As w8a8_quantize_rows, 8 inputs a vector: the same IEEE divisions and round-half-even, so
+ * the same values (0 in the padding). */
 static void quantize_row(const void *row, int bf16, int64_t K, int64_t Kp, const float *inv_smooth, int16_t *q,
                          float *sx) {
     const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
