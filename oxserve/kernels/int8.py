@@ -114,18 +114,27 @@ def column_multiple() -> int:
 MAX_PANEL_K = 65536  # MAX_PANEL_K in w8a8.c: the panels' int32 sums stay exact
 
 
-def panels_available() -> bool:
+@functools.cache
+def _layout() -> tuple[int, int] | None:
+    """Asked of the kernel once: the products check it on every call, and a captured step
+    would otherwise record (and replay) these calls too."""
     lib = _kernel()
-    return lib is not None and lib.w8a8_panels_available() == 1
+    if lib is None or lib.w8a8_panels_available() != 1:
+        return None
+    return lib.w8a8_panel_width(), lib.w8a8_panel_depth()
+
+
+def panels_available() -> bool:
+    return _layout() is not None
 
 
 def panel_layout() -> tuple[int, int]:
     """(output channels per panel, inputs per channel in one vector) of this CPU's build: (8, 2)
     on AVX2, (16, 4) with AVX512-VNNI."""
-    if not panels_available():
+    layout = _layout()
+    if layout is None:
         raise RuntimeError("w8a8 panels need a CPU with AVX2 or AVX512-VNNI and a C compiler")
-    lib = _kernel()
-    return lib.w8a8_panel_width(), lib.w8a8_panel_depth()
+    return layout
 
 
 def pack_panels(wq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -424,13 +424,25 @@ static int64_t rows_per_task(int64_t P, int64_t tasks, int nthreads) {
     return ((P + groups - 1) / groups + PANEL_ROWS - 1) / PANEL_ROWS * PANEL_ROWS;
 }
 
+/* A packed weight stack as the products and entry points take it (`PanelStack` in kernels/int8.py):
+ * panels [E][Np/PANEL][Kp/PANEL_K][PANEL][PANEL_K], colsum [E, Np], scales sw [E, N] and
+ * smoothing factors [E, K] (NULL: none). */
+typedef struct {
+    const int8_t *panels;
+    const int32_t *colsum;
+    const float *sw, *smooth;
+    int64_t Np, Kp;
+} Stack;
+
 /* The quantized rows of x [P, K] (sorted by expert, each with its expert's smoothing) and
- * their products with every expert's weights, into y [P, N]; x and y bf16 where their flags
- * say, else fp32. Tasks are (expert, row group, pair of panels). */
-static void grouped_products(const void *x, int x_bf16, int64_t P, const int32_t *offsets, int64_t E,
-                             const int8_t *panels, const int32_t *colsum, const float *sw, const float *inv_smooth,
-                             int64_t N, int64_t Np, int64_t K, int64_t Kp, Act *xq, float *sx, void *y, int y_bf16,
-                             int nthreads) {
+ * their products with every expert's weights w (N outputs), into y [P, N]; x and y bf16 where
+ * their flags say, else fp32. Tasks are (expert, row group, pair of panels). */
+static void grouped_products(const void *x, int x_bf16, int64_t P, const int32_t *offsets, int64_t E, const Stack *w,
+                             int64_t N, int64_t K, Act *xq, float *sx, void *y, int y_bf16, int nthreads) {
+    const int8_t *panels = w->panels;
+    const int32_t *colsum = w->colsum;
+    const float *sw = w->sw, *inv_smooth = w->smooth;
+    const int64_t Np = w->Np, Kp = w->Kp;
     #pragma omp parallel num_threads(nthreads)
     {
         #pragma omp for schedule(static)
@@ -445,8 +457,8 @@ static void grouped_products(const void *x, int x_bf16, int64_t P, const int32_t
             const int64_t start = (e == 0 ? 0 : offsets[e - 1]) + g * rows;
             const int64_t end = start + rows < offsets[e] ? start + rows : offsets[e];
             if (start >= end) continue;
-            const Int8Weights w = expert_weights(panels, colsum, sw, inv_smooth, e, N, Np, K, Kp);
-            pair_products(xq, sx, start, end, &w, task % pairs, y, y_bf16, N);
+            const Int8Weights expert = expert_weights(panels, colsum, sw, inv_smooth, e, N, Np, K, Kp);
+            pair_products(xq, sx, start, end, &expert, task % pairs, y, y_bf16, N);
         }
     }
 }
@@ -465,7 +477,8 @@ int w8a8_panels_grouped(const float *x, int64_t P, int64_t K, const int32_t *off
     if (scratch_reserve(rows_bytes(P, Kp)) != 0) return -1;
     Act *xq = scratch_take((size_t)(P * Kp) * sizeof(Act));
     float *sx = scratch_take((size_t)P * sizeof(float));
-    grouped_products(x, 0, P, offsets, E, panels, colsum, sw, inv_smooth, N, Np, K, Kp, xq, sx, y, 0, nthreads);
+    const Stack w = {panels, colsum, sw, inv_smooth, Np, Kp};
+    grouped_products(x, 0, P, offsets, E, &w, N, K, xq, sx, y, 0, nthreads);
     scratch_done();
     return 0;
 }
@@ -481,20 +494,11 @@ int w8a8_panels_linear(const void *x, int x_bf16, int64_t M, int64_t K, const in
     Act *xq = scratch_take((size_t)(M * Kp) * sizeof(Act));
     float *sx = scratch_take((size_t)M * sizeof(float));
     const int32_t rows = (int32_t)M;
-    grouped_products(x, x_bf16, M, &rows, 1, panels, colsum, sw, inv_smooth, N, Np, K, Kp, xq, sx, y, y_bf16, nthreads);
+    const Stack w = {panels, colsum, sw, inv_smooth, Np, Kp};
+    grouped_products(x, x_bf16, M, &rows, 1, &w, N, K, xq, sx, y, y_bf16, nthreads);
     scratch_done();
     return 0;
 }
-
-/* A packed weight stack as the entry points below take it (`PanelStack` in kernels/int8.py):
- * panels [E][Np/PANEL][Kp/PANEL_K][PANEL][PANEL_K], colsum [E, Np], scales sw [E, N] and
- * smoothing factors [E, K] (NULL: none). */
-typedef struct {
-    const int8_t *panels;
-    const int32_t *colsum;
-    const float *sw, *smooth;
-    int64_t Np, Kp;
-} Stack;
 
 /* Scratch for P rows of an MLP of width H and intermediate width I. */
 typedef struct {
@@ -527,8 +531,7 @@ static MlpScratch take_scratch(int64_t P, int64_t H, int64_t I, const Stack *gu,
  * weight (1 without row_weight) in fp32, down products (N = H, K = I) into s->h [P, H]. */
 static void expert_mlps(MlpScratch *s, int64_t P, const int32_t *offsets, int64_t E, const float *row_weight, int64_t H,
                         int64_t I, float limit, const Stack *gu, const Stack *d, int nthreads) {
-    grouped_products(s->in, 0, P, offsets, E, gu->panels, gu->colsum, gu->sw, gu->smooth, 2 * I, gu->Np, H, gu->Kp,
-                     s->xq, s->sx, s->h, 0, nthreads);
+    grouped_products(s->in, 0, P, offsets, E, gu, 2 * I, H, s->xq, s->sx, s->h, 0, nthreads);
     #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t m = 0; m < P; m++) {
         const float *gate = s->h + m * 2 * I, *up = gate + I;
@@ -540,8 +543,7 @@ static void expert_mlps(MlpScratch *s, int64_t P, const int32_t *offsets, int64_
             act[c] = g / (1.0f + vexp(-g)) * u * w;
         }
     }
-    grouped_products(s->in, 0, P, offsets, E, d->panels, d->colsum, d->sw, d->smooth, H, d->Np, I, d->Kp, s->xq, s->sx,
-                     s->h, 0, nthreads);
+    grouped_products(s->in, 0, P, offsets, E, d, H, I, s->xq, s->sx, s->h, 0, nthreads);
 }
 
 /* A dense MLP (a shared expert: one expert, every row at weight 1) on x [T, H] (bf16 when
