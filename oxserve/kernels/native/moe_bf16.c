@@ -24,6 +24,7 @@
 #include <stdlib.h>
 
 #include "bf16.h"
+#include "scratch.h"
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -99,8 +100,8 @@ static inline int64_t start_of(const int32_t *offsets, int64_t e) { return e == 
 int moe_bf16_experts(const uint16_t *x, int64_t P, int64_t H, const int32_t *offsets, int64_t E, const float *row_weight,
                      const uint16_t *gate_up, const uint16_t *down, int64_t I, float limit, uint16_t *y, int nthreads) {
     if (P == 0) return 0;
-    uint16_t *act = malloc((size_t)(P * I) * sizeof(uint16_t));
-    if (act == NULL) return -1;
+    if (scratch_reserve(scratch_padded((size_t)(P * I) * sizeof(uint16_t))) != 0) return -1;
+    uint16_t *act = scratch_take((size_t)(P * I) * sizeof(uint16_t));
     int64_t blocks_i = (I + NBLOCK - 1) / NBLOCK, blocks_h = (H + NBLOCK - 1) / NBLOCK;
 
     #pragma omp parallel num_threads(nthreads)
@@ -140,6 +141,6 @@ int moe_bf16_experts(const uint16_t *x, int64_t P, int64_t H, const int32_t *off
                 }
         }
     }
-    free(act);
+    scratch_done();
     return 0;
 }
