@@ -89,3 +89,36 @@ def test_rows_that_come_down_in_cost_are_noticed_and_drafted_again():
         cost.observe(4, 4, 0.022)
     after = [cost.budget(4) for _ in range(2 * EXPLORE)]
     assert sum(b is None for b in after) <= 2 and all(b[1] == MAX_DEPTH for b in after if b is not None)
+
+
+def test_the_guard_learns_from_replayed_steps_only(monkeypatch):
+    """A verify shape's first steps run eagerly (met first, then recorded), each costing
+    several replays: a guard that took them for a draft row's cost would stop drafting for
+    thousands of steps. Through the engine, with captured steps and the guard free: no step
+    that ran eagerly only until its shape is replayed reaches the guard, and the guard still
+    measures rows."""
+    from oxserve import LLM
+    from oxserve.engine.capture import CapturedDecode
+
+    events = []
+    run, observe = CapturedDecode.run, DraftCost.observe
+
+    def noting_run(self, input_ids, batch):
+        out = run(self, input_ids, batch)
+        events.append(("warming" if self.warming_up else "replayed", batch.num_verifies))
+        return out
+
+    monkeypatch.setattr(CapturedDecode, "run", noting_run)
+    monkeypatch.setattr(DraftCost, "observe", lambda self, decodes, draft_rows, seconds: events.append(
+        ("observed", draft_rows)) or observe(self, decodes, draft_rows, seconds))
+    llm = LLM(dtype="bfloat16", max_num_seqs=1, speculative_config='{"method": "ngram", "num_speculative_tokens": 2}')
+    try:  # a prompt that repeats itself: the lookup drafts from the first decode on
+        llm.generate([{"prompt_token_ids": list(range(40, 60)) * 6}],
+                     SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+    finally:
+        llm.close()
+    steps = [(i, kind, verifies) for i, (kind, verifies) in enumerate(events) if kind != "observed"]
+    assert any(kind == "warming" and verifies for _, kind, verifies in steps)  # verify shapes were met anew
+    observed = [i for i, (kind, _) in enumerate(events) if kind == "observed"]
+    assert any(events[i][1] for i in observed)  # a draft row was measured
+    assert all(events[i - 1][0] == "replayed" for i in observed)

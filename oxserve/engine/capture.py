@@ -355,6 +355,9 @@ class CapturedDecode:
         self.seen: OrderedDict[tuple, None] = OrderedDict()  # shapes met once (recorded when met again)
         self.replays = self.captures = 0
         self.capture_s = 0.0  # time in steps that recorded (each an eager step plus the recording's cost)
+        # Whether the last step ran eagerly only because its shape was not replayed yet (met
+        # first, or recording): its time says nothing of what that shape will cost from now on.
+        self.warming_up = False
 
     def wants(self, batch: ForwardBatch) -> bool:
         """A step of decodes (one new token per request) and verifies (a token and its drafts)
@@ -366,6 +369,7 @@ class CapturedDecode:
         """The logits of this decode step (a tensor the next replay of its shape overwrites)."""
         key, tensors = step_key(input_ids, batch)
         recording = self.recordings.get(key)
+        self.warming_up = recording is None and key not in self.refused
         if recording is not None:
             self.recordings.move_to_end(key)
             recording.input_ids.copy_(input_ids)

@@ -105,6 +105,9 @@ class ModelRunner:
         # closed engine's caches alive until the garbage collector runs)
         self.captured = (CapturedDecode(functools.partial(decode_logits, model, self.caches, self.kda_caches), capture_sizes)
                          if capture and workers is None else None)  # fmt: skip
+        # The last step ran eagerly only because its shape was not replayed yet: its time is
+        # no measure of the steps to come (the speculation guard and the pacer skip it).
+        self.warming_up = False
 
     def drop(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
@@ -158,6 +161,7 @@ class ModelRunner:
     @torch.inference_mode()
     def _execute(self, out: SchedulerOutput) -> ModelRunnerOutput | None:
         self._replay_greedy = None
+        self.warming_up = False
         self.apply_cache_ops(out)
         self._update_states(out)
         scheduled = sorted(out.scheduled, key=_batch_order)
@@ -284,6 +288,7 @@ class ModelRunner:
         with span(self.tracer, "forward", track="engine", **step_conditions(batch)):
             if self._replayable(batch, scheduled, mm_embeds):
                 logits, staged, greedy = self.captured.run(input_ids, batch)
+                self.warming_up |= self.captured.warming_up
                 for cache, conv in zip(self.kda_caches, staged):  # a replay stages what its recording did
                     cache.staged_conv = conv
                 self._replay_greedy = (logits, greedy)

@@ -337,9 +337,13 @@ class Scheduler:
             self.waiting.append(request)
 
     # ---- results ----------------------------------------------------------------------------
-    def observe_step(self, scheduled: SchedulerOutput, seconds: float) -> None:
+    def observe_step(self, scheduled: SchedulerOutput, seconds: float, warming_up: bool = False) -> None:
         """The wall time a step took (its drafting included), for stall-free pacing and the
-        speculation guard."""
+        speculation guard; not one that ran eagerly only until its shape is replayed
+        (`warming_up`): an eager or recording step costs several replays, and a guard that
+        took it for a draft row's cost would stop drafting for thousands of steps."""
+        if warming_up:
+            return
         decodes = sum(1 for s in scheduled.scheduled if s.is_decode)
         self.pacer.observe(scheduled.num_tokens - scheduled.num_decode_tokens, decodes, seconds)
         self._step_seconds = seconds
