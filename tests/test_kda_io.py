@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from oxserve.kernels import kda_io
+from oxserve.kernels.kda import conv_layout, conv_windows
 from oxserve.model.batch import token_runs
 from oxserve.model.activations import activation
 
@@ -57,6 +58,37 @@ def test_conv_inputs_match_the_general_path(dtype, state_dtype, lower_bound, bat
     untouched = torch.ones(table_native.shape[0], dtype=torch.bool)
     untouched[case["slots"]] = False
     assert torch.equal(table_native[untouched], case["table"][untouched])
+
+
+@pytest.mark.parametrize("dtype,state_dtype", [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32),
+                                               (torch.float32, torch.bfloat16)])
+@pytest.mark.parametrize("width", [4, 2, 1])
+def test_conv_windows_and_accept_match_the_torch_staging(dtype, state_dtype, width):
+    """Decodes, then requests verifying runs of random lengths (one without context), then a
+    prompt chunk: the native windows equal the torch staging's (`kda.conv_windows`) in the
+    table's dtype, and keeping random tokens writes the same states as the torch accept."""
+    gen = torch.Generator().manual_seed(width * 10 + (dtype == state_dtype))
+    num_decodes, verify_lens = 2, torch.randint(1, 6, (4,), generator=gen).tolist()
+    lens = [1] * num_decodes + verify_lens + [7]
+    case = _decode_case(gen, len(lens), 2, 16, width, dtype, state_dtype, None, tokens=sum(lens))
+    has_context = torch.ones(len(lens), dtype=torch.bool)
+    has_context[num_decodes + 1] = False
+    nv = len(verify_lens)
+    layout = conv_layout(lens, width, "cpu", windows_from=num_decodes, num_windowed=nv)
+    states = torch.where(has_context.view(-1, 1, 1), case["table"][case["slots"]].to(dtype), 0.0)
+    want = conv_windows(case["mixed"], states, layout)
+    got = kda_io.conv_windows(case["mixed"], case["table"], case["slots"], has_context, token_runs(lens), num_decodes,
+                              nv, max(verify_lens))
+    assert got.dtype == state_dtype and got.shape == want.shape == (nv, max(verify_lens), width - 1, case["mixed"].shape[1])
+    assert torch.equal(got, want.to(state_dtype))  # copies of inputs: exact
+    kept = [int(torch.randint(0, n, (1,), generator=gen)) for n in verify_lens]
+    slots = case["slots"][num_decodes : num_decodes + nv]
+    native, reference = case["table"].clone(), case["table"].clone()
+    assert kda_io.accept_windows(native, slots, got, kept)
+    for b, n in enumerate(kept):
+        reference[slots[b]] = want[b, n].to(state_dtype)
+    assert torch.equal(native, reference)
+    assert not kda_io.accept_windows(native, slots, want.to(torch.float16), kept)  # not the table's dtype: declined
 
 
 def test_conv_inputs_decline_what_the_kernel_does_not_compute():

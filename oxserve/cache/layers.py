@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from oxserve.cache.replay import RingCounts
-from oxserve.kernels import kda_decode
+from oxserve.kernels import kda_decode, kda_io
 from oxserve.kernels.kda import ChunkLayout, kda_chunked
 from oxserve.kernels.rows import rows_fit, scatter_rows_native
 
@@ -188,9 +188,11 @@ class KDACache:
         """Per verifying request of the last step, the index of its last kept token: its conv
         state becomes the one after that token."""
         slots, windows = self.staged_conv
+        self.staged_conv = None
+        if isinstance(self.conv, torch.Tensor) and kda_io.accept_windows(self.conv, slots, windows, kept):
+            return
         picks = _window_picks(tuple(kept), windows.shape[1], windows.device)
         scatter_rows(self.conv, slots, windows.flatten(0, 1).index_select(0, picks))
-        self.staged_conv = None
 
     def prefill(self, slots: torch.Tensor, has_initial_state: torch.Tensor, lens: list[int], chunks: ChunkLayout,
                 q, k, v, g, beta) -> torch.Tensor:

@@ -102,6 +102,33 @@ def conv_inputs(mixed: torch.Tensor, conv_table: torch.Tensor, slots: torch.Tens
     return q, k, v, g, beta
 
 
+def conv_windows(mixed: torch.Tensor, conv_table: torch.Tensor, slots: torch.Tensor, has_context: torch.Tensor,
+                 runs: torch.Tensor, first: int, count: int, widest: int) -> torch.Tensor:
+    """For `conv_inputs`'s requests first .. first + count (those verifying drafts), before it
+    runs: the conv state after each token of their runs, [count, widest, K-1, 3HD] in the
+    table's dtype (a run shorter than `widest` repeats its last), as `kda.conv_windows` stages
+    them. `accept_windows` keeps one per request."""
+    rows, channels = conv_table.shape[1:]
+    windows = torch.empty(count, widest, rows, channels, dtype=conv_table.dtype)
+    _kernel().kda_conv_windows(mixed.data_ptr(), conv_table.data_ptr(), slots.data_ptr(), has_context.data_ptr(),
+                               runs.data_ptr(), first, count, channels, rows + 1, widest, mixed.dtype == torch.bfloat16,
+                               conv_table.dtype == torch.bfloat16, windows.data_ptr())
+    return windows
+
+
+def accept_windows(conv_table: torch.Tensor, slots: torch.Tensor, windows: torch.Tensor, kept: list[int]) -> bool:
+    """conv_table[slots[b]] = windows[b, kept[b]] in one native call, where the windows are
+    `conv_windows`' (the table's dtype, contiguous); False where they are not (nothing done)."""
+    if not (windows.dtype == conv_table.dtype and windows.is_contiguous() and conv_table.is_contiguous()
+            and slots.dtype == torch.int64 and slots.is_contiguous() and conv_table.device.type == "cpu"
+            and _kernel() is not None):
+        return False
+    picks = (ctypes.c_int64 * len(kept))(*kept)
+    _kernel().kda_conv_accept(conv_table.data_ptr(), slots.data_ptr(), windows.data_ptr(), picks, len(kept),
+                              windows.shape[1], windows[0, 0].numel() * windows.element_size())
+    return True
+
+
 def conv_taps(conv_weight: torch.Tensor) -> torch.Tensor:
     """[C, K] -> [K, C] fp32: each tap a contiguous run of channels, as `conv_inputs` reads it."""
     return conv_weight.float().t().contiguous()
@@ -138,4 +165,8 @@ def _kernel() -> ctypes.CDLL | None:
     p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
     lib.kda_conv_inputs.argtypes = [p] * 10 + [i64, i32, i32, i32, f32, i32, f32, i32, i32] + [p] * 5 + [i32]
     lib.kda_gated_norm.argtypes = [p] * 3 + [i64, i32, i32, f32, i32, p, i32]
+    lib.kda_conv_windows.argtypes = [p] * 5 + [i64, i64, i64, i32, i64, i32, i32, p]
+    lib.kda_conv_windows.restype = None
+    lib.kda_conv_accept.argtypes = [p] * 4 + [i64, i64, i64]
+    lib.kda_conv_accept.restype = None
     return lib

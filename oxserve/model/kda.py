@@ -88,7 +88,10 @@ class KDAttention(nn.Module):
                 mixed, f, beta_logits, cache.conv, self.conv_act_name, self.head_dim):
             with span(tracer, f"{self.name}.conv"):  # the conv and the gates' pointwise math, in one call
                 if batch.num_verifies:  # staged from the states before the call updates them in place
-                    self._stage_conv_windows(mixed, batch, cache)
+                    nd, nv = batch.num_decodes, batch.num_verifies
+                    cache.stage_conv(batch.state_slots[nd : nd + nv], kda_io.conv_windows(
+                        mixed, cache.conv, batch.state_slots, batch.has_initial_state, batch.query_runs, nd, nv,
+                        batch.conv.windows.shape[1]))
                 q, k, v, g, beta = kda_io.conv_inputs(mixed, cache.conv, batch.state_slots, batch.has_initial_state,
                                                       batch.query_runs, self.conv_taps, f, *gate_params, beta_logits,
                                                       self.head_dim)

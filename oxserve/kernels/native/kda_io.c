@@ -162,3 +162,56 @@ int kda_gated_norm(const float *core, const void *gate, const void *weight, int6
     }
     return 0;
 }
+
+/* Requests verifying drafts: the conv state after each token of their runs, for `accept` to
+ * keep the one after the last kept token. Request b (of `requests`, from `first` on among the
+ * batch's runs, slots and has_context) gets windows[b][i] = its last K-1 inputs up to token
+ * min(i, count - 1) of its run, in the conv table's dtype: [requests, widest, K-1, channels].
+ * Read before kda_conv_inputs moves the states on. Values are copies of inputs, so converting
+ * them to the table's dtype here or when kept gives the same state. */
+static void copy_row(const void *src, int src_bf16, void *dst, int dst_bf16, int64_t count) {
+    if (src_bf16 == dst_bf16) {
+        memcpy(dst, src, (size_t)count * (src_bf16 ? 2 : 4));
+        return;
+    }
+    float tap[1024];
+    for (int64_t c0 = 0; c0 < count; c0 += 1024) {
+        const int64_t n = count - c0 < 1024 ? count - c0 : 1024;
+        widen_row(src, c0, n, src_bf16, tap);
+        narrow_row(tap, n, dst_bf16, dst, c0);
+    }
+}
+
+void kda_conv_windows(const void *mixed, const void *conv_table, const int64_t *slots, const uint8_t *has_context,
+                      const int64_t *runs, int64_t first, int64_t requests, int64_t channels, int width, int64_t widest,
+                      int bf16, int state_bf16, void *windows) {
+    const int rows = width - 1;
+    const size_t state_row = (size_t)channels * (state_bf16 ? 2 : 4), mixed_row = (size_t)channels * (bf16 ? 2 : 4);
+    for (int64_t v = 0; v < requests; v++) {
+        const int64_t b = first + v, start = runs[2 * b], count = runs[2 * b + 1];
+        const char *state = (const char *)conv_table + slots[b] * rows * state_row;
+        for (int64_t i = 0; i < widest; i++) {
+            const int64_t last = i < count ? i : count - 1;
+            char *window = (char *)windows + (v * widest + i) * rows * state_row;
+            for (int j = 0; j < rows; j++) {
+                const int64_t offset = last + 1 - rows + j; /* from the run's first token */
+                char *out = window + j * state_row;
+                if (offset >= 0)
+                    copy_row((const char *)mixed + (start + offset) * mixed_row, bf16, out, state_bf16, channels);
+                else if (has_context[b])
+                    memcpy(out, state + (rows + offset) * state_row, state_row);
+                else
+                    memset(out, 0, state_row);
+            }
+        }
+    }
+}
+
+/* After verifying: each request's conv state at slots[b] becomes windows[b][kept[b]]
+ * ([requests, widest, K-1, channels] in the table's dtype, `window_bytes` a window). */
+void kda_conv_accept(void *conv_table, const int64_t *slots, const void *windows, const int64_t *kept,
+                     int64_t requests, int64_t widest, int64_t window_bytes) {
+    for (int64_t b = 0; b < requests; b++)
+        memcpy((char *)conv_table + slots[b] * window_bytes,
+               (const char *)windows + (b * widest + kept[b]) * window_bytes, (size_t)window_bytes);
+}
