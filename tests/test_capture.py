@@ -78,14 +78,16 @@ def test_replayssm_decode_steps_are_replayed_across_ring_folds(tiny_model_dir):
     assert replayed == eager
 
 
-def test_speculative_decoding_replays_its_decode_and_verify_steps(monkeypatch):
+@pytest.mark.parametrize("logprobs", [1, None])
+def test_speculative_decoding_replays_its_decode_and_verify_steps(monkeypatch, logprobs):
     """n-gram speculation on held-out code through the trained model, drafting wherever lookup
     finds something (guard pinned, so both runs draft alike): steps that verify drafts replay
     as plain decode steps do (the ring counts refilled, the rings folded by the kernel, the
     conv states staged for rejections as recorded), and the outputs are the eager run's
-    exactly."""
+    exactly. Plain greedy requests (no logprobs) verify on the argmax that the captured step
+    (replayed, or recording) made with its logits, not with a pass of their own."""
     from oxserve.default_model.train import held_out_windows
-    from oxserve.engine import scheduler
+    from oxserve.engine import scheduler, speculative
     from oxserve.engine.capture import CapturedDecode, step_key
     from oxserve.engine.spec_guard import MAX_DEPTH, MIN_FLOOR
 
@@ -100,24 +102,31 @@ def test_speculative_decoding_replays_its_decode_and_verify_steps(monkeypatch):
         return run(self, input_ids, batch)
 
     monkeypatch.setattr(CapturedDecode, "run", counting_run)
+    sampler_passes = []  # the verifies that made their own pass over the logits (penalties first)
+    penalties = speculative.apply_penalties
+    monkeypatch.setattr(speculative, "apply_penalties", lambda x, rows: sampler_passes.append(1) or penalties(x, rows))
     prompts = [{"prompt_token_ids": p} for p in held_out_windows(default_model(), 6, 96, random.randrange(1 << 30))]
-    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True, logprobs=1)
+    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True, logprobs=logprobs)
     # Rings of 5 (k + 2): runs of up to 4 tokens fold a ring mid-request, at any count.
     spec = dict(kda_decode="replay", kda_replay_len=5, speculative_config='{"method": "ngram", "num_speculative_tokens": 3}')
     runs = []
     for eager in (True, False):
         llm = LLM(dtype="bfloat16", enforce_eager=eager, max_num_seqs=2, **spec)
         try:
+            sampler_passes.clear()
             outs = llm.generate(prompts, params)
             stats = llm.engine.stats()
             runs.append(([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs],
                          (stats.spec_draft_tokens, stats.spec_accepted_tokens), llm.engine.runner.captured))
         finally:
             llm.close()
+        if eager:
+            verifies = len(sampler_passes)
     (eager, eager_drafts, _), (replayed, drafts, captured) = runs
     assert drafts == eager_drafts and 0 < drafts[1] < drafts[0]  # the same drafts, kept and rejected
     assert captured.refused == {} and len(replayed_verifies) > 10
     assert replayed == eager
+    assert verifies > 10 and len(sampler_passes) == (verifies if logprobs else 0)  # captured greedy verifies: none
 
 
 def test_the_default_model_replays_its_decode_steps_exactly():

@@ -225,9 +225,11 @@ class ModelRunner:
                 if grammar is not None:
                     grammar.accept(token)
         kept = []
+        argmax = self._verify_argmax(sampling, logits)
         for i, s in enumerate(sampling):
             if s.verifies:
-                verified = verify(per_request[i], s.token_ids[-s.num_draft_tokens :], self._sampling_row(s.request_id))
+                verified = verify(per_request[i], s.token_ids[-s.num_draft_tokens :], self._sampling_row(s.request_id),
+                                  argmax and argmax[i])
                 tokens[i], logprobs[i] = verified.token_ids, verified.logprobs
                 # The kept drafts are output now (penalties count them); the extra token is fed next step.
                 self.requests[s.request_id].output_token_ids.extend(verified.token_ids[:-1])
@@ -237,6 +239,19 @@ class ModelRunner:
                 share_accepted([n for _, n in kept], len(kept))
             self._undo_rejected(kept)
         return tokens, logprobs
+
+    def _verify_argmax(self, sampling: list[ScheduledRequest], logits: torch.Tensor) -> list[list[int] | None] | None:
+        """Per sampling request, its rows' argmax where the replayed step made them with these
+        logits and the request verifies drafts (else None in its place; None for all when none)."""
+        made, greedy = self._replay_greedy or (None, None)
+        if greedy is None or made is not logits or not any(s.verifies for s in sampling):
+            return None
+        rows, out, start = greedy.tolist(), [], 0
+        for s in sampling:
+            n = s.num_new_tokens if s.verifies else 1
+            out.append(rows[start : start + n] if s.verifies else None)
+            start += n
+        return out
 
     def _undo_rejected(self, kept: list[tuple[ScheduledRequest, int]]) -> None:
         """After verifying: each KDA layer keeps the conv state after the last kept token,

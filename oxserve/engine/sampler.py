@@ -47,7 +47,7 @@ def make_generator(seed: int | None, device: torch.device | str) -> torch.Genera
 def sample(logits: torch.Tensor, rows: list[SamplingRow], greedy: torch.Tensor | None = None) -> SamplerOutput:
     """Sample one token per row of `logits` [R, V]; `logits` is left untouched. `greedy`: each
     row's argmax, where the caller has it already (a replayed decode step makes it)."""
-    if all(_is_plain_greedy(row.params) for row in rows):
+    if all(is_plain_greedy(row.params) for row in rows):
         return SamplerOutput((greedy_tokens(logits) if greedy is None else greedy).tolist(), [None] * len(rows))
 
     # A private float32 copy: everything below may work in place.
@@ -77,7 +77,7 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     return logits.max(dim=-1).indices
 
 
-def _is_plain_greedy(params: SamplingParams) -> bool:
+def is_plain_greedy(params: SamplingParams) -> bool:
     return params.greedy and params.logprobs is None and not _has_penalties(params)
 
 

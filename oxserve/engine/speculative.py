@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from oxserve.engine.request import Request
-from oxserve.engine.sampler import SamplingRow, apply_penalties, filtered_probs, logprob_entries
+from oxserve.engine.sampler import SamplingRow, apply_penalties, filtered_probs, is_plain_greedy, logprob_entries
 
 METHODS = ("ngram", "mtp")
 
@@ -141,10 +141,15 @@ class Verified:
     logprobs: list[dict[int, float]] | None
 
 
-def verify(logits: torch.Tensor, drafts: list[int], row: SamplingRow) -> Verified:
+def verify(logits: torch.Tensor, drafts: list[int], row: SamplingRow, argmax: list[int] | None = None) -> Verified:
     """logits [len(drafts) + 1, V]: the target's logits after the request's last token and
-    after each draft. Returns the tokens this step yields (1 to len(drafts) + 1)."""
+    after each draft; `argmax`: each of those rows' argmax where the step made them (a
+    replayed step does), which is all plain greedy needs. Returns the tokens this step yields
+    (1 to len(drafts) + 1)."""
     n = len(drafts) + 1
+    if argmax is not None and is_plain_greedy(row.params):
+        kept = next((i for i, token in enumerate(drafts) if token != argmax[i]), len(drafts))
+        return Verified(argmax[: kept + 1], None)
     rows = [SamplingRow(row.params, row.prompt_token_ids, row.output_token_ids + drafts[:i], row.generator) for i in range(n)]
     x = apply_penalties(logits.to(torch.float32, copy=True), rows)
     greedy = row.params.greedy
