@@ -435,6 +435,7 @@ def step_conditions(batch) -> dict:
     return {
         "num_requests": batch.num_requests,
         "num_decodes": batch.num_decodes,
+        "num_verifies": batch.num_verifies,
         "num_prefills": batch.num_requests - batch.num_decodes,
         "num_tokens": batch.num_tokens,
         "max_context": max(contexts) if contexts else 0,

@@ -99,8 +99,8 @@ def run(args: argparse.Namespace) -> int:
                                                for k in ("spec_drafts", "spec_draft_tokens", "spec_accepted_tokens")))
     if engine.runner.captured is not None:
         replays, captures = (b - a for a, b in zip(captured_before, captured_after))
-        decode_passes = sum(1 for s in steps if s.phase == "decode" for _ in s.forwards)
-        run_info["captured_decode"] = {"replays": replays, "captures": captures, "eager": decode_passes - replays - captures}
+        passes = sum(1 for s in steps for f in s.forwards if f.shape.capturable)  # decodes and verifies
+        run_info["captured_decode"] = {"replays": replays, "captures": captures, "eager": passes - replays - captures}
     if engine.prefix_caching:
         run_info["prefix_cache"] = prefix_cache_summary(before, after)
     report = build_report(run_info, analysis, overhead, ceilings.to_dict() if ceilings else None)

@@ -71,6 +71,12 @@ class StepShape:
     num_decodes: int
     mean_context: float  # mean sequence length after the step
     max_context: int
+    num_verifies: int = 0  # requests verifying drafts (a token and its drafts each), among the prefills
+
+    @property
+    def capturable(self) -> bool:
+        """Decodes and verifies only: a pass that captured decode steps take."""
+        return self.num_decodes + self.num_verifies == self.num_requests
 
     @property
     def num_prefills(self) -> int:
@@ -91,7 +97,7 @@ class StepShape:
         return cls(
             num_tokens=int(args["num_tokens"]), num_requests=int(args["num_requests"]),
             num_decodes=int(args["num_decodes"]), mean_context=float(args["mean_context"]),
-            max_context=int(args["max_context"]),
+            max_context=int(args["max_context"]), num_verifies=int(args.get("num_verifies", 0)),
         )
 
 

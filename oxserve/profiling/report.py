@@ -64,7 +64,7 @@ def render_markdown(r: dict) -> str:
             f"`{run['engine_options']}`.", ""]
     if captured := run.get("captured_decode"):
         out += [f"Captured decode steps: {captured['replays']} forward passes replayed (their op spans time the "
-                f"recorded kernel calls), {captured['captures']} recorded, {captured['eager']} other decode passes eager.", ""]
+                f"recorded kernel calls), {captured['captures']} recorded, {captured['eager']} other decode and verify passes eager.", ""]
     if spec := run.get("spec_decode"):
         out += [f"Speculative decoding: {spec['num_drafts']} verifying steps, {spec['num_draft_tokens']} draft tokens, "
                 f"{spec['num_accepted_tokens']} accepted: acceptance rate {spec['acceptance_rate']:.3f}, "
