@@ -91,34 +91,48 @@ def test_rows_that_come_down_in_cost_are_noticed_and_drafted_again():
     assert sum(b is None for b in after) <= 2 and all(b[1] == MAX_DEPTH for b in after if b is not None)
 
 
-def test_the_guard_learns_from_replayed_steps_only(monkeypatch):
+def test_steps_that_run_eagerly_until_replayed_count_only_once_a_replay_measured_rows():
     """A verify shape's first steps run eagerly (met first, then recorded), each costing
-    several replays: a guard that took them for a draft row's cost would stop drafting for
-    thousands of steps. Through the engine, with captured steps and the guard free: no step
-    that ran eagerly only until its shape is replayed reaches the guard, and the guard still
-    measures rows."""
+    several replays: the first probes of a batch size are such steps by nature, and charging
+    them would stop drafting for thousands of steps. Once a replayed step has measured a row,
+    they count: where verify shapes keep changing, eager steps are what drafting costs."""
+    cost = DraftCost()
+    for _ in range(3):
+        cost.observe(8, 0, 0.200, warming_up=True)  # the plain shape's own first steps: no measure of it
+    assert cost.plain_s == {}
+    for _ in range(3):
+        cost.observe(8, 0, 0.010)
+    cost.observe(8, 8, 0.060, warming_up=True)
+    assert cost.row_cost == {}
+    cost.observe(8, 8, 0.012)  # replayed: a row costs 0.2 of a request's step
+    assert abs(cost.row_cost[4] - 0.2) < 1e-9
+    assert [cost.budget(8) is not None for _ in range(FIRST_PLAIN + 1)][-1]  # past its first plain steps: drafts
+    for _ in range(30):  # then shapes that never replay: eager steps at 5x the plain step
+        cost.observe(8, 8, 0.050, warming_up=True)
+    assert cost.row_cost[4] > 1.0
+    assert sum(cost.budget(8) is not None for _ in range(EXPLORE_DEAR - 1)) == 0  # drafting stopped
+
+
+def test_the_guard_first_measures_rows_on_a_replayed_step(monkeypatch):
+    """Through the engine, with captured steps and the guard free: the verify steps that ran
+    eagerly before their shape was replayed do not set the guard's first measure of a row."""
     from oxserve import LLM
-    from oxserve.engine.capture import CapturedDecode
 
     events = []
-    run, observe = CapturedDecode.run, DraftCost.observe
+    observe = DraftCost.observe
 
-    def noting_run(self, input_ids, batch):
-        out = run(self, input_ids, batch)
-        events.append(("warming" if self.warming_up else "replayed", batch.num_verifies))
-        return out
+    def noting(self, decodes, draft_rows, seconds, warming_up=False):
+        measured = bool(self.row_cost)
+        observe(self, decodes, draft_rows, seconds, warming_up)
+        events.append((draft_rows, warming_up, measured, bool(self.row_cost)))
 
-    monkeypatch.setattr(CapturedDecode, "run", noting_run)
-    monkeypatch.setattr(DraftCost, "observe", lambda self, decodes, draft_rows, seconds: events.append(
-        ("observed", draft_rows)) or observe(self, decodes, draft_rows, seconds))
+    monkeypatch.setattr(DraftCost, "observe", noting)
     llm = LLM(dtype="bfloat16", max_num_seqs=1, speculative_config='{"method": "ngram", "num_speculative_tokens": 2}')
     try:  # a prompt that repeats itself: the lookup drafts from the first decode on
         llm.generate([{"prompt_token_ids": list(range(40, 60)) * 6}],
                      SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
     finally:
         llm.close()
-    steps = [(i, kind, verifies) for i, (kind, verifies) in enumerate(events) if kind != "observed"]
-    assert any(kind == "warming" and verifies for _, kind, verifies in steps)  # verify shapes were met anew
-    observed = [i for i, (kind, _) in enumerate(events) if kind == "observed"]
-    assert any(events[i][1] for i in observed)  # a draft row was measured
-    assert all(events[i - 1][0] == "replayed" for i in observed)
+    assert any(rows and warming for rows, warming, _, _ in events)  # verify shapes were met anew
+    first = next(e for e in events if e[3] and not e[2])  # the step that set the first measure
+    assert first[0] > 0 and not first[1]

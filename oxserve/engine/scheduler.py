@@ -88,6 +88,7 @@ class Scheduler:
         self.pacer = StepPacer(config.max_stall)
         self.draft_cost = DraftCost()  # speculative decoding: what a draft row costs at this batch size
         self._step_seconds: float | None = None  # the last step's wall time (observe_step)
+        self._step_warming = False  # ... and whether it ran eagerly only until its shape is replayed
         # Priority policy: both queues ordered by (priority, arrival), so the running loop
         # serves the most urgent first and preemption takes the least urgent (the last).
         self.by_priority = config.scheduling_policy == "priority"
@@ -339,14 +340,12 @@ class Scheduler:
     # ---- results ----------------------------------------------------------------------------
     def observe_step(self, scheduled: SchedulerOutput, seconds: float, warming_up: bool = False) -> None:
         """The wall time a step took (its drafting included), for stall-free pacing and the
-        speculation guard; not one that ran eagerly only until its shape is replayed
-        (`warming_up`): an eager or recording step costs several replays, and a guard that
-        took it for a draft row's cost would stop drafting for thousands of steps."""
-        if warming_up:
-            return
-        decodes = sum(1 for s in scheduled.scheduled if s.is_decode)
-        self.pacer.observe(scheduled.num_tokens - scheduled.num_decode_tokens, decodes, seconds)
-        self._step_seconds = seconds
+        speculation guard; `warming_up`: it ran eagerly only until its shape is replayed
+        (`DraftCost.observe` says what the guard makes of that; the pacer skips it)."""
+        if not warming_up:
+            decodes = sum(1 for s in scheduled.scheduled if s.is_decode)
+            self.pacer.observe(scheduled.num_tokens - scheduled.num_decode_tokens, decodes, seconds)
+        self._step_seconds, self._step_warming = seconds, warming_up
 
     def update_from_output(self, scheduled: SchedulerOutput, output: ModelRunnerOutput) -> list[RequestUpdate]:
         """Apply one step's results; returns one update per request that produced tokens."""
@@ -385,7 +384,7 @@ class Scheduler:
                     self._reached(request)
         if self._step_seconds and scheduled.num_tokens == scheduled.num_decode_tokens:
             self.draft_cost.observe(len(scheduled.scheduled), sum(s.num_draft_tokens for s in scheduled.scheduled),
-                                    self._step_seconds)  # fmt: skip
+                                    self._step_seconds, self._step_warming)  # fmt: skip
         self._step_seconds = None
         return updates
 

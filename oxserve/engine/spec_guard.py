@@ -22,6 +22,8 @@ three drafts a request would cost three); where drafting pays, one step in EXPLO
 where it does not, a probe of one draft per request comes after EXPLORE_DEAR steps, and each
 probe that finds rows still dear doubles the wait, up to EXPLORE_DEAR_MAX: no acceptance
 pays for a row that costs a step, so the probes only watch for the cost coming down.
+A step that ran eagerly only until its shape is replayed (met first, or recording) is no
+measure of a batch size's first row cost, but counts after it (`DraftCost.observe`).
 """
 
 from __future__ import annotations
@@ -88,12 +90,20 @@ class DraftCost:
         self._since_probe[bucket], self._probe_wait[bucket] = 0, min(2 * wait, EXPLORE_DEAR_MAX)
         return KEEP_FLOOR, 1
 
-    def observe(self, decodes: int, draft_rows: int, seconds: float) -> None:
+    def observe(self, decodes: int, draft_rows: int, seconds: float, warming_up: bool = False) -> None:
         """A decode-only step: its decoding requests, its draft rows, its wall time (the
-        drafting included)."""
+        drafting included), and whether it ran eagerly only until its shape is replayed
+        (`warming_up`: met first, or recording; each costs several replays). Such a step is
+        no measure of the plain step, nor of a row before one replayed step has measured it:
+        the first probes of a batch size are such steps by nature, and charging them would
+        stop drafting for thousands of steps. After that it counts: where verify shapes keep
+        changing (each request's run length is in the shape), eager steps are what drafting
+        costs."""
         if decodes <= 0 or seconds <= 0:
             return
         bucket = decodes.bit_length()
+        if warming_up and (draft_rows == 0 or bucket not in self.row_cost):
+            return
         if draft_rows == 0:  # few samples, some slowed by what else ran: follow the faster ones
             old = self.plain_s.get(bucket)
             self.plain_s[bucket] = seconds if old is None or seconds < old else _mix(old, seconds)
