@@ -14,6 +14,7 @@ from oxserve.engine.spec_guard import (
     KEEP_FLOOR,
     MAX_DEPTH,
     MIN_FLOOR,
+    WARMING_PROBES,
     DraftCost,
     draft_depth,
     record_verify,
@@ -56,6 +57,9 @@ def test_depth_is_zero_when_drafts_are_always_rejected():
 
 def test_cost_is_measured_per_batch_size_and_stops_drafting_where_rows_are_dear():
     cost = DraftCost()
+    assert all(cost.budget(1) is None for _ in range(2 * EXPLORE))  # no plain step measured: nothing to compare rows with
+    cost = DraftCost()
+    cost.observe(1, 0, 0.010)
     budgets = [cost.budget(1) for _ in range(2 * EXPLORE)]
     plain = [i for i, b in enumerate(budgets) if b is None]
     assert plain == [*range(FIRST_PLAIN)]  # plain: the step the cost is relative to
@@ -111,6 +115,13 @@ def test_steps_that_run_eagerly_until_replayed_count_only_once_a_replay_measured
         cost.observe(8, 8, 0.050, warming_up=True)
     assert cost.row_cost[4] > 1.0
     assert sum(cost.budget(8) is not None for _ in range(EXPLORE_DEAR - 1)) == 0  # drafting stopped
+    cost = DraftCost()  # probes whose shapes never replay: past WARMING_PROBES, they are the measure
+    cost.observe(8, 0, 0.010)
+    for _ in range(WARMING_PROBES):
+        cost.observe(8, 8, 0.050, warming_up=True)
+    assert cost.row_cost == {}
+    cost.observe(8, 8, 0.050, warming_up=True)
+    assert cost.row_cost[4] > 1.0
 
 
 def test_the_guard_first_measures_rows_on_a_replayed_step(monkeypatch):

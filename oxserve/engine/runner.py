@@ -105,8 +105,8 @@ class ModelRunner:
         # closed engine's caches alive until the garbage collector runs)
         self.captured = (CapturedDecode(functools.partial(decode_logits, model, self.caches, self.kda_caches), capture_sizes)
                          if capture and workers is None else None)  # fmt: skip
-        # The last step ran eagerly only because its shape was not replayed yet: its time is
-        # no measure of the steps to come (the speculation guard and the pacer skip it).
+        # The last step ran as a captured shape's first steps do (met first, recording, or the
+        # first replay): its time is no measure of the steps to come (`Scheduler.observe_step`).
         self.warming_up = False
 
     def drop(self, request_ids: list[str]) -> None:

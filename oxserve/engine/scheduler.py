@@ -88,7 +88,7 @@ class Scheduler:
         self.pacer = StepPacer(config.max_stall)
         self.draft_cost = DraftCost()  # speculative decoding: what a draft row costs at this batch size
         self._step_seconds: float | None = None  # the last step's wall time (observe_step)
-        self._step_warming = False  # ... and whether it ran eagerly only until its shape is replayed
+        self._step_warming = False  # ... and whether it ran as a captured shape's first steps do
         # Priority policy: both queues ordered by (priority, arrival), so the running loop
         # serves the most urgent first and preemption takes the least urgent (the last).
         self.by_priority = config.scheduling_policy == "priority"
@@ -340,8 +340,8 @@ class Scheduler:
     # ---- results ----------------------------------------------------------------------------
     def observe_step(self, scheduled: SchedulerOutput, seconds: float, warming_up: bool = False) -> None:
         """The wall time a step took (its drafting included), for stall-free pacing and the
-        speculation guard; `warming_up`: it ran eagerly only until its shape is replayed
-        (`DraftCost.observe` says what the guard makes of that; the pacer skips it)."""
+        speculation guard; `warming_up`: it ran as a captured shape's first steps do
+        (`CapturedDecode.warming_up`; `DraftCost.observe` says what the guard makes of that; the pacer skips it)."""
         if not warming_up:
             decodes = sum(1 for s in scheduled.scheduled if s.is_decode)
             self.pacer.observe(scheduled.num_tokens - scheduled.num_decode_tokens, decodes, seconds)

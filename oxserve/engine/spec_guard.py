@@ -22,8 +22,9 @@ three drafts a request would cost three); where drafting pays, one step in EXPLO
 where it does not, a probe of one draft per request comes after EXPLORE_DEAR steps, and each
 probe that finds rows still dear doubles the wait, up to EXPLORE_DEAR_MAX: no acceptance
 pays for a row that costs a step, so the probes only watch for the cost coming down.
-A step that ran eagerly only until its shape is replayed (met first, or recording) is no
-measure of a batch size's first row cost, but counts after it (`DraftCost.observe`).
+A step that ran as a captured shape's first steps do (met first, recording, or the first
+replay) is no measure of a batch size's first row cost, but counts after it
+(`DraftCost.observe`).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ EXPLORE_DEAR = 64
 EXPLORE_DEAR_MAX = 1024
 MAX_DEPTH = 1 << 30  # no cap: k bounds it
 FIRST_PLAIN = 3  # a bucket's first steps: the plain step, measured past a slow first one
+WARMING_PROBES = 6  # probes a bucket's first row measure may skip as warming (see `observe`)
 SMOOTHING = 0.1  # weight of the newest step in a bucket's measurements
 
 
@@ -66,6 +68,7 @@ class DraftCost:
         self._steps: dict[int, int] = {}  # decisions made per bucket
         self._probe_wait: dict[int, int] = {}  # bucket -> steps between probes where rows are dear
         self._since_probe: dict[int, int] = {}
+        self._warming_probes: dict[int, int] = {}  # bucket -> probes skipped before its first row measure
 
     def budget(self, decodes: int) -> tuple[float, int] | None:
         """For the next step, with `decodes` decoding requests: the chance of being kept a
@@ -73,7 +76,7 @@ class DraftCost:
         bucket = decodes.bit_length()
         n = self._steps.get(bucket, 0)
         self._steps[bucket] = n + 1
-        if n < FIRST_PLAIN:
+        if n < FIRST_PLAIN or bucket not in self.plain_s:  # a row's cost is measured against the plain step
             return None
         cost = self.row_cost.get(bucket)
         if cost is None:  # not measured yet: the cheapest measure
@@ -92,18 +95,24 @@ class DraftCost:
 
     def observe(self, decodes: int, draft_rows: int, seconds: float, warming_up: bool = False) -> None:
         """A decode-only step: its decoding requests, its draft rows, its wall time (the
-        drafting included), and whether it ran eagerly only until its shape is replayed
-        (`warming_up`: met first, or recording; each costs several replays). Such a step is
-        no measure of the plain step, nor of a row before one replayed step has measured it:
-        the first probes of a batch size are such steps by nature, and charging them would
-        stop drafting for thousands of steps. After that it counts: where verify shapes keep
-        changing (each request's run length is in the shape), eager steps are what drafting
-        costs."""
+        drafting included), and whether it ran as a captured shape's first steps do
+        (`warming_up`: met first, recording, or the first replay; each costs several). Such
+        a step is no measure of the plain step, nor of a row before one replayed step has
+        measured it: the first probes of a batch size are such steps by nature, and charging
+        them would stop drafting for thousands of steps. After that it counts: where verify
+        shapes keep changing (each request's run length, and which requests draft, are in the
+        shape), eager steps are what drafting costs; so do a bucket's probes past
+        WARMING_PROBES that found no replay."""
         if decodes <= 0 or seconds <= 0:
             return
         bucket = decodes.bit_length()
-        if warming_up and (draft_rows == 0 or bucket not in self.row_cost):
+        if warming_up and draft_rows == 0:
             return
+        if warming_up and bucket not in self.row_cost:
+            skipped = self._warming_probes.get(bucket, 0)
+            if skipped < WARMING_PROBES:
+                self._warming_probes[bucket] = skipped + 1
+                return
         if draft_rows == 0:  # few samples, some slowed by what else ran: follow the faster ones
             old = self.plain_s.get(bucket)
             self.plain_s[bucket] = seconds if old is None or seconds < old else _mix(old, seconds)
