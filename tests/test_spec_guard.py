@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+from oxserve.engine.interface import NEW_SHAPE, SETTLING, STEADY
 from oxserve.engine.request import Request
 from oxserve.sampling_params import SamplingParams
 from oxserve.engine.spec_guard import (
@@ -95,32 +96,37 @@ def test_rows_that_come_down_in_cost_are_noticed_and_drafted_again():
     assert sum(b is None for b in after) <= 2 and all(b[1] == MAX_DEPTH for b in after if b is not None)
 
 
-def test_steps_that_run_eagerly_until_replayed_count_only_once_a_replay_measured_rows():
-    """A verify shape's first steps run eagerly (met first, then recorded), each costing
-    several replays: the first probes of a batch size are such steps by nature, and charging
-    them would stop drafting for thousands of steps. Once a replayed step has measured a row,
-    they count: where verify shapes keep changing, eager steps are what drafting costs."""
+def test_a_shapes_first_steps_count_only_where_shapes_never_recur():
+    """A captured shape's first steps cost several replays each: eager where it is met first,
+    then recording, then a first replay that builds its plan. A batch size's first probes are
+    such steps by nature, and charging them would stop drafting for thousands of steps. Once a
+    replayed step has measured a row, steps of shapes met first count (where verify shapes
+    keep changing, eager steps are what drafting costs); recordings and first replays never."""
     cost = DraftCost()
-    for _ in range(3):
-        cost.observe(8, 0, 0.200, warming_up=True)  # the plain shape's own first steps: no measure of it
+    for novelty in (NEW_SHAPE, SETTLING, SETTLING):
+        cost.observe(8, 0, 0.200, novelty)  # the plain shape's own first steps: no measure of it
     assert cost.plain_s == {}
     for _ in range(3):
         cost.observe(8, 0, 0.010)
-    cost.observe(8, 8, 0.060, warming_up=True)
+    for novelty in (NEW_SHAPE, SETTLING, SETTLING):
+        cost.observe(8, 8, 0.060, novelty)
     assert cost.row_cost == {}
     cost.observe(8, 8, 0.012)  # replayed: a row costs 0.2 of a request's step
     assert abs(cost.row_cost[4] - 0.2) < 1e-9
     assert [cost.budget(8) is not None for _ in range(FIRST_PLAIN + 1)][-1]  # past its first plain steps: drafts
-    for _ in range(30):  # then shapes that never replay: eager steps at 5x the plain step
-        cost.observe(8, 8, 0.050, warming_up=True)
+    for _ in range(30):  # recurring shapes settling: never a measure
+        cost.observe(8, 8, 0.050, SETTLING)
+    assert abs(cost.row_cost[4] - 0.2) < 1e-9
+    for _ in range(30):  # shapes that never recur: eager steps at 5x the plain step
+        cost.observe(8, 8, 0.050, NEW_SHAPE)
     assert cost.row_cost[4] > 1.0
     assert sum(cost.budget(8) is not None for _ in range(EXPLORE_DEAR - 1)) == 0  # drafting stopped
     cost = DraftCost()  # probes whose shapes never replay: past WARMING_PROBES, they are the measure
     cost.observe(8, 0, 0.010)
     for _ in range(WARMING_PROBES):
-        cost.observe(8, 8, 0.050, warming_up=True)
+        cost.observe(8, 8, 0.050, NEW_SHAPE)
     assert cost.row_cost == {}
-    cost.observe(8, 8, 0.050, warming_up=True)
+    cost.observe(8, 8, 0.050, NEW_SHAPE)
     assert cost.row_cost[4] > 1.0
 
 
@@ -132,10 +138,10 @@ def test_the_guard_first_measures_rows_on_a_replayed_step(monkeypatch):
     events = []
     observe = DraftCost.observe
 
-    def noting(self, decodes, draft_rows, seconds, warming_up=False):
+    def noting(self, decodes, draft_rows, seconds, novelty=STEADY):
         measured = bool(self.row_cost)
-        observe(self, decodes, draft_rows, seconds, warming_up)
-        events.append((draft_rows, warming_up, measured, bool(self.row_cost)))
+        observe(self, decodes, draft_rows, seconds, novelty)
+        events.append((draft_rows, novelty != STEADY, measured, bool(self.row_cost)))
 
     monkeypatch.setattr(DraftCost, "observe", noting)
     llm = LLM(dtype="bfloat16", max_num_seqs=1, speculative_config='{"method": "ngram", "num_speculative_tokens": 2}')

@@ -56,6 +56,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from oxserve.cache.replay import RingCounts
+from oxserve.engine.interface import NEW_SHAPE, SETTLING, STEADY
 from oxserve.kernels import native
 from oxserve.kernels.call_list import CallRun, callable_natively
 from oxserve.model.batch import ForwardBatch
@@ -360,9 +361,7 @@ class CapturedDecode:
         self.seen: OrderedDict[tuple, None] = OrderedDict()  # shapes met once (recorded when met again)
         self.replays = self.captures = 0
         self.capture_s = 0.0  # time in steps that recorded (each an eager step plus the recording's cost)
-        # Whether the last step ran only as a shape's first steps do (met first, recording, or
-        # the first replay, which builds its plan): its time says little of what it will cost.
-        self.warming_up = False
+        self.novelty = STEADY  # the last step's (`engine.interface`: NEW_SHAPE, SETTLING)
 
     def wants(self, batch: ForwardBatch) -> bool:
         """A step of decodes (one new token per request) and verifies (a token and its drafts)
@@ -374,8 +373,10 @@ class CapturedDecode:
         """The logits of this decode step (a tensor the next replay of its shape overwrites)."""
         key, tensors = step_key(input_ids, batch)
         recording = self.recordings.get(key)
-        self.warming_up = (key not in self.refused if recording is None
-                           else not recording.planned(batch.tracer is not None))
+        if recording is not None:
+            self.novelty = STEADY if recording.planned(batch.tracer is not None) else SETTLING
+        else:
+            self.novelty = STEADY if key in self.refused else SETTLING if key in self.seen else NEW_SHAPE
         if recording is not None:
             self.recordings.move_to_end(key)
             recording.input_ids.copy_(input_ids)

@@ -359,7 +359,7 @@ class LLMEngine:
             raise  # a lost rank: nothing can run, so there is nothing to isolate
         except Exception:
             return self._contain(scheduled)
-        self.scheduler.observe_step(scheduled, time.perf_counter() - started + self._drafting_s, self.runner.warming_up)
+        self.scheduler.observe_step(scheduled, time.perf_counter() - started + self._drafting_s, self.runner.novelty)
         with span(tracer, "postprocess", track="engine"):
             updates = self.scheduler.update_from_output(scheduled, result)
             outputs = [self._output_of(update) for update in updates]

@@ -25,6 +25,8 @@ from oxserve.cache.replay import ReplayBook
 from oxserve.cache.spec import CacheLayout, LayerCacheSpec, replay_length
 from oxserve.cache.store import CheckpointStore
 from oxserve.engine.interface import (
+    NEW_SHAPE,
+    STEADY,
     ModelRunnerOutput,
     PromptLogprobs,
     ScheduledRequest,
@@ -105,9 +107,9 @@ class ModelRunner:
         # closed engine's caches alive until the garbage collector runs)
         self.captured = (CapturedDecode(functools.partial(decode_logits, model, self.caches, self.kda_caches), capture_sizes)
                          if capture and workers is None else None)  # fmt: skip
-        # The last step ran as a captured shape's first steps do (met first, recording, or the
-        # first replay): its time is no measure of the steps to come (`Scheduler.observe_step`).
-        self.warming_up = False
+        # The last step's `CapturedDecode.novelty` (the most novel of its passes): what its time
+        # says of the steps of its shape to come (`Scheduler.observe_step`).
+        self.novelty = STEADY
 
     def drop(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
@@ -161,7 +163,7 @@ class ModelRunner:
     @torch.inference_mode()
     def _execute(self, out: SchedulerOutput) -> ModelRunnerOutput | None:
         self._replay_greedy = None
-        self.warming_up = False
+        self.novelty = STEADY
         self.apply_cache_ops(out)
         self._update_states(out)
         scheduled = sorted(out.scheduled, key=_batch_order)
@@ -303,7 +305,8 @@ class ModelRunner:
         with span(self.tracer, "forward", track="engine", **step_conditions(batch)):
             if self._replayable(batch, scheduled, mm_embeds):
                 logits, staged, greedy = self.captured.run(input_ids, batch)
-                self.warming_up |= self.captured.warming_up
+                if self.novelty != NEW_SHAPE:
+                    self.novelty = self.captured.novelty or self.novelty
                 for cache, conv in zip(self.kda_caches, staged):  # a replay stages what its recording did
                     cache.staged_conv = conv
                 self._replay_greedy = (logits, greedy)

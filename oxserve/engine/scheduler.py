@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 from oxserve.cache.manager import MIN_BRANCH_TOKENS, CacheManager, PrefixHit
 from oxserve.config import SchedulerConfig
-from oxserve.engine.interface import ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput
+from oxserve.engine.interface import STEADY, ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput
 from oxserve.engine.pacing import StepPacer
 from oxserve.engine.request import Request, RequestStatus
 from oxserve.engine.spec_guard import KEEP_FLOOR, PROBE_INTERVAL, DraftCost, draft_depth, record_verify
@@ -88,7 +88,7 @@ class Scheduler:
         self.pacer = StepPacer(config.max_stall)
         self.draft_cost = DraftCost()  # speculative decoding: what a draft row costs at this batch size
         self._step_seconds: float | None = None  # the last step's wall time (observe_step)
-        self._step_warming = False  # ... and whether it ran as a captured shape's first steps do
+        self._step_novelty = STEADY  # ... and what that says of its shape's steps to come
         # Priority policy: both queues ordered by (priority, arrival), so the running loop
         # serves the most urgent first and preemption takes the least urgent (the last).
         self.by_priority = config.scheduling_policy == "priority"
@@ -338,14 +338,15 @@ class Scheduler:
             self.waiting.append(request)
 
     # ---- results ----------------------------------------------------------------------------
-    def observe_step(self, scheduled: SchedulerOutput, seconds: float, warming_up: bool = False) -> None:
+    def observe_step(self, scheduled: SchedulerOutput, seconds: float, novelty: str = STEADY) -> None:
         """The wall time a step took (its drafting included), for stall-free pacing and the
-        speculation guard; `warming_up`: it ran as a captured shape's first steps do
-        (`CapturedDecode.warming_up`; `DraftCost.observe` says what the guard makes of that; the pacer skips it)."""
-        if not warming_up:
+        speculation guard; `novelty`: whether it ran as a captured shape's first steps do
+        (`CapturedDecode.novelty`; `DraftCost.observe` says what the guard makes of it; the
+        pacer takes steady steps only)."""
+        if novelty == STEADY:
             decodes = sum(1 for s in scheduled.scheduled if s.is_decode)
             self.pacer.observe(scheduled.num_tokens - scheduled.num_decode_tokens, decodes, seconds)
-        self._step_seconds, self._step_warming = seconds, warming_up
+        self._step_seconds, self._step_novelty = seconds, novelty
 
     def update_from_output(self, scheduled: SchedulerOutput, output: ModelRunnerOutput) -> list[RequestUpdate]:
         """Apply one step's results; returns one update per request that produced tokens."""
@@ -384,7 +385,7 @@ class Scheduler:
                     self._reached(request)
         if self._step_seconds and scheduled.num_tokens == scheduled.num_decode_tokens:
             self.draft_cost.observe(len(scheduled.scheduled), sum(s.num_draft_tokens for s in scheduled.scheduled),
-                                    self._step_seconds, self._step_warming)  # fmt: skip
+                                    self._step_seconds, self._step_novelty)  # fmt: skip
         self._step_seconds = None
         return updates
 

@@ -22,15 +22,16 @@ three drafts a request would cost three); where drafting pays, one step in EXPLO
 where it does not, a probe of one draft per request comes after EXPLORE_DEAR steps, and each
 probe that finds rows still dear doubles the wait, up to EXPLORE_DEAR_MAX: no acceptance
 pays for a row that costs a step, so the probes only watch for the cost coming down.
-A step that ran as a captured shape's first steps do (met first, recording, or the first
-replay) is no measure of a batch size's first row cost, but counts after it
-(`DraftCost.observe`).
+A captured shape's first steps (eager where it is met first, then recording, then a first
+replay) cost several replays each: only where shapes never recur is that what drafting
+costs (`DraftCost.observe`).
 """
 
 from __future__ import annotations
 
 import math
 
+from oxserve.engine.interface import NEW_SHAPE, SETTLING, STEADY
 from oxserve.engine.request import Request
 
 DECAY = 0.9
@@ -93,22 +94,22 @@ class DraftCost:
         self._since_probe[bucket], self._probe_wait[bucket] = 0, min(2 * wait, EXPLORE_DEAR_MAX)
         return KEEP_FLOOR, 1
 
-    def observe(self, decodes: int, draft_rows: int, seconds: float, warming_up: bool = False) -> None:
+    def observe(self, decodes: int, draft_rows: int, seconds: float, novelty: str = STEADY) -> None:
         """A decode-only step: its decoding requests, its draft rows, its wall time (the
-        drafting included), and whether it ran as a captured shape's first steps do
-        (`warming_up`: met first, recording, or the first replay; each costs several). Such
-        a step is no measure of the plain step, nor of a row before one replayed step has
-        measured it: the first probes of a batch size are such steps by nature, and charging
+        drafting included), and its `CapturedDecode.novelty`. A recording or a first replay
+        (SETTLING) is a shape's one-time cost: never a measure. A shape met first (NEW_SHAPE)
+        is no measure of the plain step (its shapes recur), nor of a row before a replayed step
+        has measured one: a batch size's first probes are such steps by nature, and charging
         them would stop drafting for thousands of steps. After that it counts: where verify
         shapes keep changing (each request's run length, and which requests draft, are in the
         shape), eager steps are what drafting costs; so do a bucket's probes past
         WARMING_PROBES that found no replay."""
-        if decodes <= 0 or seconds <= 0:
+        if decodes <= 0 or seconds <= 0 or novelty == SETTLING:
             return
         bucket = decodes.bit_length()
-        if warming_up and draft_rows == 0:
+        if novelty == NEW_SHAPE and draft_rows == 0:
             return
-        if warming_up and bucket not in self.row_cost:
+        if novelty == NEW_SHAPE and bucket not in self.row_cost:
             skipped = self._warming_probes.get(bucket, 0)
             if skipped < WARMING_PROBES:
                 self._warming_probes[bucket] = skipped + 1
