@@ -9,7 +9,8 @@ from oxserve.feedback.workload import (
     WORKLOADS_DIR, Arrival, LengthDist, Workload, load_workload, shipped_workloads,
 )
 
-SHIPPED = ["agent_decode_heavy", "code_completion", "code_completion_b1", "code_completion_b64", "long_context_16k",
+SHIPPED = ["agent_decode_heavy", "code_completion", "code_completion_b1", "code_completion_b1_long", "code_completion_b64",
+           "long_context_16k",
            "long_context_capacity", "mixed", "short_chat", "smoke"]
 
 
