@@ -9,7 +9,7 @@ import pytest
 
 from oxserve.cache.manager import CacheManager, IdPool
 from oxserve.config import SchedulerConfig
-from oxserve.engine.interface import ModelRunnerOutput, SchedulerOutput
+from oxserve.engine.interface import STEADY, ModelRunnerOutput, SchedulerOutput
 from oxserve.engine.request import Request, RequestStatus
 from oxserve.engine.scheduler import Scheduler
 from oxserve.sampling_params import SamplingParams
@@ -255,6 +255,25 @@ def test_a_request_aborted_during_the_step_takes_no_tokens():
     scheduler.finish("r0", "abort")
     assert scheduler.update_from_output(out, _sample_all(out)) == []
     assert request.output_token_ids == [] and request.finish_reason == "abort"
+
+
+def test_the_pacer_learns_the_decode_cost_from_a_batch_sizes_first_steps_too():
+    """A batch size's first decode steps run eagerly (their captured shape met first, then
+    recording): the guard does not learn from them, but the pacer must, or the next prompts
+    would ride in one unbounded chunk."""
+    from oxserve.engine.interface import NEW_SHAPE, SETTLING
+
+    cache = CacheManager(num_blocks=256, block_size=16, num_slots=8)
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=2048, max_stall=2.0), cache)
+    scheduler.add(_request(0, 1000, 200))
+    out = scheduler.schedule()
+    for novelty in (STEADY, NEW_SHAPE, SETTLING):  # the prefill, then the first decode steps
+        scheduler.observe_step(out, _step_seconds(out), novelty)
+        scheduler.update_from_output(out, _sample_all(out))
+        out = scheduler.schedule()
+    assert scheduler.pacer.decode_step_s is not None and scheduler.pacer.prefill_token_s is not None
+    scheduler.add(_request(1, 1000, 200))
+    assert scheduler.schedule().num_tokens < 1001  # the prompt is paced beside the decode
 
 
 def test_stall_free_pacing_bounds_the_prefill_that_rides_with_decodes():
