@@ -25,7 +25,7 @@ from oxserve.sampling_params import SamplingParams
 _NO_PIXELS = torch.empty(0)
 
 # What a step's time says of the steps of its shape to come (`CapturedDecode.novelty`, which
-# the runner reports and the scheduler's pacer and speculation guard read):
+# the runner reports and the speculation guard reads):
 STEADY = ""  # replayed (or eager for good: refused capture): as they will cost
 NEW_SHAPE = "new"  # its shape met first, so eager: what every step costs where shapes never recur
 SETTLING = "settling"  # recording, or the first replay (which builds its plan): once per shape

@@ -231,7 +231,7 @@ class ModelRunner:
         for i, s in enumerate(sampling):
             if s.verifies:
                 verified = verify(per_request[i], s.token_ids[-s.num_draft_tokens :], self._sampling_row(s.request_id),
-                                  argmax and argmax[i])
+                                  argmax[i] if argmax else None)
                 tokens[i], logprobs[i] = verified.token_ids, verified.logprobs
                 # The kept drafts are output now (penalties count them); the extra token is fed next step.
                 self.requests[s.request_id].output_token_ids.extend(verified.token_ids[:-1])
@@ -243,7 +243,7 @@ class ModelRunner:
         return tokens, logprobs
 
     def _verify_argmax(self, sampling: list[ScheduledRequest], logits: torch.Tensor) -> list[list[int] | None] | None:
-        """Per sampling request, its rows' argmax where the replayed step made them with these
+        """Per sampling request, its rows' argmax where the captured step made them with these
         logits and the request verifies drafts (else None in its place; None for all when none)."""
         made, greedy = self._replay_greedy or (None, None)
         if greedy is None or made is not logits or not any(s.verifies for s in sampling):
