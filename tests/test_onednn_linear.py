@@ -27,14 +27,25 @@ def in_input_order(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def assert_as_its_build(isa: str, got: torch.Tensor, torch_bf16: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> None:
-    """The tile and bf16-vector builds sum as oneDNN's bf16 products do (`torch_bf16`, bit for
-    bit); the AVX2 build sums in input order, which torch's bf16 products on an AVX2 CPU do
-    only for small shapes: exact against that sum, one bf16 rounding from torch's."""
+    """The AVX2 build sums in input order, which torch's bf16 products on an AVX2 CPU do only
+    for small shapes: exact against that sum, one bf16 rounding from torch's. The tile and
+    bf16-vector builds take the same exact products as oneDNN's bf16 (`torch_bf16`), but fp32
+    sums in an order of their own: oneDNN's blocking depends on the shape and the CPU (on an
+    AMX Xeon it differs from 65 rows up), so a rare output lands one bf16 step away."""
     if isa == "avx2":
         assert torch.equal(got, in_input_order(x, weight).to(got.dtype))
         torch.testing.assert_close(got, torch_bf16.to(got.dtype), rtol=1e-2, atol=1e-2)
     else:
-        assert torch.equal(got, torch_bf16.to(got.dtype))
+        assert_one_bf16_step_at_most(got, torch_bf16.to(got.dtype))
+
+
+def assert_one_bf16_step_at_most(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Equal but for rare outputs (under 1%) one bf16 step apart (2^-7 of the value, with a
+    floor for values that cancel to near zero)."""
+    assert got.shape == want.shape and got.dtype == want.dtype
+    g, w = got.float(), want.float()
+    assert int((g != w).sum()) <= 0.01 * g.numel()
+    assert ((g - w).abs() <= torch.maximum(g.abs(), w.abs()) * 2**-7 + 1e-3).all()
 
 
 def test_auto_takes_panels_for_bf16_where_the_cpu_has_them_else_onednn_where_onednn_runs_it():
