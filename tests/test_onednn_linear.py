@@ -40,11 +40,11 @@ def assert_as_its_build(isa: str, got: torch.Tensor, torch_bf16: torch.Tensor, x
 
 
 def assert_one_bf16_step_at_most(got: torch.Tensor, want: torch.Tensor) -> None:
-    """Equal but for rare outputs (under 1%) one bf16 step apart (2^-7 of the value, with a
-    floor for values that cancel to near zero)."""
+    """Equal but for rare outputs (1% and two more, for small outputs) one bf16 step apart
+    (2^-7 of the value, with a floor for values that cancel to near zero)."""
     assert got.shape == want.shape and got.dtype == want.dtype
     g, w = got.float(), want.float()
-    assert int((g != w).sum()) <= 0.01 * g.numel()
+    assert int((g != w).sum()) <= 0.01 * g.numel() + 2
     assert ((g - w).abs() <= torch.maximum(g.abs(), w.abs()) * 2**-7 + 1e-3).all()
 
 
