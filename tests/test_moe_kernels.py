@@ -152,7 +152,8 @@ def test_panel_experts_equal_the_loop(hidden, inter, pairs):
     """More and fewer than a tile's 16 rows (and the vectors' 8 and 4) per expert, every build
     this CPU runs. The tile and bf16-vector builds take the same exact products, but each adds a
     pair of them in its own order (AMX's even input first, vdpbf16ps's odd), so a rare
-    intermediate lands one bf16 step apart (seen from 256 inputs up on an AMX Xeon)."""
+    intermediate lands one bf16 step apart (seen from 96 inputs up on an AMX Xeon), and the
+    down projection carries that into its row's outputs."""
     rows, weight, offsets, gate_up, down = routed_case(hidden, inter, pairs)
     if not PANELS:  # a CPU without AMX-BF16, AVX512-BF16 or AVX2 refuses, clearly
         with pytest.raises(RuntimeError, match="AVX2"):
@@ -164,7 +165,8 @@ def test_panel_experts_equal_the_loop(hidden, inter, pairs):
     for isa, got in outputs.items():
         assert_like_the_loop(got, rows, weight, offsets, gate_up, down)
         if isa != "avx2":
-            assert int((got != next(iter(outputs.values()))).sum()) <= 0.01 * got.numel() + 2  # rare flips
+            first = next(iter(outputs.values())).float()  # a flipped intermediate moves its row's outputs a little
+            assert (got.float() - first).norm() <= 2**-7 * first.norm()
 
 
 def test_panel_experts_keep_a_nan_and_a_loaded_layer_computes_what_the_dense_one_did():
