@@ -14,6 +14,18 @@ def opt(default, help: str, **extra):
     return field(default=default, metadata={"help": help, **extra})
 
 
+def default_capture_sizes(max_num_seqs: int) -> tuple[int, ...]:
+    """1, 2, 3, 4, 6, 8, 12, 16, 24, ...: powers of two and 1.5 times each, up to and with
+    `max_num_seqs`. A batch padded to the next size computes at most a third more rows, and
+    a padding row costs less than a request's (one cached token); 64 requests need 12
+    recordings."""
+    sizes, power = [1], 2
+    while power < max_num_seqs:
+        sizes += [power, power * 3 // 2]
+        power *= 2
+    return tuple(size for size in sizes if size < max_num_seqs) + (max_num_seqs,)
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     model: str | None = opt(None, "checkpoint directory (Hugging Face format); default: the embedded trained model")
@@ -51,7 +63,9 @@ class ModelConfig:
         "Python between)",
     )
     compile_sizes: str | None = opt(
-        None, "batch sizes whose decode steps are captured and replayed, comma-separated (default: every size)",
+        None, "batch sizes whose decode steps are captured and replayed, comma-separated; a decode batch runs "
+        "padded to the smallest of them that holds it, a larger one eagerly (default: 1, 2, 3, 4, 6, 8, 12, 16, "
+        "24, ..., each at most 1.5x the one before, up to max_num_seqs)",
     )
 
     limit_mm_per_prompt: str = opt(
@@ -73,19 +87,20 @@ class ModelConfig:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
-        self.capture_sizes()
+        self.capture_sizes(1)
 
-    def capture_sizes(self) -> frozenset[int] | None:
-        """The batch sizes `compile_sizes` names (None: all); ValueError when malformed."""
+    def capture_sizes(self, max_num_seqs: int) -> tuple[int, ...]:
+        """The decode batch sizes captured, ascending: those `compile_sizes` names, or the
+        default series up to `max_num_seqs` (ValueError when malformed)."""
         if self.compile_sizes is None:
-            return None
+            return default_capture_sizes(max_num_seqs)
         try:
-            sizes = frozenset(int(part) for part in self.compile_sizes.split(",") if part.strip())
+            sizes = {int(part) for part in self.compile_sizes.split(",") if part.strip()}
         except ValueError:
             raise ValueError(f"compile_sizes must be comma-separated batch sizes, got {self.compile_sizes!r}") from None
         if not sizes or min(sizes) < 1:
             raise ValueError(f"compile_sizes must name batch sizes >= 1, got {self.compile_sizes!r}")
-        return sizes
+        return tuple(sorted(sizes))
 
 
     def mm_limits(self) -> dict[str, int]:

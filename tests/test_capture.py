@@ -23,7 +23,7 @@ from tiny_models import TINY_SHAPE
 
 
 def _run(model: str | None, dtype: str, eager: bool, prompts, params, **options):
-    llm = LLM(model=model, dtype=dtype, enforce_eager=eager, max_num_seqs=4, **options)
+    llm = LLM(model=model, dtype=dtype, enforce_eager=eager, **{"max_num_seqs": 4, **options})
     try:
         outs = llm.generate(prompts, params)
         return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs], llm.engine.runner.captured
@@ -31,11 +31,12 @@ def _run(model: str | None, dtype: str, eager: bool, prompts, params, **options)
         llm.close()
 
 
-def _workload(seed: int, vocab: int, longest: int):
+def _workload(seed: int, vocab: int, longest: int, requests: int = 6):
     """Prompts of random lengths and outputs of random lengths: the batch shrinks as requests
     finish, contexts cross blocks, indexer pools and the indexer's top-k."""
     rng = random.Random(seed)
-    prompts = [{"prompt_token_ids": [rng.randrange(32, vocab) for _ in range(rng.randrange(1, longest))]} for _ in range(6)]
+    prompts = [{"prompt_token_ids": [rng.randrange(32, vocab) for _ in range(rng.randrange(1, longest))]}
+               for _ in range(requests)]  # fmt: skip
     params = [SamplingParams(max_tokens=rng.randrange(20, 90), ignore_eos=True, logprobs=2, seed=rng.randrange(1 << 30),
                              temperature=rng.choice([0.0, 0.8]), top_p=rng.choice([1.0, 0.9])) for _ in prompts]
     return prompts, params
@@ -162,6 +163,53 @@ def test_plain_greedy_steps_take_the_argmax_their_replay_made(monkeypatch, deter
         assert len(passes) == 2 * eager_passes
     else:
         assert len(passes) - eager_passes <= 3  # the replayed run's: its prefill steps only
+
+
+@pytest.mark.parametrize("options", [{}, {"kda_decode": "replay", "kda_replay_len": 5}, {"kv_cache_dtype": "int8"}],
+                         ids=["write-back", "replay-rings", "int8-cache"])
+def test_decode_batches_run_padded_to_the_captured_sizes(tiny_model_dir, monkeypatch, options):
+    """Batches of 7 and 5 requests replay the recordings of 8 and 6 (sizes 1, 2, 3, 4, 6, 8)
+    with padding rows, which share one state slot and cache block (ReplaySSM rings folding
+    there too): the requests' outputs are the eager run's, bit for bit."""
+    from oxserve.engine.padding import DecodePadding
+
+    padded = []
+    rows = DecodePadding.rows
+    monkeypatch.setattr(DecodePadding, "rows", lambda self, count: padded.append(count) or rows(self, count))
+    prompts, params = _workload(random.randrange(1 << 30), TINY_SHAPE["vocab_size"], 120, requests=7)
+    runs = [_run(str(tiny_model_dir), "bfloat16", eager, prompts, params, max_model_len=256, max_num_seqs=8, **options)
+            for eager in (True, False)]  # fmt: skip
+    (eager, _), (replayed, captured) = runs
+    assert replayed == eager
+    assert {key[0][0] for key in captured.recordings} <= {1, 2, 3, 4, 6, 8} and captured.refused == {}
+    assert padded.count(1) > 5 and captured.replays > 5 * captured.captures
+
+
+def test_padding_rows_have_a_block_and_slot_of_their_own_within_the_budget():
+    """The runner's caches hold one block and one state slot more than the scheduler hands
+    out, and the planner counts them in `cache_memory_gib`."""
+    llm = LLM(dtype="bfloat16", cache_memory_gib=0.05)
+    try:
+        runner, manager = llm.engine.runner, llm.engine.cache
+        assert runner.layout.num_blocks == manager.blocks.size + 1 == runner.padding.block + 1
+        assert runner.layout.num_slots == manager.slots.size + 1 == runner.padding.slot + 1
+        held = sum(t.nbytes for cache in runner.caches for t in _tensors_of(cache))
+        assert 0.9 * 0.05 * 2**30 < held <= 0.05 * 2**30
+    finally:
+        llm.close()
+    eager = LLM(dtype="bfloat16", cache_memory_gib=0.05, enforce_eager=True)
+    assert eager.engine.runner.padding is None and eager.engine.runner.layout.num_blocks > manager.blocks.size
+    eager.close()
+
+
+def _tensors_of(cache) -> list[torch.Tensor]:
+    found = []
+    for value in vars(cache).values():
+        if isinstance(value, torch.Tensor):
+            found.append(value)
+        elif hasattr(value, "__dict__"):
+            found += _tensors_of(value)
+    return found
 
 
 def test_compile_sizes_choose_the_batch_sizes_captured(tiny_model_dir):

@@ -20,8 +20,10 @@ from oxserve.config import CacheConfig, SchedulerConfig
 DEFAULT_BLOCK_TOKENS = 64
 
 
-def plan_cache(cache: CacheConfig, scheduler: SchedulerConfig, specs: list[LayerCacheSpec], max_model_len: int) -> CacheLayout:
-    """One state slot per running request, the rest of the budget to paged blocks."""
+def plan_cache(cache: CacheConfig, scheduler: SchedulerConfig, specs: list[LayerCacheSpec], max_model_len: int,
+               spare: int = 0) -> CacheLayout:  # fmt: skip
+    """One state slot per running request, the rest of the budget to paged blocks, less
+    `spare` slots and blocks that the runner adds for itself (padding rows: `engine.padding`)."""
     multiple = block_multiple(specs)
     block_size = cache.block_size or math.lcm(DEFAULT_BLOCK_TOKENS, multiple)
     if block_size % multiple:
@@ -32,8 +34,8 @@ def plan_cache(cache: CacheConfig, scheduler: SchedulerConfig, specs: list[Layer
     per_block = bytes_per_token(specs) * block_size
     if per_block == 0:  # nothing is paged (no MLA layers): blocks only count tokens
         return CacheLayout(num_slots * -(-max_model_len // block_size), block_size, num_slots)
-    left = cache.cache_memory_gib * 2**30 - num_slots * bytes_per_request(specs)
-    num_blocks = int(left // per_block)
+    left = cache.cache_memory_gib * 2**30 - (num_slots + spare) * bytes_per_request(specs)
+    num_blocks = int(left // per_block) - spare
     if num_blocks < 1:
         raise ValueError(
             f"cache_memory_gib={cache.cache_memory_gib} cannot hold {num_slots} KDA state slots plus one block; "
@@ -43,12 +45,12 @@ def plan_cache(cache: CacheConfig, scheduler: SchedulerConfig, specs: list[Layer
 
 
 def plan_split_cache(cache: CacheConfig, scheduler: SchedulerConfig, specs_by_rank: list[list[LayerCacheSpec]],
-                     max_model_len: int) -> CacheLayout:  # fmt: skip
+                     max_model_len: int, spare: int = 0) -> CacheLayout:  # fmt: skip
     """`plan_cache` when each rank caches other layers (Layer Split), with `cache_memory_gib`
     per rank: the same block size everywhere, and the blocks the fullest rank can hold."""
     multiple = block_multiple([spec for specs in specs_by_rank for spec in specs])
     cache = replace(cache, block_size=cache.block_size or math.lcm(DEFAULT_BLOCK_TOKENS, multiple))
-    layouts = [plan_cache(cache, scheduler, specs, max_model_len) for specs in specs_by_rank]
+    layouts = [plan_cache(cache, scheduler, specs, max_model_len, spare) for specs in specs_by_rank]
     return min(layouts, key=lambda layout: layout.num_blocks)
 
 

@@ -34,10 +34,12 @@ step as the range of calls made inside it, and a replay with a tracer times the 
 reports those spans (a span with no recorded call, a view, lasts zero).
 
 Unlike a CUDA graph, a recording costs about two ordinary steps (it is one, plus the
-dispatch mode's few microseconds an op), so every batch size is recorded the second time it
-occurs (a shape met once, in a ramp or a tail, only runs eagerly), nothing is padded, and
-nothing needs a disk cache; at most 32 recordings holding at most 1 GiB of intermediate
-tensors together are kept (least recently replayed dropped first).
+dispatch mode's few microseconds an op), so a shape is recorded the second time it occurs (a
+shape met once only runs eagerly), and nothing needs a disk cache. The runner pads a decode
+batch to the next captured batch size (`engine.padding`: 1, 2, 3, 4, 6, 8, 12, ... by
+default), so that the batch sizes of a ramp or a tail share a few recordings. At most 32
+recordings holding at most 1 GiB of intermediate tensors together are kept (least recently
+replayed dropped first).
 """
 
 from __future__ import annotations
@@ -348,13 +350,14 @@ def has_forward_hooks(model: torch.nn.Module) -> bool:
 
 class CapturedDecode:
     """Decode steps replayed from recordings, by shape key; `forward(input_ids, batch)` is
-    the eager step, returning the logits. `sizes`: the batch sizes to capture (None: all)."""
+    the eager step, returning the logits. Batches of more than `max_requests` run eagerly (the
+    runner pads decode batches to the captured sizes: `engine.padding`)."""
 
     def __init__(self, forward: Callable[[torch.Tensor, ForwardBatch], torch.Tensor],
-                 sizes: frozenset[int] | None = None, max_recordings: int = DEFAULT_MAX_RECORDINGS,
+                 max_requests: int | None = None, max_recordings: int = DEFAULT_MAX_RECORDINGS,
                  max_bytes: int = DEFAULT_MAX_RECORDING_BYTES):  # fmt: skip
         self.forward = forward
-        self.sizes = sizes
+        self.max_requests = max_requests
         self.max_recordings, self.max_bytes = max_recordings, max_bytes
         self.recordings: OrderedDict[tuple, StepRecording] = OrderedDict()
         self.refused: dict[tuple, str] = {}  # keys whose capture failed, and why: they run eagerly
@@ -367,7 +370,7 @@ class CapturedDecode:
         """A step of decodes (one new token per request) and verifies (a token and its drafts)
         only, of a batch size that is captured."""
         return (batch.num_decodes + batch.num_verifies == batch.num_requests
-                and (self.sizes is None or batch.num_requests in self.sizes))  # fmt: skip
+                and (self.max_requests is None or batch.num_requests <= self.max_requests))  # fmt: skip
 
     def run(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """The logits of this decode step (a tensor the next replay of its shape overwrites)."""

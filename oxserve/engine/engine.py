@@ -164,7 +164,10 @@ class LLMEngine:
         if mtp:  # the MTP layer's own MLA cache, after the decoder layers' (one rank: see above), planned with them
             specs_by_rank[0].append(loaded.model.mtp.cache_spec(self.dtype, self.cache_plan.for_layer(len(loaded.model.layers))))
         cache_specs = specs_by_rank[placement.ls.rank]
-        layout = plan_split_cache(config.cache, config.scheduler, specs_by_rank, limit)
+        # Captured decode steps (one process only): their padding rows' block and slot are planned with the rest
+        capture_sizes = (() if config.model.enforce_eager or self.workers is not None
+                         else config.model.capture_sizes(config.scheduler.max_num_seqs))
+        layout = plan_split_cache(config.cache, config.scheduler, specs_by_rank, limit, spare=1 if capture_sizes else 0)
         # Disaggregation hands over the whole model's caches, however the ranks cut them
         self.kv_layout = whole_layout([layout_of([spec.allocate(layout, "meta") for spec in specs], layout.num_blocks,
                                                  layout.block_size) for specs in specs_by_rank], placement.tp.size)  # fmt: skip
@@ -188,8 +191,7 @@ class LLMEngine:
                 self.workers.compare(loaded.model, layout)  # every rank quantized the same modules (each smoothed its own)
         self.runner = ModelRunner(loaded.model, layout, cache_specs, self.device, deterministic=config.scheduler.deterministic,
                                   grammars=self.grammars, num_checkpoints=num_checkpoints, workers=self.workers,
-                                  mtp_drafts=mtp, embedder=embedder, capture=not config.model.enforce_eager,
-                                  capture_sizes=config.model.capture_sizes())  # fmt: skip
+                                  mtp_drafts=mtp, embedder=embedder, capture_sizes=capture_sizes)  # fmt: skip
         self.proposer = make_proposer(self.speculative, self.runner) if self.speculative else None
         self._drafting_s = 0.0  # the last proposal's time, charged to the step that verifies it
         self.role_token_ids = self.tokenizer.role_token_ids() if self.tokenizer is not None else frozenset()

@@ -35,6 +35,7 @@ from oxserve.engine.interface import (
 from oxserve.disagg.snapshot import CacheSnapshot, TensorCut, export_caches, import_caches, join_pieces, needed_part
 from oxserve.engine.capture import CapturedDecode, has_forward_hooks
 from oxserve.engine.mtp_drafter import MTPDrafter
+from oxserve.engine.padding import PADDING_TOKEN, DecodePadding
 from oxserve.engine.prompt_logprobs import score_prompt_tokens
 from oxserve.engine.sampler import SamplingRow, make_generator, sample
 from oxserve.engine.speculative import verify
@@ -77,11 +78,14 @@ class ModelRunner:
         workers: WorkerGroup | None = None,
         mtp_drafts: bool = False,
         embedder: MultiModalEmbedder | ReceivedEmbeddings | None = None,
-        capture: bool = False,
-        capture_sizes: frozenset[int] | None = None,
+        capture_sizes: tuple[int, ...] = (),
     ):
         self.model = model
         self.workers = workers  # tensor parallelism, on rank 0: the other ranks
+        capturing = bool(capture_sizes) and workers is None  # (one process only: parallel ranks run eagerly)
+        self.padding: DecodePadding | None = None  # decode batches filled up to a captured size
+        if capturing:
+            layout, self.padding = DecodePadding.past(layout, capture_sizes)
         self.layout = layout
         self.device = device
         self.deterministic = deterministic
@@ -102,11 +106,11 @@ class ModelRunner:
         self.masks = BatchMasks(grammars.vocab_size) if grammars is not None else None
         self.embedder = embedder  # images and video: their embeddings for placeholder rows
         self.imports: dict[str, CacheSnapshot] = {}  # disaggregation: caches waiting for their request's first step
-        # Decode steps replayed from recordings (one process only: parallel ranks run eagerly)
-        # (its forward holds the model and caches, not the runner: no reference cycle keeps a
-        # closed engine's caches alive until the garbage collector runs)
-        self.captured = (CapturedDecode(functools.partial(decode_logits, model, self.caches, self.kda_caches), capture_sizes)
-                         if capture and workers is None else None)  # fmt: skip
+        # Decode steps replayed from recordings (its forward holds the model and caches, not the
+        # runner: no reference cycle keeps a closed engine's caches alive until the garbage
+        # collector runs)
+        self.captured = (CapturedDecode(functools.partial(decode_logits, model, self.caches, self.kda_caches),
+                                        max(capture_sizes)) if capturing else None)  # fmt: skip
         # The last step's `CapturedDecode.novelty` (the most novel of its passes): what its time
         # says of the steps of its shape to come (`Scheduler.observe_step`).
         self.novelty = STEADY
@@ -297,9 +301,10 @@ class ModelRunner:
                              self.requests[s.request_id].blocks.array())
                 for s in scheduled
             ]
-            batch = make_forward_batch(requests, self.model.config, self.layout.block_size, self.layout.num_blocks, self.device,
-                                       self.rings)
-            input_ids = host_tensor([t for s in scheduled for t in s.token_ids], self.device)
+            padding = self._padding_rows(scheduled)
+            batch = make_forward_batch(requests + padding, self.model.config, self.layout.block_size, self.layout.num_blocks,
+                                       self.device, self.rings)  # fmt: skip
+            input_ids = host_tensor([t for s in scheduled for t in s.token_ids] + [PADDING_TOKEN] * len(padding), self.device)
         mm_embeds = self._mm_embeddings(scheduled)
         batch.tracer = self.tracer
         with span(self.tracer, "forward", track="engine", **step_conditions(batch)):
@@ -309,6 +314,8 @@ class ModelRunner:
                     self.novelty = self.captured.novelty or self.novelty
                 for cache, conv in zip(self.kda_caches, staged):  # a replay stages what its recording did
                     cache.staged_conv = conv
+                if padding:  # (the padding rows are the last)
+                    logits, greedy = logits[: -len(padding)], None if greedy is None else greedy[: -len(padding)]
                 self._replay_greedy = (logits, greedy)
                 return logits, {}
             if self.drafter is None:
@@ -316,12 +323,20 @@ class ModelRunner:
             else:  # the drafter reads every row's hidden state after sampling
                 self._step_hidden = self.model(input_ids, batch, self.caches, all_rows=True, mm_embeds=mm_embeds)
                 hidden = self._step_hidden[batch.logits_indices]
-            num_sampling_rows = len(hidden) - sum(len(s.prompt_logprob_positions) for s in scheduled)
+            num_sampling_rows = len(hidden) - len(padding) - sum(len(s.prompt_logprob_positions) for s in scheduled)
             logits = self.model.compute_logits(hidden[:num_sampling_rows], self.tracer)
-        if num_sampling_rows == len(hidden):
+        if num_sampling_rows + len(padding) == len(hidden):
             return logits, {}
         with span(self.tracer, "prompt_logprobs", track="engine"):
             return logits, self._score_prompts(scheduled, hidden[num_sampling_rows:])
+
+    def _padding_rows(self, scheduled: list[ScheduledRequest]) -> list[BatchRequest]:
+        """Rows that fill a decode step up to the captured batch size it replays as (none for
+        other steps, nor where a step of decodes would not replay)."""
+        if (self.padding is None or self.drafter is not None or has_forward_hooks(self.model)
+                or not all(s.is_decode and not s.verifies and not s.prompt_logprob_positions for s in scheduled)):
+            return []  # fmt: skip
+        return self.padding.rows(self.padding.size_for(len(scheduled)) - len(scheduled))
 
     def _replayable(self, batch, scheduled: list[ScheduledRequest], mm_embeds) -> bool:
         """A step of decodes and verifies (`CapturedDecode.wants`) whose logits are all its sampling rows,
