@@ -103,6 +103,10 @@ int hc_gates(const float *mixed, const float *base, const float *scale, int64_t 
 /* A row of `count` values (bf16 or fp32) into fp32, and back (rounded to bf16 when asked). */
 static inline float rounded(float v, int is_bf16) { return is_bf16 ? round_bf16(v) : v; }
 
+static inline float widened(const void *src, int64_t offset, int is_bf16) {
+    return is_bf16 ? bf16_to_f32(((const uint16_t *)src)[offset]) : ((const float *)src)[offset];
+}
+
 #define SUMS 32 /* independent partial sums, so the adds do not wait on each other */
 
 static float dot_f32(const float *a, const float *b, int64_t count) {
@@ -206,6 +210,56 @@ static CONTRACTED void project(const float *x, int64_t ldx, int64_t flat, int nt
     }
 }
 
+/* W floats in vector registers (GCC vector extensions: AVX-512 or AVX2), bf16 loads, stores
+ * and rounding as the scalar helpers above do them, lane by lane. */
+#ifdef __AVX512F__
+#define W 16
+#else
+#define W 8
+#endif
+typedef float v8 __attribute__((vector_size(4 * W)));
+typedef uint32_t v8u __attribute__((vector_size(4 * W)));
+typedef uint16_t v8h __attribute__((vector_size(2 * W)));
+
+static inline v8 load8(const void *src, int64_t offset, int is_bf16) {
+    v8 f;
+    if (is_bf16) {
+        v8h h;
+        memcpy(&h, (const uint16_t *)src + offset, sizeof h);
+        const v8u widened = __builtin_convertvector(h, v8u) << 16;
+        memcpy(&f, &widened, sizeof f);
+    } else {
+        memcpy(&f, (const float *)src + offset, sizeof f);
+    }
+    return f;
+}
+
+/* f32_to_bf16 of each lane, kept in the upper half of its 32 bits (a float again). */
+static inline v8u bf16_bits8(v8 x) {
+    v8u u;
+    memcpy(&u, &x, sizeof u);
+    const v8u nearest_even = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+    const v8u quiet_nan = (u | 0x400000u) & 0xffff0000u;
+    const v8u is_nan = (v8u)((u & 0x7fffffffu) > 0x7f800000u); /* all ones where NaN */
+    return (quiet_nan & is_nan) | (nearest_even & ~is_nan);
+}
+
+static inline v8 rounded8(v8 x, int is_bf16) {
+    if (!is_bf16) return x;
+    const v8u bits = bf16_bits8(x);
+    memcpy(&x, &bits, sizeof x);
+    return x;
+}
+
+static inline void store8(v8 x, void *dst, int64_t offset, int is_bf16) {
+    if (is_bf16) {
+        const v8h h = __builtin_convertvector(bf16_bits8(x) >> 16, v8h);
+        memcpy((uint16_t *)dst + offset, &h, sizeof h);
+    } else {
+        memcpy((float *)dst + offset, &x, sizeof x);
+    }
+}
+
 #define BLOCK LANES /* tokens per task: their gates are computed together, their streams stay in cache */
 
 /* The block's input RMSNorm, as torch's RMSNorm does it: x (values of the streams' dtype)
@@ -262,16 +316,28 @@ int hc_collapse(const void *streams, int is_bf16, int64_t tokens, int n, int64_t
         gates_block(mixed, base, scale, t0, nt, n, iters, eps, pre, post, comb);
         for (int i = 0; i < nt; i++) {
             const int64_t t = t0 + i;
-            for (int64_t c = 0; c < d; c++) row[c] = 0.0f;
-            for (int j = 0; j < n; j++) {
-                const float *xj = x + i * ldx + j * d, w = pre[t * n + j];
-                for (int64_t c = 0; c < d; c++) row[c] += w * xj[c];
+            const float *xi = x + i * ldx, *w = pre + t * n;
+            int64_t c = 0;
+            for (; c + W <= d; c += W) { /* the sum over streams in registers */
+                v8 sum = {0};
+                for (int j = 0; j < n; j++) sum += w[j] * load8(xi + j * d, c, 0);
+                if (norm_weight == NULL) {
+                    store8(sum, out, t * d + c, is_bf16);
+                } else {
+                    sum = rounded8(sum, is_bf16);
+                    memcpy(row + c, &sum, sizeof sum);
+                }
+            }
+            for (; c < d; c++) {
+                float sum = 0.0f;
+                for (int j = 0; j < n; j++) sum += w[j] * xi[j * d + c];
+                if (norm_weight == NULL) narrow_row(&sum, 1, is_bf16, out, t * d + c);
+                else row[c] = rounded(sum, is_bf16);
             }
             if (norm_weight != NULL) {
-                for (int64_t c = 0; c < d; c++) row[c] = rounded(row[c], is_bf16);
                 block_norm(row, d, norm_weight, block_eps, is_bf16);
+                narrow_row(row, d, is_bf16, out, t * d);
             }
-            narrow_row(row, d, is_bf16, out, t * d);
         }
     }
     scratch_done();
@@ -280,32 +346,39 @@ int hc_collapse(const void *streams, int is_bf16, int64_t tokens, int n, int64_t
 
 /* expand: out[t, i] = post[t, i] block[t] + sum_j comb[t, j, i] streams[t, j]; in bf16 the
  * gates are rounded to bf16 first and the two terms each rounded before they are added, as
- * the torch version's bf16 ops do. Returns 0, or -2 without scratch memory. */
+ * the torch version's bf16 ops do. Eight columns at a time in vector registers, each output's
+ * sum held in one while the N streams' columns are read: a sum kept in memory across the N
+ * terms (a load and a store per term and value) made the call 4x slower at 32 tokens. */
 int hc_expand(const float *post, const float *comb, const void *block, const void *streams, int is_bf16,
               int64_t tokens, int n, int64_t d, void *out, int threads) {
     if (n > MAX_N) return -1;
     if (tokens == 0) return 0;
     if (threads < 1) threads = 1;
-    const int64_t per_thread = (int64_t)(n + 2) * d;
-    const size_t scratch_bytes = (size_t)(threads * per_thread) * sizeof(float);
-    if (scratch_reserve(scratch_padded(scratch_bytes)) != 0) return -2;
-    float *scratch = scratch_take(scratch_bytes);
+    const int64_t vector_end = d - d % W;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t t = 0; t < tokens; t++) {
-        float *s = scratch + (int64_t)omp_get_thread_num() * per_thread, *b = s + n * d, *o = s + (n + 1) * d;
-        widen_row(streams, t * n * d, n * d, is_bf16, s);
-        widen_row(block, t * d, d, is_bf16, b);
-        for (int i = 0; i < n; i++) {
-            float p = rounded(post[t * n + i], is_bf16);
-            for (int64_t e = 0; e < d; e++) o[e] = 0.0f;
-            for (int j = 0; j < n; j++) {
-                const float c = rounded(comb[(t * n + j) * n + i], is_bf16), *sj = s + j * d;
-                for (int64_t e = 0; e < d; e++) o[e] += c * sj[e];
+        float p[MAX_N], c[MAX_N * MAX_N]; /* c[j * n + i]: stream j's weight in output i */
+        for (int i = 0; i < n; i++) p[i] = rounded(post[t * n + i], is_bf16);
+        for (int k = 0; k < n * n; k++) c[k] = rounded(comb[t * n * n + k], is_bf16);
+        for (int64_t e = 0; e < vector_end; e += W) {
+            v8 s[MAX_N];
+            for (int j = 0; j < n; j++) s[j] = load8(streams, (t * n + j) * d + e, is_bf16);
+            const v8 b = load8(block, t * d + e, is_bf16);
+            for (int i = 0; i < n; i++) {
+                v8 o = {0};
+                for (int j = 0; j < n; j++) o += c[j * n + i] * s[j];
+                store8(rounded8(p[i] * b, is_bf16) + rounded8(o, is_bf16), out, (t * n + i) * d + e, is_bf16);
             }
-            for (int64_t e = 0; e < d; e++) o[e] = rounded(p * b[e], is_bf16) + rounded(o[e], is_bf16);
-            narrow_row(o, d, is_bf16, out, (t * n + i) * d);
+        }
+        for (int64_t e = vector_end; e < d; e++) { /* the last d % 8 columns, one at a time */
+            const float b = widened(block, t * d + e, is_bf16);
+            for (int i = 0; i < n; i++) {
+                float o = 0.0f;
+                for (int j = 0; j < n; j++) o += c[j * n + i] * widened(streams, (t * n + j) * d + e, is_bf16);
+                narrow_row((const float[]){rounded(p[i] * b, is_bf16) + rounded(o, is_bf16)}, 1, is_bf16, out,
+                           (t * n + i) * d + e);
+            }
         }
     }
-    scratch_done();
     return 0;
 }
