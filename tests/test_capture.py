@@ -171,11 +171,13 @@ def test_decode_batches_run_padded_to_the_captured_sizes(tiny_model_dir, monkeyp
     """Batches of 7 and 5 requests replay the recordings of 8 and 6 (sizes 1, 2, 3, 4, 6, 8)
     with padding rows, which share one state slot and cache block (ReplaySSM rings folding
     there too): the requests' outputs are the eager run's, bit for bit."""
+    from oxserve.engine import padding as padding_module
     from oxserve.engine.padding import DecodePadding
 
     padded = []
     rows = DecodePadding.rows
     monkeypatch.setattr(DecodePadding, "rows", lambda self, count: padded.append(count) or rows(self, count))
+    monkeypatch.setattr(padding_module, "STEADY_WINDOW", 1000)  # no size runs steady
     prompts, params = _workload(random.randrange(1 << 30), TINY_SHAPE["vocab_size"], 120, requests=7)
     runs = [_run(str(tiny_model_dir), "bfloat16", eager, prompts, params, max_model_len=256, max_num_seqs=8, **options)
             for eager in (True, False)]  # fmt: skip
@@ -183,6 +185,20 @@ def test_decode_batches_run_padded_to_the_captured_sizes(tiny_model_dir, monkeyp
     assert replayed == eager
     assert {key[0][0] for key in captured.recordings} <= {1, 2, 3, 4, 6, 8} and captured.refused == {}
     assert padded.count(1) > 5 and captured.replays > 5 * captured.captures
+
+
+def test_a_steady_batch_size_runs_unpadded():
+    """Padding serves the sizes a ramp or a tail passes through; a size that takes half of the
+    last 64 decode steps runs as it is (padding rows cost a step up to 14% there)."""
+    from oxserve.engine.padding import STEADY_WINDOW, DecodePadding
+
+    padding = DecodePadding((1, 2, 4, 8), slot=0, block=0)
+    assert [padding.size_for(n) for n in (8, 7, 5, 3, 2, 1, 9)] == [8, 8, 8, 4, 2, 1, 9]
+    sizes = [padding.size_for(5) for _ in range(STEADY_WINDOW)]
+    steady = sizes.index(5)  # the step at which 5 had half the window
+    assert set(sizes[:steady]) == {8} and set(sizes[steady:]) == {5} and steady == STEADY_WINDOW // 2 - 2  # (one 5 before)
+    assert [padding.size_for(3) for _ in range(STEADY_WINDOW // 2 + 1)][0] == 4  # 5 falls out of the window again
+    assert padding.size_for(5) == 8
 
 
 def test_padding_rows_have_a_block_and_slot_of_their_own_within_the_budget():
