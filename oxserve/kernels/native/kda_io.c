@@ -98,9 +98,14 @@ int kda_conv_inputs(const void *mixed, void *conv_table, const int64_t *slots, c
             const void *src = conv_source(mixed, state, has_context[b], token, pos, j - rows, rows, channels, bf16,
                                           state_bf16, &in_bf16);
             if (src == NULL) continue; /* zeros: adding 0 * w changes no sum */
-            widen_row(src, 0, channels, in_bf16, tap);
             const float *restrict w = conv_weight_t + j * channels;
-            for (int64_t c = 0; c < channels; c++) acc[c] += tap[c] * w[c];
+            if (in_bf16) { /* widened as it is read: a widened copy first cost a store and a load a value */
+                const uint16_t *restrict in = src;
+                for (int64_t c = 0; c < channels; c++) acc[c] += bf16_to_f32(in[c]) * w[c];
+            } else {
+                const float *restrict in = src;
+                for (int64_t c = 0; c < channels; c++) acc[c] += in[c] * w[c];
+            }
         }
         for (int64_t c = 0; c < channels; c++) acc[c] = model_round(acc[c] * sigmoid(acc[c]), bf16);
         const int64_t row = token * hd;
@@ -121,18 +126,24 @@ int kda_conv_inputs(const void *mixed, void *conv_table, const int64_t *slots, c
             beta[token * heads + h] = model_round(sigmoid(load(beta_logits, token * heads + h, bf16)), bf16);
         }
     }
-    /* each request's state: its last K-1 inputs (older state rows first where the run is shorter) */
+    /* each request's state: its last K-1 inputs (older state rows first where the run is shorter);
+     * requests spread over the threads (each request its own slot; the padding rows of a
+     * captured step share one, whose values nothing reads: `engine.padding`) */
+#pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t b = 0; b < requests; b++) {
         const int64_t first = runs[2 * b], count = runs[2 * b + 1];
         char *state = (char *)conv_table + slots[b] * rows * state_row;
+        float *tap = scratch + (int64_t)omp_get_thread_num() * 2 * channels;
         for (int j = 0; j < rows; j++) {
             if (count + j < rows) { /* an old state row, moved up: a later row, so in-place order is safe */
                 if (has_context[b])
                     memmove(state + j * state_row, state + (j + count) * state_row, (size_t)state_row);
                 else
                     memset(state + j * state_row, 0, (size_t)state_row);
+            } else if (bf16 == state_bf16) { /* the same dtype: the input row as it is */
+                memcpy(state + j * state_row, (const char *)mixed + (first + count - rows + j) * state_row,
+                       (size_t)state_row);
             } else {
-                float *tap = scratch;
                 widen_row(mixed, (first + count - rows + j) * channels, channels, bf16, tap);
                 narrow_row(tap, channels, state_bf16, state, j * channels);
             }
