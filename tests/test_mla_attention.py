@@ -12,7 +12,7 @@ from test_moe_kernels import make_config
 BLOCK = 16
 
 
-def _case(gen, tokens, heads, dim, width, dtype):
+def _case(gen, tokens, heads, dim, width, dtype, block=BLOCK):
     """Queries of 3 requests whose blocks are scattered over the cache; each query selects up
     to `width` distinct positions of its request, -1 in between, some none at all."""
     requests, blocks_per = 3, 6
@@ -20,16 +20,16 @@ def _case(gen, tokens, heads, dim, width, dtype):
     request = torch.randint(0, requests, (tokens,), generator=gen)
     positions = torch.full((tokens, width), -1, dtype=torch.long)
     for t in range(tokens):
-        chosen = torch.randperm(blocks_per * BLOCK, generator=gen)[: int(torch.randint(0, width + 1, (), generator=gen))]
+        chosen = torch.randperm(blocks_per * block, generator=gen)[: int(torch.randint(0, width + 1, (), generator=gen))]
         slots = torch.randperm(width, generator=gen)[: chosen.numel()]
         positions[t, slots] = chosen
     positions[0] = -1  # a query with nothing selected attends to nothing
-    latent = (torch.randn((requests * blocks_per + 2) * BLOCK, dim, generator=gen)).to(dtype)
+    latent = (torch.randn((requests * blocks_per + 2) * block, dim, generator=gen)).to(dtype)
     q = (torch.randn(tokens, heads, dim, generator=gen) * 0.3).to(dtype)
     return q, positions, request, blocks, latent
 
 
-def _torch_attention(q, positions, request, blocks, latent, scale):
+def _torch_attention(q, positions, request, blocks, latent, scale, block=BLOCK):
     with torch.device("meta"):  # `_attend` reads only `scale`
         attn = MLAttention(make_config(), has_indexer=False, name="test")
     attn.scale = scale
@@ -37,7 +37,7 @@ def _torch_attention(q, positions, request, blocks, latent, scale):
     batch = ForwardBatch(
         query_lens=[1] * tokens, context_lens=[0] * tokens, num_decodes=tokens, positions=torch.zeros(tokens, dtype=torch.long),
         request_index=request, cache_rows=torch.zeros(tokens, dtype=torch.long), block_tables=blocks,
-        state_slots=request, has_initial_state=torch.ones(tokens, dtype=torch.bool), block_size=BLOCK,
+        state_slots=request, has_initial_state=torch.ones(tokens, dtype=torch.bool), block_size=block,
         seq_len_bound=1, logits_indices=request,
     )
     return attn._attend(q, positions, request, batch, MLACache(latent))
@@ -58,13 +58,14 @@ def build(request, monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("tokens,heads,dim,width", [(1, 1, 16, 4), (9, 4, 64, 40), (33, 2, 40, 100), (5, 6, 48, 300)])
-def test_native_latent_attention_matches_torch(build, dtype, tokens, heads, dim, width):
+@pytest.mark.parametrize("block", [BLOCK, 12])  # a power of two (rows by shifts) or not (by division)
+def test_native_latent_attention_matches_torch(build, dtype, tokens, heads, dim, width, block):
     gen = torch.Generator().manual_seed(tokens * 7 + dim)
-    q, positions, request, blocks, latent = _case(gen, tokens, heads, dim, width, dtype)
+    q, positions, request, blocks, latent = _case(gen, tokens, heads, dim, width, dtype, block)
     scale = dim**-0.5
     assert latent_attention_fit(q, latent)
-    got = latent_attention(q, positions, request, blocks, BLOCK, latent, scale)
-    want = _torch_attention(q, positions, request, blocks, latent, scale)
+    got = latent_attention(q, positions, request, blocks, block, latent, scale)
+    want = _torch_attention(q, positions, request, blocks, latent, scale, block)
     assert got.dtype == dtype and got.shape == (tokens, heads, dim)
     assert torch.equal(got[0], torch.zeros_like(got[0]))
     # bf16: scores and probabilities are rounded where torch rounds them; fp32 sums in another order.

@@ -35,12 +35,13 @@ int dsa_index_scores(const void *q, const void *head_weights, int q_bf16, float 
         widen_row(head_weights, t * heads, heads, q_bf16, wt);
         for (int h = 0; h < heads; h++) wt[h] *= weight_scale;
         float *row_out = out + t * num_pools;
-        for (int64_t p = 0; p < num_pools; p++) {
-            if (p >= visible) {
-                row_out[p] = hidden;
-                continue;
+        const int64_t seen = visible < num_pools ? visible : num_pools;
+        int64_t row = 0, left_in_block = 0, block = 0; /* rows block by block: a division a pool cost about a head's dot */
+        for (int64_t p = 0; p < seen; p++, row++, left_in_block--) {
+            if (left_in_block == 0) {
+                row = table[block++] * pools_per_block;
+                left_in_block = pools_per_block;
             }
-            const int64_t row = table[p / pools_per_block] * pools_per_block + p % pools_per_block;
             widen_row(pool_keys, row * dim, dim, bf16, key);
             float sum = 0.0f;
             for (int h = 0; h < heads; h++) {
@@ -49,6 +50,7 @@ int dsa_index_scores(const void *q, const void *head_weights, int q_bf16, float 
             }
             row_out[p] = sum;
         }
+        for (int64_t p = seen; p < num_pools; p++) row_out[p] = hidden;
     }
     return 0;
 }

@@ -18,6 +18,7 @@
  * positions: each score sums its C products in order, with no per-score horizontal add).
  */
 #include <immintrin.h>
+#include <math.h>
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -31,6 +32,34 @@
 static inline float model_round(float x, int bf16) { return bf16 ? round_bf16(x) : x; }
 
 #define PREFETCH 8 /* latent rows read ahead */
+#define PARTS 16     /* independent partial maxima and sums: the softmax's loops vectorise */
+
+/* s[0..n) = round(softmax(round(s) * scale)): the maximum and the sum are taken as PARTS
+ * partial ones, combined in lane order (a serial sum kept the exponentials scalar, the
+ * larger part of a decode query's time). */
+static void softmax(float *restrict s, int64_t n, float scale, int bf16) {
+    float top_part[PARTS], sum_part[PARTS];
+    for (int l = 0; l < PARTS; l++) top_part[l] = -INFINITY, sum_part[l] = 0.0f;
+    const int64_t whole = n - n % PARTS;
+    for (int64_t k = 0; k < n; k++) s[k] = model_round(s[k], bf16) * scale;
+    for (int64_t k = 0; k < whole; k += PARTS)
+        for (int l = 0; l < PARTS; l++) top_part[l] = s[k + l] > top_part[l] ? s[k + l] : top_part[l];
+    float top = -INFINITY;
+    for (int l = 0; l < PARTS; l++) top = top_part[l] > top ? top_part[l] : top;
+    for (int64_t k = whole; k < n; k++) top = s[k] > top ? s[k] : top;
+    for (int64_t k = 0; k < whole; k += PARTS)
+        for (int l = 0; l < PARTS; l++) {
+            s[k + l] = vexp(s[k + l] - top);
+            sum_part[l] += s[k + l];
+        }
+    float total = 0.0f;
+    for (int l = 0; l < PARTS; l++) total += sum_part[l];
+    for (int64_t k = whole; k < n; k++) {
+        s[k] = vexp(s[k] - top);
+        total += s[k];
+    }
+    for (int64_t k = 0; k < n; k++) s[k] = model_round(s[k] / total, bf16);
+}
 
 /* Vectors of LANES floats: AVX-512 or AVX2 with FMA. Without either, the plain loops below
  * do everything (BLOCK_HEADS 0). */
@@ -175,6 +204,9 @@ int mla_latent_attention(const void *q, const void *latent, const int64_t *posit
     if (scratch_reserve(scratch_padded(scratch_bytes) + scratch_padded(rows_bytes)) != 0) return -2;
     float *scratch = scratch_take(scratch_bytes);
     int64_t *rows_all = scratch_take(rows_bytes);
+    int block_shift = -1;
+    for (int s = 0; s < 62; s++)
+        if ((INT64_C(1) << s) == block_size) block_shift = s;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t t = 0; t < tokens; t++) {
         const int id = omp_get_thread_num();
@@ -183,8 +215,13 @@ int mla_latent_attention(const void *q, const void *latent, const int64_t *posit
         int64_t *rows = rows_all + id * k_room;
         const int64_t *pos = positions + t * width, *table = block_tables + request[t] * max_blocks;
         int64_t n = 0;
-        for (int64_t k = 0; k < width; k++)
-            if (pos[k] >= 0) rows[n++] = table[pos[k] / block_size] * block_size + pos[k] % block_size;
+        if (block_shift >= 0) { /* a power of two: a shift and a mask (a division cost ~20% of a decode query) */
+            for (int64_t k = 0; k < width; k++)
+                if (pos[k] >= 0) rows[n++] = (table[pos[k] >> block_shift] << block_shift) | (pos[k] & (block_size - 1));
+        } else {
+            for (int64_t k = 0; k < width; k++)
+                if (pos[k] >= 0) rows[n++] = table[pos[k] / block_size] * block_size + pos[k] % block_size;
+        }
         widen_row(q, t * heads * dim, heads * dim, bf16, qf);
         const int64_t row_bytes = dim * (bf16 ? 2 : 4);
         for (int64_t k = 0; k < n; k++) {
@@ -195,19 +232,7 @@ int mla_latent_attention(const void *q, const void *latent, const int64_t *posit
         }
         transpose(lat, n, dim, lat_t);
         head_products(qf, heads, dim, lat_t, n, score); /* score[h][k] = q[h] . latent k */
-        for (int h = 0; h < heads; h++) {
-            float *restrict s = score + h * n;
-            float top = 0.0f, total = 0.0f;
-            for (int64_t k = 0; k < n; k++) {
-                s[k] = model_round(s[k], bf16) * scale;
-                top = k == 0 || s[k] > top ? s[k] : top;
-            }
-            for (int64_t k = 0; k < n; k++) {
-                s[k] = vexp(s[k] - top);
-                total += s[k];
-            }
-            for (int64_t k = 0; k < n; k++) s[k] = model_round(s[k] / total, bf16);
-        }
+        for (int h = 0; h < heads; h++) softmax(score + h * n, n, scale, bf16);
         head_products(score, heads, n, lat, dim, acc); /* acc[h] = sum_k p[h][k] latent k */
         const int64_t at = t * heads * dim;
         if (bf16) {
