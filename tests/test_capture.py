@@ -97,10 +97,10 @@ def test_speculative_decoding_replays_its_decode_and_verify_steps(monkeypatch, l
     replayed_verifies = []
     run = CapturedDecode.run
 
-    def counting_run(self, input_ids, batch):
+    def counting_run(self, input_ids, batch, recurs=False):
         if batch.num_verifies and step_key(input_ids, batch)[0] in self.recordings:
             replayed_verifies.append(batch.num_verifies)
-        return run(self, input_ids, batch)
+        return run(self, input_ids, batch, recurs)
 
     monkeypatch.setattr(CapturedDecode, "run", counting_run)
     sampler_passes = []  # the verifies that made their own pass over the logits (penalties first)

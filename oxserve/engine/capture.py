@@ -372,14 +372,16 @@ class CapturedDecode:
         return (batch.num_decodes + batch.num_verifies == batch.num_requests
                 and (self.max_requests is None or batch.num_requests <= self.max_requests))  # fmt: skip
 
-    def run(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """The logits of this decode step (a tensor the next replay of its shape overwrites)."""
+    def run(self, input_ids: torch.Tensor, batch: ForwardBatch, recurs: bool = False) -> torch.Tensor:
+        """The logits of this decode step (a tensor the next replay of its shape overwrites).
+        `recurs`: the caller expects the shape again (a batch padded to a captured size), so
+        it is recorded when first met, not after an eager step."""
         key, tensors = step_key(input_ids, batch)
         recording = self.recordings.get(key)
         if recording is not None:
             self.novelty = STEADY if recording.planned(batch.tracer is not None) else SETTLING
         else:
-            self.novelty = STEADY if key in self.refused else SETTLING if key in self.seen else NEW_SHAPE
+            self.novelty = STEADY if key in self.refused else SETTLING if key in self.seen or recurs else NEW_SHAPE
         if recording is not None:
             self.recordings.move_to_end(key)
             recording.input_ids.copy_(input_ids)
@@ -389,12 +391,12 @@ class CapturedDecode:
             return recording.replay(batch.tracer)
         if key in self.refused:
             return self.forward(input_ids, batch)
-        if key not in self.seen:  # recording costs 2x an eager step: not for shapes met once (ramps, tails)
+        if key not in self.seen and not recurs:  # recording costs 2x an eager step: not for shapes met once
             self.seen[key] = None
             if len(self.seen) > SEEN_SHAPES:
                 self.seen.popitem(last=False)
             return self.forward(input_ids, batch)
-        del self.seen[key]
+        self.seen.pop(key, None)
         return self._capture(key, input_ids, batch)
 
     def _capture(self, key: tuple, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:

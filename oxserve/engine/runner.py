@@ -301,7 +301,8 @@ class ModelRunner:
                              self.requests[s.request_id].blocks.array())
                 for s in scheduled
             ]
-            padding = self._padding_rows(scheduled)
+            size = self._decode_size(scheduled)
+            padding = self.padding.rows(size - len(scheduled)) if size else []
             batch = make_forward_batch(requests + padding, self.model.config, self.layout.block_size, self.layout.num_blocks,
                                        self.device, self.rings)  # fmt: skip
             input_ids = host_tensor([t for s in scheduled for t in s.token_ids] + [PADDING_TOKEN] * len(padding), self.device)
@@ -309,7 +310,7 @@ class ModelRunner:
         batch.tracer = self.tracer
         with span(self.tracer, "forward", track="engine", **step_conditions(batch)):
             if self._replayable(batch, scheduled, mm_embeds):
-                logits, staged, greedy = self.captured.run(input_ids, batch)
+                logits, staged, greedy = self.captured.run(input_ids, batch, recurs=size is not None)
                 if self.novelty != NEW_SHAPE:
                     self.novelty = self.captured.novelty or self.novelty
                 for cache, conv in zip(self.kda_caches, staged):  # a replay stages what its recording did
@@ -330,13 +331,13 @@ class ModelRunner:
         with span(self.tracer, "prompt_logprobs", track="engine"):
             return logits, self._score_prompts(scheduled, hidden[num_sampling_rows:])
 
-    def _padding_rows(self, scheduled: list[ScheduledRequest]) -> list[BatchRequest]:
-        """Rows that fill a decode step up to the captured batch size it replays as (none for
-        other steps, nor where a step of decodes would not replay)."""
+    def _decode_size(self, scheduled: list[ScheduledRequest]) -> int | None:
+        """The batch size a step of plain decodes replays as (`DecodePadding.size_for`: padding
+        rows fill it up); None for other steps, and where a step of decodes would not replay."""
         if (self.padding is None or self.drafter is not None or has_forward_hooks(self.model)
                 or not all(s.is_decode and not s.verifies and not s.prompt_logprob_positions for s in scheduled)):
-            return []  # fmt: skip
-        return self.padding.rows(self.padding.size_for(len(scheduled)) - len(scheduled))
+            return None  # fmt: skip
+        return self.padding.size_for(len(scheduled))
 
     def _replayable(self, batch, scheduled: list[ScheduledRequest], mm_embeds) -> bool:
         """A step of decodes and verifies (`CapturedDecode.wants`) whose logits are all its sampling rows,
