@@ -87,7 +87,7 @@ class ModelConfig:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
-        self.capture_sizes(1)
+        self.capture_sizes(1)  # validated here, read where the engine knows max_num_seqs
 
     def capture_sizes(self, max_num_seqs: int) -> tuple[int, ...]:
         """The decode batch sizes captured, ascending: those `compile_sizes` names, or the

@@ -238,6 +238,18 @@ def test_compile_sizes_choose_the_batch_sizes_captured(tiny_model_dir):
     assert captured.replays > 0 and {key[0] for key in captured.recordings} == {(2,)}  # input_ids [2]
 
 
+def test_default_capture_sizes_grow_by_at_most_half_up_to_max_num_seqs():
+    from oxserve.config import ModelConfig, default_capture_sizes
+
+    assert default_capture_sizes(64) == (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+    assert default_capture_sizes(1) == (1,) and default_capture_sizes(100)[-3:] == (64, 96, 100)
+    for most in range(1, 300):
+        sizes = default_capture_sizes(most)
+        assert sizes[0] == 1 and sizes[-1] == most and list(sizes) == sorted(set(sizes))
+        assert all(b <= 1.5 * a for a, b in zip(sizes[2:], sizes[3:]))
+    assert ModelConfig(compile_sizes="8, 2,2").capture_sizes(64) == (2, 8)
+
+
 @pytest.mark.parametrize("sizes", ["", "0,2", "two"])
 def test_bad_compile_sizes_are_refused(sizes):
     with pytest.raises(ValueError, match="compile_sizes"):

@@ -34,12 +34,13 @@ step as the range of calls made inside it, and a replay with a tracer times the 
 reports those spans (a span with no recorded call, a view, lasts zero).
 
 Unlike a CUDA graph, a recording costs about two ordinary steps (it is one, plus the
-dispatch mode's few microseconds an op), so a shape is recorded the second time it occurs (a
-shape met once only runs eagerly), and nothing needs a disk cache. The runner pads a decode
-batch to the next captured batch size (`engine.padding`: 1, 2, 3, 4, 6, 8, 12, ... by
-default), so that the batch sizes of a ramp or a tail share a few recordings. At most 32
-recordings holding at most 1 GiB of intermediate tensors together are kept (least recently
-replayed dropped first).
+dispatch mode's few microseconds an op), and nothing needs a disk cache. The runner pads a
+decode batch to the next captured batch size (`engine.padding`: 1, 2, 3, 4, 6, 8, 12, ... by
+default), so that the batch sizes of a ramp or a tail share a few recordings, and such a
+shape, expected again, is recorded when first met; any other shape (a verify step's, whose
+draft lengths vary) the second time it occurs, so that a shape met once only runs eagerly. At
+most 32 recordings holding at most 1 GiB of intermediate tensors together are kept (least
+recently replayed dropped first).
 """
 
 from __future__ import annotations

@@ -308,7 +308,7 @@ class ModelRunner:
             input_ids = host_tensor([t for s in scheduled for t in s.token_ids] + [PADDING_TOKEN] * len(padding), self.device)
         mm_embeds = self._mm_embeddings(scheduled)
         batch.tracer = self.tracer
-        with span(self.tracer, "forward", track="engine", **step_conditions(batch)):
+        with span(self.tracer, "forward", track="engine", **step_conditions(batch), padding_rows=len(padding)):
             if self._replayable(batch, scheduled, mm_embeds):
                 logits, staged, greedy = self.captured.run(input_ids, batch, recurs=size is not None)
                 if self.novelty != NEW_SHAPE:
@@ -449,7 +449,8 @@ def _batch_order(s: ScheduledRequest) -> int:
 
 
 def step_conditions(batch) -> dict:
-    """The conditions a step ran under, attached to its spans for bucketing."""
+    """The conditions a step ran under, attached to its spans for bucketing (a padded decode
+    batch's requests include its padding rows: the kernels computed them)."""
     contexts = batch.seq_lens
     return {
         "num_requests": batch.num_requests,
