@@ -63,9 +63,11 @@ class ModelConfig:
         "Python between)",
     )
     compile_sizes: str | None = opt(
-        None, "batch sizes whose decode steps are captured and replayed, comma-separated; a decode batch runs "
-        "padded to the smallest of them that holds it, a larger one eagerly (default: 1, 2, 3, 4, 6, 8, 12, 16, "
-        "24, ..., each at most 1.5x the one before, up to max_num_seqs)",
+        None, "batch sizes whose decode steps are captured and replayed, comma-separated (those above "
+        "max_num_seqs: max_num_seqs); a decode batch runs padded to the smallest of them that holds it, a larger "
+        "one eagerly; a batch size that takes half of the last 64 decode steps, and verify steps up to the "
+        "largest size, are recorded as they are (default: 1, 2, 3, 4, 6, 8, 12, 16, 24, ..., each at most 1.5x "
+        "the one before, up to max_num_seqs)",
     )
 
     limit_mm_per_prompt: str = opt(
@@ -90,8 +92,9 @@ class ModelConfig:
         self.capture_sizes(1)  # validated here, read where the engine knows max_num_seqs
 
     def capture_sizes(self, max_num_seqs: int) -> tuple[int, ...]:
-        """The decode batch sizes captured, ascending: those `compile_sizes` names, or the
-        default series up to `max_num_seqs` (ValueError when malformed)."""
+        """The decode batch sizes captured, ascending: those `compile_sizes` names (one above
+        `max_num_seqs` becomes `max_num_seqs`: no batch is larger), or the default series up
+        to `max_num_seqs` (ValueError when malformed)."""
         if self.compile_sizes is None:
             return default_capture_sizes(max_num_seqs)
         try:
@@ -100,7 +103,7 @@ class ModelConfig:
             raise ValueError(f"compile_sizes must be comma-separated batch sizes, got {self.compile_sizes!r}") from None
         if not sizes or min(sizes) < 1:
             raise ValueError(f"compile_sizes must name batch sizes >= 1, got {self.compile_sizes!r}")
-        return tuple(sorted(sizes))
+        return tuple(sorted({min(size, max_num_seqs) for size in sizes}))
 
 
     def mm_limits(self) -> dict[str, int]:

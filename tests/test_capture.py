@@ -165,12 +165,14 @@ def test_plain_greedy_steps_take_the_argmax_their_replay_made(monkeypatch, deter
         assert len(passes) - eager_passes <= 3  # the replayed run's: its prefill steps only
 
 
-@pytest.mark.parametrize("options", [{}, {"kda_decode": "replay", "kda_replay_len": 5}, {"kv_cache_dtype": "int8"}],
-                         ids=["write-back", "replay-rings", "int8-cache"])
+@pytest.mark.parametrize("options", [{}, {"kda_decode": "replay", "kda_replay_len": 5}, {"kv_cache_dtype": "int8"},
+                                     {"compile_sizes": "1,8", "kda_decode": "replay", "kda_replay_len": 3}],
+                         ids=["write-back", "replay-rings", "int8-cache", "many-rows-a-step"])
 def test_decode_batches_run_padded_to_the_captured_sizes(tiny_model_dir, monkeypatch, options):
     """Batches of 7 and 5 requests replay the recordings of 8 and 6 (sizes 1, 2, 3, 4, 6, 8)
     with padding rows, which share one state slot and cache block (ReplaySSM rings folding
-    there too): the requests' outputs are the eager run's, bit for bit."""
+    there too; with sizes 1 and 8, up to six padding rows a step, whose rings of 3 fold within
+    it): the requests' outputs are the eager run's, bit for bit."""
     from oxserve.engine import padding as padding_module
     from oxserve.engine.padding import DecodePadding
 
@@ -184,7 +186,9 @@ def test_decode_batches_run_padded_to_the_captured_sizes(tiny_model_dir, monkeyp
     (eager, _), (replayed, captured) = runs
     assert replayed == eager
     assert {key[0][0] for key in captured.recordings} <= {1, 2, 3, 4, 6, 8} and captured.refused == {}
-    assert padded.count(1) > 5 and captured.replays > 5 * captured.captures
+    assert sum(1 for n in padded if n) > 5 and captured.replays > 5 * captured.captures
+    if "compile_sizes" in options:
+        assert max(padded) >= 5
 
 
 def test_a_steady_batch_size_runs_unpadded():

@@ -12,7 +12,8 @@
 
 Layers whose indexer is `shared` have no index tensors. Reads and writes go through
 index_select / index_copy_ (2-3x faster than advanced indexing on CPU); the rows a step
-writes are distinct. Any paged table may be a `ScaledRows` instead of a tensor: int8 or fp8
+writes are distinct, but for the padding rows of a captured step (`engine.padding`), which
+share one block and slot whose values nothing else reads. Any paged table may be a `ScaledRows` instead of a tensor: int8 or fp8
 (e4m3) values with one fp32 scale per row, quantized as they are stored and dequantized as
 the rows a step reads are gathered (never the whole table).
 """

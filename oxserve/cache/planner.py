@@ -38,7 +38,8 @@ def plan_cache(cache: CacheConfig, scheduler: SchedulerConfig, specs: list[Layer
     num_blocks = int(left // per_block) - spare
     if num_blocks < 1:
         raise ValueError(
-            f"cache_memory_gib={cache.cache_memory_gib} cannot hold {num_slots} KDA state slots plus one block; "
+            f"cache_memory_gib={cache.cache_memory_gib} cannot hold {num_slots + spare} KDA state slots plus "
+            f"{1 + spare} block(s); "
             "raise it or lower max_num_seqs"
         )
     return CacheLayout(num_blocks, block_size, num_slots)

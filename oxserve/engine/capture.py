@@ -369,7 +369,7 @@ class CapturedDecode:
 
     def wants(self, batch: ForwardBatch) -> bool:
         """A step of decodes (one new token per request) and verifies (a token and its drafts)
-        only, of a batch size that is captured."""
+        only, of at most `max_requests` requests."""
         return (batch.num_decodes + batch.num_verifies == batch.num_requests
                 and (self.max_requests is None or batch.num_requests <= self.max_requests))  # fmt: skip
 

@@ -10,10 +10,11 @@ step than 17 replayed as they are. So a batch size that has taken half of the la
 steps (a steady load) runs unpadded, and is recorded as it is.
 
 A padding row decodes one token at position 1 of a request that exists for this alone: its
-own KDA state slot and cache block, one of each past what the scheduler hands out. Every
-padding row writes the entries of position 1 there, and reads them with those of position 0,
-which nothing writes (zeros): the rows compute finite values that nothing reads, and each op
-of a decode step computes every other row as it would without them (tested bit for bit).
+own KDA state slot and cache block, one of each past what the scheduler hands out. Padding
+rows write there and read back what earlier ones left (the slot is never reset, and the
+padding rows of one step race on it): values that nothing else reads. Every op of a decode
+step computes each row on its own, so the requests' rows are computed as they would be
+without them (tested bit for bit, with up to seven padding rows a step).
 """
 
 from __future__ import annotations
@@ -53,4 +54,4 @@ class DecodePadding:
         return next((size for size in self.sizes if size >= num_requests), num_requests)
 
     def rows(self, count: int) -> list[BatchRequest]:
-        return [BatchRequest(1, 1, [self.block], self.slot, True)] * count
+        return [BatchRequest(1, 1, [self.block] * 2, self.slot, True)] * count  # (twice: a block may hold one token)

@@ -333,10 +333,11 @@ class ModelRunner:
 
     def _decode_size(self, scheduled: list[ScheduledRequest]) -> int | None:
         """The batch size a step of plain decodes replays as (`DecodePadding.size_for`: padding
-        rows fill it up); None for other steps, and where a step of decodes would not replay."""
-        if (self.padding is None or self.drafter is not None or has_forward_hooks(self.model)
+        rows fill it up); None for other steps, in deterministic mode, and where a step of
+        decodes would not replay."""
+        if (self.padding is None or self.deterministic or self.drafter is not None or has_forward_hooks(self.model)
                 or not all(s.is_decode and not s.verifies and not s.prompt_logprob_positions for s in scheduled)):
-            return None  # fmt: skip
+            return None  # fmt: skip (deterministic: every pass one request, whatever ran before)
         return self.padding.size_for(len(scheduled))
 
     def _replayable(self, batch, scheduled: list[ScheduledRequest], mm_embeds) -> bool:

@@ -160,7 +160,7 @@ def hc_expand_native(post: torch.Tensor, comb: torch.Tensor, block_out: torch.Te
     status = _kernel().hc_expand(post.data_ptr(), comb.data_ptr(), block_out.data_ptr(), streams.data_ptr(),
                                  streams.dtype == torch.bfloat16, tokens, n, d, out.data_ptr(), torch.get_num_threads())
     if status != 0:
-        raise MemoryError(f"hc_expand: no scratch memory for {tokens} tokens")
+        raise ValueError(f"hc_expand: hc_mult {n} is above the native kernel's limit")
     return out
 
 

@@ -35,7 +35,7 @@ int dsa_index_scores(const void *q, const void *head_weights, int q_bf16, float 
         widen_row(head_weights, t * heads, heads, q_bf16, wt);
         for (int h = 0; h < heads; h++) wt[h] *= weight_scale;
         float *row_out = out + t * num_pools;
-        const int64_t seen = visible < num_pools ? visible : num_pools;
+        const int64_t seen = visible < 0 ? 0 : visible < num_pools ? visible : num_pools;
         int64_t row = 0, left_in_block = 0, block = 0; /* rows block by block: a division a pool cost about a head's dot */
         for (int64_t p = 0; p < seen; p++, row++, left_in_block--) {
             if (left_in_block == 0) {

@@ -346,7 +346,7 @@ int hc_collapse(const void *streams, int is_bf16, int64_t tokens, int n, int64_t
 
 /* expand: out[t, i] = post[t, i] block[t] + sum_j comb[t, j, i] streams[t, j]; in bf16 the
  * gates are rounded to bf16 first and the two terms each rounded before they are added, as
- * the torch version's bf16 ops do. Eight columns at a time in vector registers, each output's
+ * the torch version's bf16 ops do. W columns at a time in vector registers, each output's
  * sum held in one while the N streams' columns are read: a sum kept in memory across the N
  * terms (a load and a store per term and value) made the call 4x slower at 32 tokens. */
 int hc_expand(const float *post, const float *comb, const void *block, const void *streams, int is_bf16,
@@ -370,7 +370,7 @@ int hc_expand(const float *post, const float *comb, const void *block, const voi
                 store8(rounded8(p[i] * b, is_bf16) + rounded8(o, is_bf16), out, (t * n + i) * d + e, is_bf16);
             }
         }
-        for (int64_t e = vector_end; e < d; e++) { /* the last d % 8 columns, one at a time */
+        for (int64_t e = vector_end; e < d; e++) { /* the last d % W columns, one at a time */
             const float b = widened(block, t * d + e, is_bf16);
             for (int i = 0; i < n; i++) {
                 float o = 0.0f;
