@@ -14,6 +14,7 @@ Not an A/B (that is `oxserve experiment run`): it says why the A/B comes out as 
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 from oxserve import LLM, SamplingParams
@@ -41,11 +42,20 @@ def per_request(prompts, spec: str | None) -> None:
     llm.close()
 
 
-def pinned(prompts, k: int) -> None:
+@contextlib.contextmanager
+def guard_pinned():
+    """The speculation guard made to draft every step, as deep as k allows (restored after)."""
     budget, depth = scheduler.DraftCost.budget, scheduler.draft_depth
     scheduler.DraftCost.budget = lambda self, decodes: (MIN_FLOOR, MAX_DEPTH)
     scheduler.draft_depth = lambda request, most, floor: most
     try:
+        yield
+    finally:
+        scheduler.DraftCost.budget, scheduler.draft_depth = budget, depth
+
+
+def pinned(prompts, k: int) -> None:
+    with guard_pinned():
         llm = LLM(dtype="bfloat16", max_num_seqs=1, speculative_config=ngram(k))
         llm.generate(prompts[:1], PARAMS)  # record the step shapes
         before = llm.engine.stats()
@@ -56,8 +66,6 @@ def pinned(prompts, k: int) -> None:
         print(f"  k = {k}: {rate:6.1f} tok/s  drafts {after.spec_draft_tokens - before.spec_draft_tokens} "
               f"kept {after.spec_accepted_tokens - before.spec_accepted_tokens}")
         llm.close()
-    finally:
-        scheduler.DraftCost.budget, scheduler.draft_depth = budget, depth
 
 
 def main() -> None:

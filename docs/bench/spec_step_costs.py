@@ -20,25 +20,16 @@ import statistics
 import sys
 import time
 
-from oxserve import LLM, SamplingParams
+from spec_row_cost import PARAMS, guard_pinned, ngram  # (this script's folder is on the path)
+
+from oxserve import LLM
 from oxserve.default_model import default_model
 from oxserve.default_model.train import held_out_windows
-from oxserve.engine import scheduler
 from oxserve.engine.capture import CapturedDecode
-from oxserve.engine.spec_guard import MAX_DEPTH, MIN_FLOOR
-
-PARAMS = SamplingParams(max_tokens=96, temperature=0.0, ignore_eos=True)
-
-
-def ngram(k: int) -> str:
-    return '{"method": "ngram", "num_speculative_tokens": %d}' % k
 
 
 def pinned(prompts, k: int) -> None:
-    budget, depth = scheduler.DraftCost.budget, scheduler.draft_depth
-    scheduler.DraftCost.budget = lambda self, decodes: (MIN_FLOOR, MAX_DEPTH)
-    scheduler.draft_depth = lambda request, most, floor: most
-    try:
+    with guard_pinned():
         llm = LLM(dtype="bfloat16", max_num_seqs=1, speculative_config=ngram(k))
         runner = llm.engine.runner
         steps, undo = collections.defaultdict(list), []
@@ -64,17 +55,15 @@ def pinned(prompts, k: int) -> None:
             print(f"  run of {run}: {len(times):4d} steps, execute median {statistics.median(times) * 1e3:.3f} ms")
         print(f"  undo after sampling: median {statistics.median(undo) * 1e6:.0f} us")
         llm.close()
-    finally:
-        scheduler.DraftCost.budget, scheduler.draft_depth = budget, depth
 
 
 def first_steps(prompts, spec: str | None) -> None:
     novel = []
     run = CapturedDecode.run
 
-    def noting(self, input_ids, batch):
+    def noting(self, input_ids, batch, recurs=False):
         start = time.perf_counter()
-        out = run(self, input_ids, batch)
+        out = run(self, input_ids, batch, recurs)
         if self.novelty:
             novel.append((batch.num_tokens, self.novelty, time.perf_counter() - start))
         return out

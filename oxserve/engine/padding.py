@@ -5,8 +5,9 @@ sizes.
 Without them a captured step served one batch size only. A batch size met for a step or two
 (the tail of a wave of requests that finish one after another) ran eagerly, then recorded,
 then built its replay plan: 5, 12 and 3 ms at batch 8 on a Xeon, against a 2 ms replay.
-Padding rows are not free on a CPU, though: 17 requests padded to 24 took 7-14% longer a
-step than 17 replayed as they are. So a batch size that has taken half of the last 64 decode
+Padding rows are not free on a CPU, though: 17 requests padded to 24 took 12-23% longer a
+step than 17 replayed as they are (`python docs/bench/decode_step_split.py 17
+[--compile-sizes 1,2,4,8,16,17,24,32]`, before this rule). So a batch size that has taken half of the last 64 decode
 steps (a steady load) runs unpadded, and is recorded as it is.
 
 A padding row decodes one token at position 1 of a request that exists for this alone: its

@@ -1,0 +1,77 @@
+"""What a steady decode step spends: the replay of its captured kernels, and the engine's
+Python around it (docs/performance.md, "Padded decode batches").
+
+BATCH requests of 576 prompt tokens decode together (greedy, bf16, 2 threads); after 30
+steady steps, 200 more are timed: the whole `LLMEngine.step`, the replay inside it, and with
+--parts the engine's pieces (each wrapped in a timer, which adds a little to each).
+`--compile-sizes` as the engine takes it (a batch of 17 with "17,24" runs unpadded, with the
+default sizes padded to 24).
+
+    python docs/bench/decode_step_split.py BATCH [--compile-sizes SIZES] [--parts]
+
+Single runs, not an A/B (`oxserve experiment run` is).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import time
+
+from oxserve import LLM, SamplingParams
+from oxserve.engine import capture, engine, runner, scheduler
+
+PARTS = [(scheduler.Scheduler, "schedule"), (scheduler.Scheduler, "update_from_output"),
+         (engine.LLMEngine, "_output_of"), (runner, "make_forward_batch"), (runner.ModelRunner, "_sample"),
+         (capture.CapturedDecode, "run")]  # fmt: skip
+
+
+def timed(owner, name: str, totals: collections.Counter) -> None:
+    inner = getattr(owner, name)
+
+    @functools.wraps(inner)
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            totals[name] += time.perf_counter() - start
+
+    setattr(owner, name, wrapper)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("batch", type=int)
+    parser.add_argument("--compile-sizes")
+    parser.add_argument("--parts", action="store_true")
+    args = parser.parse_args()
+    totals: collections.Counter = collections.Counter()
+    timed(capture.StepRecording, "replay", totals)
+    for owner, name in PARTS if args.parts else ():
+        timed(owner, name, totals)
+    llm = LLM(dtype="bfloat16", threads=2, compile_sizes=args.compile_sizes)
+    eng = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=600, ignore_eos=True)
+    for i in range(args.batch):
+        eng.add_request(f"r{i}", list(range(40 + i, 40 + i + 576)), params)
+    while not (eng.last_step.prefill_tokens == 0 and eng.last_step.decode_tokens == args.batch):
+        eng.step()
+    for _ in range(30):
+        eng.step()
+    totals.clear()
+    steps = 200
+    start = time.perf_counter()
+    for _ in range(steps):
+        eng.step()
+    step_ms = (time.perf_counter() - start) / steps * 1e3
+    replay_ms = totals.pop("replay") / steps * 1e3
+    print(f"batch {args.batch}: step {step_ms:.2f} ms, replay {replay_ms:.2f} ms, the rest {step_ms - replay_ms:.2f} ms")
+    for name, seconds in totals.most_common():
+        print(f"  {name:20s} {seconds / steps * 1e6:7.1f} us a step")
+    llm.close()
+
+
+if __name__ == "__main__":
+    main()
