@@ -205,6 +205,34 @@ def test_a_steady_batch_size_runs_unpadded():
     assert padding.size_for(5) == 8
 
 
+def test_a_size_is_recorded_once_its_padding_has_cost_what_a_recording_costs():
+    """With size 8 recorded (a 4 ms replay) and a recording costing 10 ms, a batch of 2 runs
+    padded to 8 (each step charged 6/8 of 4 ms to size 2) until the padding has cost 10 ms,
+    then is recorded as itself; sizes the recorded one serves, or that no larger recording
+    holds, are not charged."""
+    from oxserve.engine.padding import DecodePadding
+
+    padding = DecodePadding((1, 2, 4, 8), slot=0, block=0)
+    assert [padding.size_for(2, {8: 0.004}, 0.010) for _ in range(5)] == [8, 8, 8, 2, 8]
+    assert padding.size_for(2, {2: 0.002, 8: 0.004}, 0.010) == 2
+    assert padding.size_for(5, {8: 0.004}, 0.010) == 8 and padding.size_for(9, {8: 0.004}, 0.010) == 9
+    assert padding.size_for(3, {3: 0.002, 8: 0.004}, 0.010) == 3  # (a size once steady, recorded as it was)
+    assert padding.size_for(1, {}, 0.010) == 1
+
+
+def test_a_shrinking_batch_replays_its_full_size_while_recording_would_cost_more(tiny_model_dir, monkeypatch):
+    """Requests that finish one by one leave batches of 7 to 1, each met for a step or two:
+    they replay the recording of 8 with padding rows (here recordings cost more than any
+    padding), and give the eager run's outputs."""
+    monkeypatch.setattr(CapturedDecode, "recording_s", property(lambda self: float("inf")))
+    prompts = [{"prompt_token_ids": [40 + i] * (20 + i)} for i in range(8)]  # contexts stay within 64 tokens
+    params = [SamplingParams(max_tokens=10 + 2 * i, temperature=0.0, ignore_eos=True, logprobs=1) for i in range(8)]
+    eager, _ = _run(str(tiny_model_dir), "bfloat16", True, prompts, params, max_model_len=256, max_num_seqs=8)
+    replayed, captured = _run(str(tiny_model_dir), "bfloat16", False, prompts, params, max_model_len=256, max_num_seqs=8)
+    assert replayed == eager
+    assert {key[0] for key in captured.recordings} == {(8,)} and captured.replays >= 20
+
+
 def test_padding_rows_have_a_block_and_slot_of_their_own_within_the_budget():
     """The runner's caches hold one block and one state slot more than the scheduler hands
     out, and the planner counts them in `cache_memory_gib`."""

@@ -36,8 +36,9 @@ reports those spans (a span with no recorded call, a view, lasts zero).
 Unlike a CUDA graph, a recording costs about two ordinary steps (it is one, plus the
 dispatch mode's few microseconds an op), and nothing needs a disk cache. The runner pads a
 decode batch to the next captured batch size (`engine.padding`: 1, 2, 3, 4, 6, 8, 12, ... by
-default), so that the batch sizes of a ramp or a tail share a few recordings, and such a
-shape, expected again, is recorded when first met; any other shape (a verify step's, whose
+default), or to a larger one already recorded while recording its own would not yet pay, so
+that the batch sizes of a ramp or a tail share a few recordings; such a shape, expected
+again, is recorded when first met; any other shape (a verify step's, whose
 draft lengths vary) the second time it occurs, so that a shape met once only runs eagerly. At
 most 32 recordings holding at most 1 GiB of intermediate tensors together are kept (least
 recently replayed dropped first).
@@ -113,6 +114,9 @@ class StepRecording:
         self.output: torch.Tensor | None = None
         self.refusal: str | None = None  # why a replay could not repeat this step (None: it can)
         self.spans: list[RecordedSpan] = []  # the model's op spans, as ranges of `calls`
+        # A step of plain decodes: (requests, seq_len_bound, block table width), which make its key
+        self.decode_shape: tuple[int, int, int] | None = None
+        self.step_s = 0.0  # what a replay takes: the recording step's time until replays are timed
         self._plan = self._traced_plan = None  # `calls` as replays run them (built at the first)
 
     def planned(self, traced: bool) -> bool:
@@ -385,11 +389,15 @@ class CapturedDecode:
             self.novelty = STEADY if key in self.refused else SETTLING if key in self.seen or recurs else NEW_SHAPE
         if recording is not None:
             self.recordings.move_to_end(key)
+            start = time.perf_counter()
             recording.input_ids.copy_(input_ids)
             for mine, new in zip(recording.batch_tensors, tensors):
                 mine.copy_(new)
             self.replays += 1
-            return recording.replay(batch.tracer)
+            logits = recording.replay(batch.tracer)
+            if self.novelty == STEADY and batch.tracer is None:  # (a first replay also builds its plan)
+                recording.step_s = time.perf_counter() - start
+            return logits
         if key in self.refused:
             return self.forward(input_ids, batch)
         if key not in self.seen and not recurs:  # recording costs 2x an eager step: not for shapes met once
@@ -417,10 +425,24 @@ class CapturedDecode:
             self.refused[key] = recording.refusal
             return recording.output
         self.captures += 1
+        recording.step_s = time.perf_counter() - start
+        if batch.num_decodes == batch.num_requests:
+            recording.decode_shape = (batch.num_requests, batch.seq_len_bound, batch.block_tables.shape[1])
         self.recordings[key] = recording
         while len(self.recordings) > 1 and (len(self.recordings) > self.max_recordings or self.nbytes > self.max_bytes):
             self.recordings.popitem(last=False)  # the least recently replayed
         return recording.output
+
+    def decode_sizes(self, seq_len_bound: int, width: int) -> dict[int, float]:
+        """The batch sizes of plain decode steps recorded at this table shape (`table_shape`),
+        with the seconds their replays take."""
+        return {r.decode_shape[0]: r.step_s for r in self.recordings.values()
+                if r.decode_shape is not None and r.decode_shape[1:] == (seq_len_bound, width)}  # fmt: skip
+
+    @property
+    def recording_s(self) -> float:
+        """The mean time of a step that recorded (0 before the first)."""
+        return self.capture_s / self.captures if self.captures else 0.0
 
     @property
     def nbytes(self) -> int:

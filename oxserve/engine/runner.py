@@ -40,7 +40,7 @@ from oxserve.engine.prompt_logprobs import score_prompt_tokens
 from oxserve.engine.sampler import SamplingRow, make_generator, sample
 from oxserve.engine.speculative import verify
 from oxserve.kernels.rows import argmax_fit, argmax_native
-from oxserve.model.batch import BatchRequest, BlockIds, host_tensor, make_forward_batch
+from oxserve.model.batch import BatchRequest, BlockIds, host_tensor, make_forward_batch, table_shape
 from oxserve.model.glm5_next import Glm5NextForCausalLM
 from oxserve.multimodal.embedder import MultiModalEmbedder, ReceivedEmbeddings, RowSpan, placeholder_rows
 from oxserve.multimodal.inputs import MultiModalItem
@@ -301,7 +301,7 @@ class ModelRunner:
                              self.requests[s.request_id].blocks.array())
                 for s in scheduled
             ]
-            size = self._decode_size(scheduled)
+            size = self._decode_size(scheduled, requests)
             padding = self.padding.rows(size - len(scheduled)) if size else []
             batch = make_forward_batch(requests + padding, self.model.config, self.layout.block_size, self.layout.num_blocks,
                                        self.device, self.rings)  # fmt: skip
@@ -331,14 +331,15 @@ class ModelRunner:
         with span(self.tracer, "prompt_logprobs", track="engine"):
             return logits, self._score_prompts(scheduled, hidden[num_sampling_rows:])
 
-    def _decode_size(self, scheduled: list[ScheduledRequest]) -> int | None:
+    def _decode_size(self, scheduled: list[ScheduledRequest], requests: list[BatchRequest]) -> int | None:
         """The batch size a step of plain decodes replays as (`DecodePadding.size_for`: padding
         rows fill it up); None for other steps, in deterministic mode, and where a step of
         decodes would not replay."""
         if (self.padding is None or self.deterministic or self.drafter is not None or has_forward_hooks(self.model)
                 or not all(s.is_decode and not s.verifies and not s.prompt_logprob_positions for s in scheduled)):
             return None  # fmt: skip (deterministic: every pass one request, whatever ran before)
-        return self.padding.size_for(len(scheduled))
+        padded_shape = table_shape(requests + self.padding.rows(1), self.layout.block_size)
+        return self.padding.size_for(len(scheduled), self.captured.decode_sizes(*padded_shape), self.captured.recording_s)
 
     def _replayable(self, batch, scheduled: list[ScheduledRequest], mm_embeds) -> bool:
         """A step of decodes and verifies (`CapturedDecode.wants`) whose logits are all its sampling rows,

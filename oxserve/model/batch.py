@@ -204,10 +204,7 @@ def make_forward_batch(
     def as_long(values) -> torch.Tensor:
         return host_tensor(values, device)
 
-    # Tables as wide as the blocks of seq_len_bound tokens (or a power of two past that): their
-    # width changes when the bound does, a few times in a request's life.
-    seq_len_bound = power_of_two(max(req.num_computed_tokens + req.num_new_tokens for req in requests))
-    width = max(power_of_two(max(len(req.block_ids) for req in requests)), -(-seq_len_bound // block_size))
+    seq_len_bound, width = table_shape(requests, block_size)
     tables = np.full((len(requests), width), num_blocks, dtype=np.int64)
     for r, req in enumerate(requests):
         tables[r, : len(req.block_ids)] = req.block_ids if req.block_array is None else req.block_array
@@ -254,6 +251,15 @@ def _kda_layouts(query_lens: tuple[int, ...], num_decodes: int, num_verifies: in
     lens = list(query_lens)
     conv = conv_layout(lens, conv_kernel, device, windows_from=num_decodes, num_windowed=num_verifies)
     return conv, token_runs(lens), chunk_layout(lens[num_decodes + num_verifies :], chunk_size, exact, device)
+
+
+def table_shape(requests: list[BatchRequest], block_size: int) -> tuple[int, int]:
+    """(seq_len_bound, block table width) of a step of `requests`: what its shapes depend on
+    besides the tokens' count. Tables are as wide as the blocks of seq_len_bound tokens (or a
+    power of two past that): their width changes when the bound does, a few times in a
+    request's life."""
+    seq_len_bound = power_of_two(max(req.num_computed_tokens + req.num_new_tokens for req in requests))
+    return seq_len_bound, max(power_of_two(max(len(req.block_ids) for req in requests)), -(-seq_len_bound // block_size))
 
 
 def power_of_two(n: int) -> int:
