@@ -87,3 +87,34 @@ def test_decode_steps_keep_their_shapes_while_contexts_grow():
             want_members.append([row(chunk_table, p) for p in range(last + 1 - kpool, last + 1)])
             want_pools.append(pool_row(chunk_table, last))
     assert batch.pools.member_rows.tolist() == want_members and batch.pools.pool_rows.tolist() == want_pools
+
+
+def test_plain_decode_steps_build_the_metadata_the_general_path_builds(monkeypatch):
+    """From `VECTOR_DECODES` plain decodes on, rows and pools come from array arithmetic: the
+    same tensors, same dtypes, as the per-token lists give (random contexts, tables, block
+    sizes, padding-row-like requests of one block repeated)."""
+    from oxserve.model import batch as batch_module
+
+    cfg = TextModelConfig.from_file(Path(default_model()) / "config.json")
+    rng = random.Random()
+    for _ in range(20):
+        block_size, num_blocks = cfg.index_kpool * rng.choice([1, 2, 4, 16]), 3_000
+        requests = []
+        for slot in range(rng.randrange(batch_module.VECTOR_DECODES, 40)):
+            context = rng.randrange(1, 900)
+            ids = rng.sample(range(num_blocks), context // block_size + 1 + rng.randrange(2))
+            if rng.random() < 0.1:
+                context, ids = 1, [num_blocks - 1] * 2
+            requests.append(BatchRequest(context, 1, ids, slot, True))
+        vector = make_forward_batch(requests, cfg, block_size, num_blocks, "cpu")
+        monkeypatch.setattr(batch_module, "VECTOR_DECODES", 1 << 30)
+        lists = make_forward_batch(requests, cfg, block_size, num_blocks, "cpu")
+        monkeypatch.undo()
+        assert vector.num_decodes == lists.num_decodes == len(requests) and vector.num_verifies == 0
+        for name in ("positions", "request_index", "cache_rows", "block_tables", "state_slots", "has_initial_state",
+                     "logits_indices"):
+            a, b = getattr(vector, name), getattr(lists, name)
+            assert a.dtype == b.dtype and torch.equal(a, b), name
+        for name in ("member_rows", "pool_rows"):
+            a, b = getattr(vector.pools, name), getattr(lists.pools, name)
+            assert a.dtype == b.dtype and torch.equal(a, b), name

@@ -172,6 +172,73 @@ def make_forward_batch(
 ) -> ForwardBatch:
     """Every piece of step metadata, from host-side lists, in one pass. With ReplaySSM,
     `rings` is the host's book of ring counts, advanced past this step."""
+    seq_len_bound, width = table_shape(requests, block_size)
+    tables = np.full((len(requests), width), num_blocks, dtype=np.int64)
+    for r, req in enumerate(requests):
+        tables[r, : len(req.block_ids)] = req.block_ids if req.block_array is None else req.block_array
+    plain_decodes = len(requests) >= VECTOR_DECODES and all(req.num_computed_tokens > 0 and req.num_new_tokens == 1 and req.samples and not req.num_draft_tokens
+                        and not req.scored_positions for req in requests)  # fmt: skip
+    if plain_decodes:
+        positions, request_index, cache_rows, logits_indices = _decode_rows(requests, tables, block_size)
+        num_decodes, num_verifies = len(requests), 0
+    else:
+        positions, request_index, cache_rows, logits_indices, num_decodes, num_verifies = _token_rows(requests, block_size)
+
+    def as_long(values) -> torch.Tensor:
+        return host_tensor(values, device)
+
+    query_lens = [req.num_new_tokens for req in requests]
+    batch = ForwardBatch(
+        query_lens=query_lens,
+        context_lens=[req.num_computed_tokens for req in requests],
+        num_decodes=num_decodes,
+        positions=as_long(positions),
+        request_index=as_long(request_index),
+        cache_rows=as_long(cache_rows),
+        block_tables=host_tensor(tables, device),
+        state_slots=as_long([req.state_slot for req in requests]),
+        has_initial_state=host_tensor([req.num_computed_tokens > 0 for req in requests], device, np.bool_),
+        block_size=block_size,
+        seq_len_bound=seq_len_bound,
+        logits_indices=as_long(logits_indices),
+        num_verifies=num_verifies,
+    )
+    verify_lens = query_lens[num_decodes : num_decodes + num_verifies]
+    if cfg.kda_layers:
+        size, exact = chunk_plan(cfg.linear_lower_bound)
+        batch.conv, batch.query_runs, batch.chunks = _kda_layouts(
+            tuple(query_lens), num_decodes, num_verifies, cfg.linear_conv_kernel_dim, size, exact, device)
+    if rings is not None:
+        has_context = [req.num_computed_tokens > 0 for req in requests]
+        batch.rings = rings.advance([req.state_slot for req in requests], has_context, num_decodes, device, verify_lens)
+    elif num_verifies and cfg.kda_layers:
+        raise ValueError("verifying draft tokens needs ReplaySSM rings for the KDA layers (--kda-decode replay)")
+    if cfg.full_indexer_layers:
+        if plain_decodes:
+            batch.pools = _decode_pools(positions, tables, cfg.index_kpool, block_size, device)
+        else:
+            batch.pools = _pool_completions(requests, cfg.index_kpool, block_size, device)
+    return batch
+
+
+# From this many plain decodes a step's rows and pools are built as array arithmetic: 146 -> 94 us
+# at 32 requests, 70 -> 67 at 8, but 39 -> 49 at 1 (numpy's cost a call; `python
+# docs/bench/forward_batch_cost.py`, on an AMX Xeon).
+VECTOR_DECODES = 8
+
+
+def _decode_rows(requests: list[BatchRequest], tables: np.ndarray, block_size: int) -> tuple[np.ndarray, ...]:
+    """`_token_rows` of a step of plain decodes (one sampled token a request), as arrays:
+    positions, request index, cache rows, logits rows."""
+    positions = np.fromiter((req.num_computed_tokens for req in requests), np.int64, len(requests))
+    rows = np.arange(len(requests))
+    cache_rows = tables[rows, positions // block_size] * block_size + positions % block_size
+    return positions, rows, cache_rows, rows.copy()
+
+
+def _token_rows(requests: list[BatchRequest], block_size: int) -> tuple[list[int], list[int], list[int], list[int], int, int]:
+    """Each new token's position, request and cache row; the rows whose logits are wanted;
+    the numbers of decodes and verifies (checked to come first, in that order)."""
     positions: list[int] = []
     request_index: list[int] = []
     cache_rows: list[int] = []
@@ -199,46 +266,7 @@ def make_forward_batch(
         if req.scored_positions and not start <= req.scored_positions[0] <= req.scored_positions[-1] < end:
             raise ValueError(f"scored positions {req.scored_positions} are outside this step's tokens [{start}, {end})")
         scored_rows += [first + p - start for p in req.scored_positions]
-    logits_indices += scored_rows
-
-    def as_long(values) -> torch.Tensor:
-        return host_tensor(values, device)
-
-    seq_len_bound, width = table_shape(requests, block_size)
-    tables = np.full((len(requests), width), num_blocks, dtype=np.int64)
-    for r, req in enumerate(requests):
-        tables[r, : len(req.block_ids)] = req.block_ids if req.block_array is None else req.block_array
-    block_tables = host_tensor(tables, device)
-
-    query_lens = [req.num_new_tokens for req in requests]
-    batch = ForwardBatch(
-        query_lens=query_lens,
-        context_lens=[req.num_computed_tokens for req in requests],
-        num_decodes=num_decodes,
-        positions=as_long(positions),
-        request_index=as_long(request_index),
-        cache_rows=as_long(cache_rows),
-        block_tables=block_tables,
-        state_slots=as_long([req.state_slot for req in requests]),
-        has_initial_state=host_tensor([req.num_computed_tokens > 0 for req in requests], device, np.bool_),
-        block_size=block_size,
-        seq_len_bound=seq_len_bound,
-        logits_indices=as_long(logits_indices),
-        num_verifies=num_verifies,
-    )
-    verify_lens = query_lens[num_decodes : num_decodes + num_verifies]
-    if cfg.kda_layers:
-        size, exact = chunk_plan(cfg.linear_lower_bound)
-        batch.conv, batch.query_runs, batch.chunks = _kda_layouts(
-            tuple(query_lens), num_decodes, num_verifies, cfg.linear_conv_kernel_dim, size, exact, device)
-    if rings is not None:
-        has_context = [req.num_computed_tokens > 0 for req in requests]
-        batch.rings = rings.advance([req.state_slot for req in requests], has_context, num_decodes, device, verify_lens)
-    elif num_verifies and cfg.kda_layers:
-        raise ValueError("verifying draft tokens needs ReplaySSM rings for the KDA layers (--kda-decode replay)")
-    if cfg.full_indexer_layers:
-        batch.pools = _pool_completions(requests, cfg.index_kpool, block_size, device)
-    return batch
+    return positions, request_index, cache_rows, logits_indices + scored_rows, num_decodes, num_verifies
 
 
 @functools.lru_cache(maxsize=64)
@@ -291,3 +319,17 @@ def _pool_completions(requests: list[BatchRequest], kpool, block_size, device) -
         member_rows=host_tensor(members, device).reshape(-1, kpool),
         pool_rows=host_tensor(pool_rows, device),
     )
+
+
+def _decode_pools(positions: np.ndarray, tables: np.ndarray, kpool: int, block_size: int, device) -> PoolCompletions:
+    """`_pool_completions` of a step of plain decodes, as array arithmetic: each decode's pool
+    is the one its token is in (complete or partial), whose members run from the pool's
+    first position to the token (the token's row repeated past it)."""
+    rows = np.arange(len(positions))
+    first = positions - positions % kpool
+    member_rows = tables[rows, first // block_size] * block_size + first % block_size
+    member_rows = member_rows[:, None] + np.minimum(np.arange(kpool), (positions - first)[:, None])
+    pools_per_block = block_size // kpool
+    pool = positions // kpool
+    pool_rows = tables[rows, pool // pools_per_block] * pools_per_block + pool % pools_per_block
+    return PoolCompletions(member_rows=host_tensor(member_rows, device), pool_rows=host_tensor(pool_rows, device))
