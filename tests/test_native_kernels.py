@@ -97,6 +97,40 @@ def test_hc_collapse_and_expand_native_match_torch(dtype, tokens, n, d):
         assert (new != expected).float().mean() < 0.01
 
 
+@pytest.mark.parametrize("n,d", [(4, 64 + 5), (3, 48), (4, 16)])
+def test_hc_expand_bf16_rounds_as_torch_does_at_subnormals_infinities_and_nans(n, d):
+    """In bf16 the expand rounds each term and their sum where torch's bf16 ops do; the
+    hardware conversion (AVX512-BF16) reads subnormals as zeros, so vectors holding them take
+    the integer rounding: bit for bit against torch's conversions, one fp32 op at a time, with
+    subnormal, zero, infinite and NaN inputs and products that underflow."""
+    gen = torch.Generator().manual_seed(n * 1000 + d)
+    tokens = 9
+    streams, block = torch.randn(tokens, n, d, generator=gen), torch.randn(tokens, d, generator=gen)
+    post, comb = torch.rand(tokens, n, generator=gen) * 2, torch.rand(tokens, n, n, generator=gen)
+    specials = torch.tensor([1e-39, -3e-40, 0.0, -0.0, float("inf"), -float("inf"), float("nan"), 1e-37, 6e-38])
+    for values in (streams.view(-1), block.view(-1)):
+        picks = torch.randint(0, values.numel(), (values.numel() // 6,), generator=gen)
+        values[picks] = specials[torch.randint(0, len(specials), (len(picks),), generator=gen)]
+    post[0], comb[1] = 1e-3, 1e-3  # times 1e-37: products below the smallest normal
+    post[2], comb[2], streams[2], block[2] = 1e-3, 1e-3, 1e-37, -2e-37  # every term and sum subnormal
+    streams, block = streams.to(torch.bfloat16), block.to(torch.bfloat16)
+    got = hc_expand_native(post, comb, block, streams)
+
+    bf16 = torch.bfloat16
+    p, c, s, b = post.to(bf16).float(), comb.to(bf16).float(), streams.float(), block.float()
+    want = torch.empty_like(streams)
+    for i in range(n):
+        mixed = torch.zeros_like(b)
+        for j in range(n):
+            mixed = mixed + c[:, j, i, None] * s[:, j]
+        want[:, i] = ((p[:, i, None] * b).to(bf16).float() + mixed.to(bf16).float()).to(bf16)
+    nan = want.isnan()
+    assert torch.equal(got.isnan(), nan)
+    assert torch.equal(got.view(torch.int16)[~nan], want.view(torch.int16)[~nan])
+    subnormal = (want.float().abs() < 1.1754944e-38) & (want != 0)
+    assert subnormal.sum() > 0  # the case the hardware conversion cannot take
+
+
 def test_hc_collapse_native_gives_a_token_the_same_result_in_any_batch():
     """Tokens are taken in blocks: a token's gates and block input must not depend on which
     other tokens share its call (or a request's output would depend on the batch)."""

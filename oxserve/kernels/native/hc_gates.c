@@ -17,6 +17,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "bf16x16.h"
 #include "scratch.h"
 
 #define LANES 8
@@ -246,15 +247,23 @@ static inline v8u bf16_bits8(v8 x) {
 
 static inline v8 rounded8(v8 x, int is_bf16) {
     if (!is_bf16) return x;
+#ifdef __AVX512F__ /* (W == 16: a v8 is a __m512) */
+    return (v8)round16((__m512)x);
+#else
     const v8u bits = bf16_bits8(x);
     memcpy(&x, &bits, sizeof x);
     return x;
+#endif
 }
 
 static inline void store8(v8 x, void *dst, int64_t offset, int is_bf16) {
     if (is_bf16) {
+#ifdef __AVX512F__
+        _mm256_storeu_si256((__m256i *)((uint16_t *)dst + offset), narrow16((__m512)x));
+#else
         const v8h h = __builtin_convertvector(bf16_bits8(x) >> 16, v8h);
         memcpy((uint16_t *)dst + offset, &h, sizeof h);
+#endif
     } else {
         memcpy((float *)dst + offset, &x, sizeof x);
     }
@@ -263,15 +272,25 @@ static inline void store8(v8 x, void *dst, int64_t offset, int is_bf16) {
 #define BLOCK LANES /* tokens per task: their gates are computed together, their streams stay in cache */
 
 /* The block's input RMSNorm, as torch's RMSNorm does it: x (values of the streams' dtype)
- * normalised in fp32, rounded to that dtype, times the weight, rounded again. */
-static void block_norm(float *x, int64_t d, const void *weight, float eps, int is_bf16) {
+ * normalised in fp32, rounded to that dtype, times the weight, rounded again; into out at
+ * `offset` (the streams' dtype). */
+static void block_norm(float *x, int64_t d, const void *weight, float eps, int is_bf16, void *out, int64_t offset) {
     const float inv = 1.0f / sqrtf(dot_f32(x, x, d) / (float)d + eps); /* partial sums: vectorised */
     if (is_bf16) {
         const uint16_t *w = weight;
-        for (int64_t c = 0; c < d; c++) x[c] = round_bf16(bf16_to_f32(w[c]) * round_bf16(x[c] * inv));
+        uint16_t *y = (uint16_t *)out + offset;
+        int64_t c = 0;
+#ifdef __AVX512F__
+        for (; c + 16 <= d; c += 16) {
+            const __m512 normed = round16(_mm512_mul_ps(_mm512_loadu_ps(x + c), _mm512_set1_ps(inv)));
+            _mm256_storeu_si256((__m256i *)(y + c), narrow16(_mm512_mul_ps(widen16(w + c), normed)));
+        }
+#endif
+        for (; c < d; c++) y[c] = f32_to_bf16(bf16_to_f32(w[c]) * round_bf16(x[c] * inv));
     } else {
         const float *w = weight;
         for (int64_t c = 0; c < d; c++) x[c] = w[c] * (x[c] * inv);
+        narrow_row(x, d, 0, out, offset);
     }
 }
 
@@ -335,8 +354,7 @@ int hc_collapse(const void *streams, int is_bf16, int64_t tokens, int n, int64_t
                 else row[c] = rounded(sum, is_bf16);
             }
             if (norm_weight != NULL) {
-                block_norm(row, d, norm_weight, block_eps, is_bf16);
-                narrow_row(row, d, is_bf16, out, t * d);
+                block_norm(row, d, norm_weight, block_eps, is_bf16, out, t * d);
             }
         }
     }
@@ -349,6 +367,30 @@ int hc_collapse(const void *streams, int is_bf16, int64_t tokens, int n, int64_t
  * the torch version's bf16 ops do. W columns at a time in vector registers, each output's
  * sum held in one while the N streams' columns are read: a sum kept in memory across the N
  * terms (a load and a store per term and value) made the call 4x slower at 32 tokens. */
+#ifdef __AVX512F__
+/* One bf16 token's columns up to vector_end (a multiple of 16): the loop below with its
+ * roundings on `bf16x16.h`'s; `n` a constant where the caller names one, so that the
+ * streams' vectors and the weights stay in registers. */
+static inline __attribute__((always_inline)) void expand_bf16(const float *p, const float *c, const uint16_t *block,
+                                                              const uint16_t *streams, const int n, int64_t d,
+                                                              int64_t vector_end, uint16_t *out) {
+    __m512 weight[MAX_N * MAX_N], gate[MAX_N];
+    for (int i = 0; i < n; i++) gate[i] = _mm512_set1_ps(p[i]);
+    for (int k = 0; k < n * n; k++) weight[k] = _mm512_set1_ps(c[k]);
+    for (int64_t e = 0; e < vector_end; e += 16) {
+        __m512 s[MAX_N];
+        for (int j = 0; j < n; j++) s[j] = widen16(streams + j * d + e);
+        const __m512 b = widen16(block + e);
+        for (int i = 0; i < n; i++) {
+            __m512 o = _mm512_setzero_ps();
+            for (int j = 0; j < n; j++) o = _mm512_add_ps(o, _mm512_mul_ps(weight[j * n + i], s[j]));
+            const __m512 sum = _mm512_add_ps(round16(_mm512_mul_ps(gate[i], b)), round16(o));
+            _mm256_storeu_si256((__m256i *)(out + i * d + e), narrow16(sum));
+        }
+    }
+}
+#endif
+
 int hc_expand(const float *post, const float *comb, const void *block, const void *streams, int is_bf16,
               int64_t tokens, int n, int64_t d, void *out, int threads) {
     if (n > MAX_N) return -1;
@@ -360,7 +402,17 @@ int hc_expand(const float *post, const float *comb, const void *block, const voi
         float p[MAX_N], c[MAX_N * MAX_N]; /* c[j * n + i]: stream j's weight in output i */
         for (int i = 0; i < n; i++) p[i] = rounded(post[t * n + i], is_bf16);
         for (int k = 0; k < n * n; k++) c[k] = rounded(comb[t * n * n + k], is_bf16);
+#ifdef __AVX512F__
+        if (is_bf16) {
+            const uint16_t *s = (const uint16_t *)streams + t * n * d, *b = (const uint16_t *)block + t * d;
+            uint16_t *o = (uint16_t *)out + t * n * d;
+            if (n == 4) expand_bf16(p, c, b, s, 4, d, vector_end, o); /* mHC's usual stream count */
+            else expand_bf16(p, c, b, s, n, d, vector_end, o);
+        }
+        for (int64_t e = is_bf16 ? vector_end : 0; e < vector_end; e += W) {
+#else
         for (int64_t e = 0; e < vector_end; e += W) {
+#endif
             v8 s[MAX_N];
             for (int j = 0; j < n; j++) s[j] = load8(streams, (t * n + j) * d + e, is_bf16);
             const v8 b = load8(block, t * d + e, is_bf16);

@@ -18,21 +18,7 @@
 #include <string.h>
 
 #include "bf16.h"
-
-#ifdef __AVX512F__
-static inline __m512 widen16(const uint16_t *p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
-}
-
-/* f32_to_bf16 on 16 lanes, bit for bit (nearest even; a NaN stays a quiet NaN) */
-static inline __m256i narrow16(__m512 v) {
-    const __m512i u = _mm512_castps_si512(v);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
-    return _mm512_cvtepi32_epi16(
-        _mm512_mask_or_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
-}
-#endif
+#include "bf16x16.h"
 
 /* sum of x[c]^2 over a bf16 row, fp32 */
 static float sum_squares(const uint16_t *x, int64_t dim) {
