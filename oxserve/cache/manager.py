@@ -141,12 +141,22 @@ class CacheManager:
         need = -(-total_tokens // self.block_size)
         return max(0, need - len(self.blocks_of(request_id)))
 
+    def holds(self, request_id: str, total_tokens: int) -> bool:
+        """Whether the request holds a slot and blocks for `total_tokens` tokens already (most
+        decode steps: a block lasts block_size of them)."""
+        held = self._held.get(request_id)
+        return held is not None and len(held) * self.block_size >= total_tokens and request_id in self._slot_of
+
     def can_grow(self, request_id: str, total_tokens: int) -> bool:
+        if self.holds(request_id, total_tokens):
+            return True
         slot_ok = request_id in self._slot_of or self.slots.num_free > 0
         return slot_ok and self._available(self.extra_blocks_needed(request_id, total_tokens))
 
     def grow(self, request_id: str, total_tokens: int) -> None:
         """Make sure the request holds a slot and blocks for `total_tokens` tokens."""
+        if self.holds(request_id, total_tokens):
+            return
         if not self.can_grow(request_id, total_tokens):
             raise RuntimeError(f"cannot grow {request_id} to {total_tokens} tokens")
         if request_id not in self._slot_of:
