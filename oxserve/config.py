@@ -64,8 +64,8 @@ class ModelConfig:
     )
     compile_sizes: str | None = opt(
         None, "batch sizes whose decode steps are captured and replayed, comma-separated (those above "
-        "max_num_seqs: max_num_seqs); a decode batch runs padded to the smallest of them that holds it, a larger "
-        "one eagerly; a batch size that takes half of the last 64 decode steps, and verify steps up to the "
+        "max_num_seqs: max_num_seqs); a decode batch runs padded to the smallest of them that holds it (or to a "
+        "larger one already recorded, until recording its own would have paid), a larger batch eagerly; a batch size that takes half of the last 64 decode steps, and verify steps up to the "
         "largest size, are recorded as they are (default: 1, 2, 3, 4, 6, 8, 12, 16, 24, ..., each at most 1.5x "
         "the one before, up to max_num_seqs)",
     )
