@@ -75,7 +75,8 @@ def test_replayssm_decode_steps_are_replayed_across_ring_folds(tiny_model_dir):
     rings = dict(max_model_len=256, kda_decode="replay", kda_replay_len=5)
     eager, _ = _run(str(tiny_model_dir), "bfloat16", True, prompts, params, **rings)
     replayed, captured = _run(str(tiny_model_dir), "bfloat16", False, prompts, params, **rings)
-    assert captured.refused == {} and captured.captures >= 3 and captured.replays > 5 * captured.captures
+    # (How many shapes it records depends on the workload: a tail replays larger recordings.)
+    assert captured.refused == {} and captured.captures >= 1 and captured.replays > 5 * captured.captures
     assert replayed == eager
 
 
@@ -196,7 +197,7 @@ def test_a_steady_batch_size_runs_unpadded():
     last 64 decode steps runs as it is (17 padded to 24 cost a step 12-23% more)."""
     from oxserve.engine.padding import STEADY_WINDOW, DecodePadding
 
-    padding = DecodePadding((1, 2, 4, 8), slot=0, block=0)
+    padding = DecodePadding((1, 2, 4, 8), slot=0, block=0, block_size=16)
     assert [padding.size_for(n) for n in (8, 7, 5, 3, 2, 1, 9)] == [8, 8, 8, 4, 2, 1, 9]
     sizes = [padding.size_for(5) for _ in range(STEADY_WINDOW)]
     steady = sizes.index(5)  # the step at which 5 had half the window
@@ -212,7 +213,7 @@ def test_a_size_is_recorded_once_its_padding_has_cost_what_a_recording_costs():
     holds, are not charged."""
     from oxserve.engine.padding import DecodePadding
 
-    padding = DecodePadding((1, 2, 4, 8), slot=0, block=0)
+    padding = DecodePadding((1, 2, 4, 8), slot=0, block=0, block_size=16)
     assert [padding.size_for(2, {8: 0.004}, 0.010) for _ in range(5)] == [8, 8, 8, 2, 8]
     assert padding.size_for(2, {2: 0.002, 8: 0.004}, 0.010) == 2
     assert padding.size_for(5, {8: 0.004}, 0.010) == 8 and padding.size_for(9, {8: 0.004}, 0.010) == 9
@@ -231,6 +232,10 @@ def test_a_shrinking_batch_replays_its_full_size_while_recording_would_cost_more
     replayed, captured = _run(str(tiny_model_dir), "bfloat16", False, prompts, params, max_model_len=256, max_num_seqs=8)
     assert replayed == eager
     assert {key[0] for key in captured.recordings} == {(8,)} and captured.replays >= 20
+    # One recording a context bound: a batch of 8 and one padded to 8 share it (padding rows
+    # leave the block table's width as it is).
+    bounds = [r.decode_shape[1] for r in captured.recordings.values()]
+    assert len(bounds) == len(set(bounds))
 
 
 def test_padding_rows_have_a_block_and_slot_of_their_own_within_the_budget():

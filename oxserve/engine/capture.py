@@ -369,6 +369,7 @@ class CapturedDecode:
         self.seen: OrderedDict[tuple, None] = OrderedDict()  # shapes met once (recorded when met again)
         self.replays = self.captures = 0
         self.capture_s = 0.0  # time in steps that recorded (each an eager step plus the recording's cost)
+        self._kept_s = 0.0  # of that, in the steps whose recording was kept (the `captures`)
         self.novelty = STEADY  # the last step's (`engine.interface`: NEW_SHAPE, SETTLING)
 
     def wants(self, batch: ForwardBatch) -> bool:
@@ -426,7 +427,8 @@ class CapturedDecode:
             return recording.output
         self.captures += 1
         recording.step_s = time.perf_counter() - start
-        if batch.num_decodes == batch.num_requests:
+        self._kept_s += recording.step_s
+        if batch.num_decodes == batch.num_requests and batch.logits_indices.shape[0] == batch.num_requests:
             recording.decode_shape = (batch.num_requests, batch.seq_len_bound, batch.block_tables.shape[1])
         self.recordings[key] = recording
         while len(self.recordings) > 1 and (len(self.recordings) > self.max_recordings or self.nbytes > self.max_bytes):
@@ -441,8 +443,8 @@ class CapturedDecode:
 
     @property
     def recording_s(self) -> float:
-        """The mean time of a step that recorded (0 before the first)."""
-        return self.capture_s / self.captures if self.captures else 0.0
+        """The mean time of a step whose recording was kept (0 before the first)."""
+        return self._kept_s / self.captures if self.captures else 0.0
 
     @property
     def nbytes(self) -> int:

@@ -14,7 +14,7 @@ drops it when the request's id comes back in `finished_request_ids`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from functools import cached_property
 
 import torch
@@ -72,6 +72,9 @@ class ScheduledRequest:
         object.__setattr__(self, "verifies", self.num_computed_tokens > 0 and self.num_draft_tokens > 0)
         object.__setattr__(self, "is_decode", self.num_computed_tokens > 0 and n - self.num_draft_tokens == 1)
 
+    def __reduce__(self):
+        return _rebuilt(self)
+
 
 @dataclass(frozen=True)
 class SchedulerOutput:
@@ -79,6 +82,9 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest]  # decodes first, then prefill chunks
     finished_request_ids: list[str] = field(default_factory=list)  # since the last step: drop their state
     cache_ops: CacheOps = field(default_factory=CacheOps)  # prefix caching: applied before the forward
+
+    def __reduce__(self):
+        return _rebuilt(self)
 
     # Counted once (the step never changes): the engine, scheduler and runner each read them.
     @cached_property
@@ -101,6 +107,12 @@ class SchedulerOutput:
     @cached_property
     def num_decodes(self) -> int:
         return sum(1 for s in self.scheduled if s.is_decode)
+
+
+def _rebuilt(step) -> tuple:
+    """Pickled as the fields a step is made of: what is derived from them (counts) is derived
+    again on the other side rather than sent (a decode step's message to parallel ranks)."""
+    return type(step), tuple(getattr(step, f.name) for f in fields(step) if f.init)
 
 
 @dataclass(frozen=True)

@@ -338,8 +338,8 @@ class ModelRunner:
         if (self.padding is None or self.deterministic or self.drafter is not None or has_forward_hooks(self.model)
                 or not all(s.is_decode and not s.verifies and not s.prompt_logprob_positions for s in scheduled)):
             return None  # fmt: skip (deterministic: every pass one request, whatever ran before)
-        padded_shape = table_shape(requests + self.padding.rows(1), self.layout.block_size)
-        return self.padding.size_for(len(scheduled), self.captured.decode_sizes(*padded_shape), self.captured.recording_s)
+        shape = table_shape(requests, self.layout.block_size)  # (padding rows leave it as it is)
+        return self.padding.size_for(len(scheduled), self.captured.decode_sizes(*shape), self.captured.recording_s)
 
     def _replayable(self, batch, scheduled: list[ScheduledRequest], mm_embeds) -> bool:
         """A step of decodes and verifies (`CapturedDecode.wants`) whose logits are all its sampling rows,

@@ -170,8 +170,9 @@ def make_forward_batch(
     device: torch.device | str,
     rings: ReplayBook | None = None,
 ) -> ForwardBatch:
-    """Every piece of step metadata, from host-side lists, in one pass. With ReplaySSM,
-    `rings` is the host's book of ring counts, advanced past this step."""
+    """Every piece of step metadata, from host-side lists (for 8+ plain decodes, partly as
+    array arithmetic). With ReplaySSM, `rings` is the host's book of ring counts, advanced past
+    this step."""
     seq_len_bound, width = table_shape(requests, block_size)
     tables = np.full((len(requests), width), num_blocks, dtype=np.int64)
     for r, req in enumerate(requests):
@@ -179,7 +180,7 @@ def make_forward_batch(
     plain_decodes = len(requests) >= VECTOR_DECODES and all(req.num_computed_tokens > 0 and req.num_new_tokens == 1 and req.samples and not req.num_draft_tokens
                         and not req.scored_positions for req in requests)  # fmt: skip
     if plain_decodes:
-        positions, request_index, cache_rows, logits_indices = _decode_rows(requests, tables, block_size)
+        positions, request_index, cache_rows, logits_indices = _decode_rows(requests, tables, block_size, num_blocks)
         num_decodes, num_verifies = len(requests), 0
     else:
         positions, request_index, cache_rows, logits_indices, num_decodes, num_verifies = _token_rows(requests, block_size)
@@ -227,12 +228,15 @@ def make_forward_batch(
 VECTOR_DECODES = 8
 
 
-def _decode_rows(requests: list[BatchRequest], tables: np.ndarray, block_size: int) -> tuple[np.ndarray, ...]:
+def _decode_rows(requests: list[BatchRequest], tables: np.ndarray, block_size: int, num_blocks: int) -> tuple[np.ndarray, ...]:
     """`_token_rows` of a step of plain decodes (one sampled token a request), as arrays:
     positions, request index, cache rows, logits rows."""
     positions = np.fromiter((req.num_computed_tokens for req in requests), np.int64, len(requests))
     rows = np.arange(len(requests))
-    cache_rows = tables[rows, positions // block_size] * block_size + positions % block_size
+    blocks = tables[rows, positions // block_size]
+    if (blocks == num_blocks).any():  # (the table's padding: the list path's IndexError)
+        raise ValueError("a decode's position lies past the blocks its request holds")
+    cache_rows = blocks * block_size + positions % block_size
     return positions, rows, cache_rows, rows.copy()
 
 

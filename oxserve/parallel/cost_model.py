@@ -47,8 +47,9 @@ TP_CUT_OPS = frozenset({
     "moe.experts", "moe.shared", "mlp.dense", "lm_head",
 })  # fmt: skip
 KINDS = ("all_reduce", "broadcast", "gather", "message")
-# The pickled step message of a decode step: measured at 439, 855 and 2330 bytes for 1, 8 and 32 requests.
-MESSAGE_BYTES, MESSAGE_BYTES_PER_REQUEST = 380, 61
+# The pickled step message of a decode step: 264, 781 and 2550 bytes for 1, 8 and 32 requests
+# (`python docs/bench/step_message_bytes.py`, 37-character request ids).
+MESSAGE_BYTES, MESSAGE_BYTES_PER_REQUEST = 190, 74
 FP32 = 4
 
 
