@@ -60,8 +60,7 @@ class ScheduledRequest:
     # Prompt logprobs: the positions (within the request, all in this step's tokens) whose
     # logits score the prompt token after them; empty when none are wanted or all are known.
     prompt_logprob_positions: range = range(0)
-    # Derived once (a step reads each about ten times a request: as properties they cost a
-    # batch-32 decode step ~100 us):
+    # Derived once (a step reads each about ten times a request):
     num_new_tokens: int = field(init=False)
     verifies: bool = field(init=False)  # a decode with drafts: the runner verifies them (logits at every token)
     is_decode: bool = field(init=False)  # one new token on top of a cached context (drafts ride along with it)

@@ -177,8 +177,9 @@ def make_forward_batch(
     tables = np.full((len(requests), width), num_blocks, dtype=np.int64)
     for r, req in enumerate(requests):
         tables[r, : len(req.block_ids)] = req.block_ids if req.block_array is None else req.block_array
-    plain_decodes = len(requests) >= VECTOR_DECODES and all(req.num_computed_tokens > 0 and req.num_new_tokens == 1 and req.samples and not req.num_draft_tokens
-                        and not req.scored_positions for req in requests)  # fmt: skip
+    plain_decodes = len(requests) >= VECTOR_DECODES and all(
+        req.num_computed_tokens > 0 and req.num_new_tokens == 1 and req.samples and not req.num_draft_tokens
+        and not req.scored_positions for req in requests)  # fmt: skip
     if plain_decodes:
         positions, request_index, cache_rows, logits_indices = _decode_rows(requests, tables, block_size, num_blocks)
         num_decodes, num_verifies = len(requests), 0

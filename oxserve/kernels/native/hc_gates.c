@@ -402,17 +402,17 @@ int hc_expand(const float *post, const float *comb, const void *block, const voi
         float p[MAX_N], c[MAX_N * MAX_N]; /* c[j * n + i]: stream j's weight in output i */
         for (int i = 0; i < n; i++) p[i] = rounded(post[t * n + i], is_bf16);
         for (int k = 0; k < n * n; k++) c[k] = rounded(comb[t * n * n + k], is_bf16);
+        int64_t vector_start = 0; /* columns before it are done */
 #ifdef __AVX512F__
         if (is_bf16) {
             const uint16_t *s = (const uint16_t *)streams + t * n * d, *b = (const uint16_t *)block + t * d;
             uint16_t *o = (uint16_t *)out + t * n * d;
             if (n == 4) expand_bf16(p, c, b, s, 4, d, vector_end, o); /* mHC's usual stream count */
             else expand_bf16(p, c, b, s, n, d, vector_end, o);
+            vector_start = vector_end;
         }
-        for (int64_t e = is_bf16 ? vector_end : 0; e < vector_end; e += W) {
-#else
-        for (int64_t e = 0; e < vector_end; e += W) {
 #endif
+        for (int64_t e = vector_start; e < vector_end; e += W) {
             v8 s[MAX_N];
             for (int j = 0; j < n; j++) s[j] = load8(streams, (t * n + j) * d + e, is_bf16);
             const v8 b = load8(block, t * d + e, is_bf16);
