@@ -193,7 +193,7 @@ def test_decode_batches_run_padded_to_the_captured_sizes(tiny_model_dir, monkeyp
             for eager in (True, False)]  # fmt: skip
     (eager, _), (replayed, captured) = runs
     assert replayed == eager
-    assert {key[0][0] for key in captured.recordings} <= {1, 2, 3, 4, 6, 8} and captured.refused == {}
+    assert {len(r.inputs[0]) for r in captured.recordings.values()} <= {1, 2, 3, 4, 6, 8} and captured.refused == {}
     assert sum(1 for n in padded if n) > 5 and captured.replays > 5 * captured.captures
     if "compile_sizes" in options:
         assert max(padded) >= 5
@@ -238,7 +238,7 @@ def test_a_shrinking_batch_replays_its_full_size_while_recording_would_cost_more
     eager, _ = _run(str(tiny_model_dir), "bfloat16", True, prompts, params, max_model_len=256, max_num_seqs=8)
     replayed, captured = _run(str(tiny_model_dir), "bfloat16", False, prompts, params, max_model_len=256, max_num_seqs=8)
     assert replayed == eager
-    assert {key[0] for key in captured.recordings} == {(8,)} and captured.replays >= 20
+    assert {len(r.inputs[0]) for r in captured.recordings.values()} == {8} and captured.replays >= 20
     # One recording a context bound: a batch of 8 and one padded to 8 share it (padding rows
     # leave the block table's width as it is).
     bounds = [r.decode_shape[1] for r in captured.recordings.values()]
@@ -279,7 +279,7 @@ def test_compile_sizes_choose_the_batch_sizes_captured(tiny_model_dir):
     replayed, captured = _run(str(tiny_model_dir), "bfloat16", False, prompts, params, max_model_len=256,
                               compile_sizes="2")  # fmt: skip
     assert replayed == eager
-    assert captured.replays > 0 and {key[0] for key in captured.recordings} == {(2,)}  # input_ids [2]
+    assert captured.replays > 0 and {len(r.inputs[0]) for r in captured.recordings.values()} == {2}  # input_ids [2]
 
 
 def test_default_capture_sizes_grow_by_at_most_half_up_to_max_num_seqs():
@@ -421,7 +421,7 @@ def test_recordings_are_dropped_least_recently_replayed_first_past_their_memory_
     captured.run(torch.arange(1), _decode_batch([3]))  # a replay: shape 1 becomes the most recent
     for contexts in ([6, 7, 8, 9], [6, 7, 8, 9]):
         captured.run(torch.arange(4), _decode_batch(contexts))
-    assert [key[0] for key in captured.recordings] == [(1,), (4,)]  # 2 then 3 dropped: 1 + 4 rows fit
+    assert [len(r.inputs[0]) for r in captured.recordings.values()] == [1, 4]  # 2 then 3 dropped: 1 + 4 rows fit
     assert captured.nbytes <= captured.max_bytes
 
 

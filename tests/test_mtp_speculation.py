@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -69,21 +70,20 @@ def _teacher_forced_first_drafts(path, tokens: list[int]) -> tuple[torch.Tensor,
         return model.compute_logits(z)
 
 
-def test_mtp_drafts_are_the_mtp_layer_run_over_the_whole_sequence(tiny_mtp_dir, monkeypatch):
-    """Each first draft the engine made -- after prefill chunks, plain decodes and verifies
-    with kept and rejected drafts -- is the argmax of the MTP layer run once over the final
-    sequence at the position before the request's last token: the drafter's incremental
-    MTP cache and positions are right."""
+def _drafting_every(monkeypatch, every: int) -> None:
+    """The guard off: k drafts at every `every`-th decode step (none at the others, where the
+    drafter leaves the MTP passes owed)."""
     import oxserve.engine.scheduler
 
-    # the guard off: k drafts at every decode
+    steps = itertools.count()
     monkeypatch.setattr(oxserve.engine.scheduler, "draft_depth", lambda request, k, floor: k)
-    monkeypatch.setattr(oxserve.engine.scheduler.DraftCost, "budget", lambda self, decodes: (0.5, 99))
-    rng = random.Random()
-    prompt = [rng.randrange(20, 8000) for _ in range(rng.randrange(30, 80))]
-    llm = LLM(model=str(tiny_mtp_dir), dtype="float32", speculative_config=MTP_SPEC, kda_replay_len=4,
-              max_num_batched_tokens=24, block_size=16)  # fmt: skip
-    seen: list[tuple[int, int]] = []  # (tokens the request had, its first draft)
+    monkeypatch.setattr(oxserve.engine.scheduler.DraftCost, "budget",
+                        lambda self, decodes: (0.5, 99) if every and next(steps) % every == 0 else None)  # fmt: skip
+
+
+def _spy_first_drafts(llm) -> list[tuple[int, int]]:
+    """(tokens the request had, its first draft) of every proposal from now on."""
+    seen: list[tuple[int, int]] = []
     propose = llm.engine.runner.propose_drafts
 
     def spy(wanted):
@@ -93,14 +93,73 @@ def test_mtp_drafts_are_the_mtp_layer_run_over_the_whole_sequence(tiny_mtp_dir, 
         return drafts
 
     llm.engine.runner.propose_drafts = spy
-    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True))[0].outputs[0]
-    sequence = prompt + out.token_ids
-    logits = _teacher_forced_first_drafts(tiny_mtp_dir, sequence)
-    assert len(seen) > 20
+    return seen
+
+
+def _poison_mtp_cache(llm) -> None:
+    """Large random MTP latents where nothing was written yet: a draft that reads an entry its
+    pass never wrote is then far from the MTP layer's argmax."""
+    with torch.inference_mode():
+        llm.engine.runner.drafter.cache.latent.normal_(0.0, 30.0)
+
+
+def _assert_mtp_argmax(path, sequence: list[int], seen: list[tuple[int, int]]) -> None:
+    logits = _teacher_forced_first_drafts(path, sequence)
     for num_tokens, draft in seen:
         row = logits[num_tokens - 2]  # the MTP position before the last token
         best = float(row.max())
         assert float(row[draft]) > best - 1e-4, f"draft after {num_tokens} tokens is not the MTP argmax"
+
+
+@pytest.mark.parametrize("every", [1, 5], ids=["every-step", "every-5th-step"])
+@pytest.mark.parametrize("eager", [False, True], ids=["captured", "eager"])
+def test_mtp_drafts_are_the_mtp_layer_run_over_the_whole_sequence(tiny_mtp_dir, monkeypatch, eager, every):
+    """Each first draft the engine made -- after prefill chunks, plain decodes and verifies
+    with kept and rejected drafts, and after steps that did not draft, whose MTP passes were
+    owed and caught up -- is the argmax of the MTP layer run once over the final sequence at
+    the position before the request's last token: the drafter's incremental MTP cache and
+    positions are right, in captured passes as in eager ones."""
+    _drafting_every(monkeypatch, every)
+    rng = random.Random()
+    prompt = [rng.randrange(20, 8000) for _ in range(rng.randrange(30, 80))]
+    llm = LLM(model=str(tiny_mtp_dir), dtype="float32", speculative_config=MTP_SPEC, kda_replay_len=4,
+              max_num_batched_tokens=24, block_size=16, enforce_eager=eager)  # fmt: skip
+    seen = _spy_first_drafts(llm)
+    drafter = llm.engine.runner.drafter
+    caught_up = []
+    propose = drafter.propose
+    drafter.propose = lambda *a: [propose(*a), caught_up.append(drafter.catch_up_s)][0]
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True))[0].outputs[0]
+    assert len(seen) > 40 // every
+    assert (drafter.captured is None) == eager and (eager or drafter.captured.replays > 0)
+    assert (max(caught_up) > 0) == (every > 1)  # passes over positions owed from earlier steps
+    _assert_mtp_argmax(tiny_mtp_dir, prompt + out.token_ids, seen)
+
+
+def test_requests_that_do_not_draft_run_the_mtp_layer_once_a_block(tiny_mtp_dir, monkeypatch):
+    """Drafting off (as where the guard finds drafts do not pay): a request's MTP passes wait
+    until a cache block fills, a few passes for 70 tokens rather than one a step. Every full
+    block still gets its MTP entries in the step that fills it: a second request that finds
+    them as a cached prefix, and drafts at every step, drafts what the MTP layer run over its
+    whole sequence does."""
+    _drafting_every(monkeypatch, 0)
+    rng = random.Random()
+    prompt = [rng.randrange(20, 8000) for _ in range(rng.randrange(20, 40))]
+    llm = LLM(model=str(tiny_mtp_dir), dtype="float32", speculative_config=MTP_SPEC, block_size=16)
+    _poison_mtp_cache(llm)
+    drafter = llm.engine.runner.drafter
+    passes = []
+    run = drafter._run
+    drafter._run = lambda rows, tables: [passes.append(len(rows)), run(rows, tables)][1]
+    params = SamplingParams(temperature=0.0, max_tokens=70, ignore_eos=True)
+    first = llm.generate([prompt], params)[0].outputs[0].token_ids
+    assert len(passes) <= 2 + (len(prompt) + 70) // 16 and llm.engine.stats().spec_draft_tokens == 0
+    _drafting_every(monkeypatch, 1)
+    seen = _spy_first_drafts(llm)
+    again = prompt + first
+    out = llm.generate([again], params)[0].outputs[0]
+    assert llm.engine.stats().prefix_hits >= 16 * (len(again) // 16 - 1) and len(seen) > 10
+    _assert_mtp_argmax(tiny_mtp_dir, again + out.token_ids, seen)
 
 
 @pytest.mark.slow
@@ -121,3 +180,37 @@ def test_64_concurrent_greedy_requests_with_mtp_equal_their_solo_runs(tiny_mtp_d
         if first is not None:
             top = sorted(alone.logprobs[first].values(), reverse=True)
             assert top[0] - top[1] < 1e-4, f"diverged at token {first} (margin {top[0] - top[1]:.3g})"
+
+
+@pytest.mark.parametrize("prompt_len", [6, 16], ids=["partial-block-copied", "full-block-shared"])
+def test_a_prompt_resumed_from_a_running_request_finds_the_mtp_entries_it_owed(tiny_mtp_dir, monkeypatch, prompt_len):
+    """A request that does not draft owes the MTP passes of the positions in its last
+    block; a second request whose prompt continues the first's output resumes at the
+    first's prompt-end checkpoint while the first still runs: copying the block the prompt
+    ends in, or, for a prompt of a whole block, sharing that block (whose MTP entries were
+    written when the prompt filled it). Either way it finds the MTP entries: the second
+    request, drafting at every step (it has a seed, so the guard is not asked), drafts what
+    the MTP layer run over its whole sequence does."""
+    _drafting_every(monkeypatch, 0)  # no drafts for requests without a seed
+    rng = random.Random()
+    prompt = [rng.randrange(20, 8000) for _ in range(prompt_len)]
+    options = dict(dtype="float32", block_size=16, max_model_len=128)
+    greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    head = LLM(model=str(tiny_mtp_dir), enable_prefix_caching=False, **options).generate([prompt], greedy)[0]
+    continued = prompt + head.outputs[0].token_ids[:5]
+    llm = LLM(model=str(tiny_mtp_dir), speculative_config=MTP_SPEC, prefix_checkpoint_policy="lru", **options)
+    _poison_mtp_cache(llm)
+    seen = _spy_first_drafts(llm)
+    engine = llm.engine
+    engine.add_request("first", {"prompt_token_ids": prompt}, greedy)
+    while len(engine.scheduler.requests["first"].output_token_ids) < 7:
+        engine.step()
+    assert engine.runner.drafter.owing() == ["first"]  # (its positions from the 17th on, with a 16-token prompt)
+    engine.add_request("second", {"prompt_token_ids": continued},
+                       SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, seed=1))  # fmt: skip
+    outputs = {}
+    while engine.has_unfinished_requests():
+        outputs.update({o.request_id: o for o in engine.step() if o.finished})
+    assert engine.stats().prefix_hits == len(prompt) and len(seen) > 20
+    assert outputs["first"].outputs[0].token_ids == head.outputs[0].token_ids
+    _assert_mtp_argmax(tiny_mtp_dir, continued + outputs["second"].outputs[0].token_ids, seen)

@@ -109,9 +109,9 @@ class StepRecording:
         self.calls: list[tuple[Callable, tuple, Any]] = []  # (callable, arguments, what it must return)
         self.keep: list[Any] = []  # every tensor the step made or read: the memory its calls name
         self.made: dict[int, int] = {}  # storages the step allocated (address -> bytes): what keeping it costs
-        self.input_ids: torch.Tensor | None = None
+        self.inputs: tuple[torch.Tensor, ...] = ()  # the step's input tensors, which each replay refills
         self.batch_tensors: list[torch.Tensor] = []  # the batch's tensors, which each replay refills
-        self.output: torch.Tensor | None = None
+        self.output: Any = None  # what the step returned: its tensors are the recorded ones
         self.refusal: str | None = None  # why a replay could not repeat this step (None: it can)
         self.spans: list[RecordedSpan] = []  # the model's op spans, as ranges of `calls`
         # A step of plain decodes: (requests, seq_len_bound, block table width), which make its key
@@ -164,7 +164,7 @@ class StepRecording:
     def nbytes(self) -> int:
         return sum(self.made.values())
 
-    def replay(self, tracer: Tracer | None = None) -> torch.Tensor:
+    def replay(self, tracer: Tracer | None = None) -> Any:
         """Run the recorded calls; with a tracer, also time them and report the model's op
         spans as the eager step would (each spans the recorded calls made inside it)."""
         if tracer is not None:
@@ -175,7 +175,7 @@ class StepRecording:
             _check(function, function(*args), expected)
         return self.output
 
-    def _traced_replay(self, tracer: Tracer) -> torch.Tensor:
+    def _traced_replay(self, tracer: Tracer) -> Any:
         if self._traced_plan is None:  # runs of native calls end where spans do
             self._traced_plan = self._steps(frozenset(b for s in self.spans for b in (s.first_call, s.end_call)))
         marks = {}  # call index -> when the plan step starting there started; len(calls): the end
@@ -310,10 +310,18 @@ class _TorchOps(TorchDispatchMode):
         return out
 
 
-def step_key(input_ids: torch.Tensor, batch: ForwardBatch) -> tuple[tuple, list[torch.Tensor]]:
-    """(everything host-side the model may branch on: the batch's non-tensor values and its
-    tensors' shapes and dtypes; the batch's tensors in a fixed order, nested layouts included)."""
-    key: list = [tuple(input_ids.shape)]
+StepInputs = torch.Tensor | tuple[torch.Tensor, ...]  # what a step takes beside its batch: token ids, ...
+
+
+def _as_tuple(inputs: StepInputs) -> tuple[torch.Tensor, ...]:
+    return (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
+
+
+def step_key(inputs: StepInputs, batch: ForwardBatch) -> tuple[tuple, list[torch.Tensor]]:
+    """(everything host-side the model may branch on: the inputs' and the batch's tensors'
+    shapes and dtypes, the batch's non-tensor values; the batch's tensors in a fixed order,
+    nested layouts included)."""
+    key: list = [tuple((tuple(t.shape), t.dtype) for t in _as_tuple(inputs))]
     tensors: list[torch.Tensor] = []
     _walk(batch, key, tensors)
     return tuple(key), tensors
@@ -354,11 +362,12 @@ def has_forward_hooks(model: torch.nn.Module) -> bool:
 
 
 class CapturedDecode:
-    """Decode steps replayed from recordings, by shape key; `forward(input_ids, batch)` is
-    the eager step, returning the logits. Batches of more than `max_requests` run eagerly (the
-    runner pads decode batches to the captured sizes: `engine.padding`)."""
+    """Decode steps replayed from recordings, by shape key; `forward(*inputs, batch)` is
+    the eager step (`inputs`: the token ids, or a tuple of input tensors), returning its
+    outputs. Batches of more than `max_requests` run eagerly (the runner pads decode batches
+    to the captured sizes: `engine.padding`)."""
 
-    def __init__(self, forward: Callable[[torch.Tensor, ForwardBatch], torch.Tensor],
+    def __init__(self, forward: Callable[..., Any],
                  max_requests: int | None = None, max_recordings: int = DEFAULT_MAX_RECORDINGS,
                  max_bytes: int = DEFAULT_MAX_RECORDING_BYTES):  # fmt: skip
         self.forward = forward
@@ -378,11 +387,12 @@ class CapturedDecode:
         return (batch.num_decodes + batch.num_verifies == batch.num_requests
                 and (self.max_requests is None or batch.num_requests <= self.max_requests))  # fmt: skip
 
-    def run(self, input_ids: torch.Tensor, batch: ForwardBatch, recurs: bool = False) -> torch.Tensor:
-        """The logits of this decode step (a tensor the next replay of its shape overwrites).
+    def run(self, inputs: StepInputs, batch: ForwardBatch, recurs: bool = False) -> Any:
+        """The outputs of this decode step (tensors the next replay of its shape overwrites).
         `recurs`: the caller expects the shape again (a batch padded to a captured size), so
         it is recorded when first met, not after an eager step."""
-        key, tensors = step_key(input_ids, batch)
+        inputs = _as_tuple(inputs)
+        key, tensors = step_key(inputs, batch)
         recording = self.recordings.get(key)
         if recording is not None:
             self.novelty = STEADY if recording.planned(batch.tracer is not None) else SETTLING
@@ -391,7 +401,8 @@ class CapturedDecode:
         if recording is not None:
             self.recordings.move_to_end(key)
             start = time.perf_counter()
-            recording.input_ids.copy_(input_ids)
+            for mine, new in zip(recording.inputs, inputs):
+                mine.copy_(new)
             for mine, new in zip(recording.batch_tensors, tensors):
                 mine.copy_(new)
             self.replays += 1
@@ -400,25 +411,25 @@ class CapturedDecode:
                 recording.step_s = time.perf_counter() - start
             return logits
         if key in self.refused:
-            return self.forward(input_ids, batch)
+            return self.forward(*inputs, batch)
         if key not in self.seen and not recurs:  # recording costs 2x an eager step: not for shapes met once
             self.seen[key] = None
             if len(self.seen) > SEEN_SHAPES:
                 self.seen.popitem(last=False)
-            return self.forward(input_ids, batch)
+            return self.forward(*inputs, batch)
         self.seen.pop(key, None)
-        return self._capture(key, input_ids, batch)
+        return self._capture(key, inputs, batch)
 
-    def _capture(self, key: tuple, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    def _capture(self, key: tuple, inputs: tuple[torch.Tensor, ...], batch: ForwardBatch) -> Any:
         """Run the step eagerly under a recording; keep the recording if a replay can repeat it."""
         start = time.perf_counter()
         recording = StepRecording()
         # Not kept on the recording: its per-step values point back at it (a cycle that would keep
         # the recorded tensors, the caches among them, alive until the garbage collector ran).
         watched = dataclasses.replace(_watched(batch, recording.refuse), tracer=SpanMarks(recording, batch.tracer))
-        recording.input_ids, recording.batch_tensors = input_ids, step_key(input_ids, watched)[1]
+        recording.inputs, recording.batch_tensors = inputs, step_key(inputs, watched)[1]
         with native.recording(recording.native_call), _TorchOps(recording):
-            recording.output = self.forward(input_ids, watched)
+            recording.output = self.forward(*inputs, watched)
         self.capture_s += time.perf_counter() - start
         if recording.refusal is not None:
             log.warning("oxserve: decode steps of shape %d x %d run eagerly: %s", batch.num_requests,

@@ -164,9 +164,9 @@ class LLMEngine:
         if mtp:  # the MTP layer's own MLA cache, after the decoder layers' (one rank: see above), planned with them
             specs_by_rank[0].append(loaded.model.mtp.cache_spec(self.dtype, self.cache_plan.for_layer(len(loaded.model.layers))))
         cache_specs = specs_by_rank[placement.ls.rank]
-        # Captured decode steps (one process only; MTP steps are not captured): their padding rows'
-        # block and slot are planned with the rest
-        capture_sizes = (() if config.model.enforce_eager or self.workers is not None or mtp
+        # Captured decode steps (one process only): their padding rows' block and slot are planned
+        # with the rest
+        capture_sizes = (() if config.model.enforce_eager or self.workers is not None
                          else config.model.capture_sizes(config.scheduler.max_num_seqs))
         layout = plan_split_cache(config.cache, config.scheduler, specs_by_rank, limit, spare=1 if capture_sizes else 0)
         # Disaggregation hands over the whole model's caches, however the ranks cut them
@@ -367,9 +367,9 @@ class LLMEngine:
             updates = self.scheduler.update_from_output(scheduled, result)
             outputs = [self._output_of(update) for update in updates]
             if self.proposer is not None:  # drafts for the next step, which is charged their time
-                drafting = time.perf_counter()
+                drafting, self.proposer.deferred_s = time.perf_counter(), 0.0
                 self.scheduler.propose_drafts(self.proposer, self.speculative.num_speculative_tokens)
-                self._drafting_s = time.perf_counter() - drafting
+                self._drafting_s = time.perf_counter() - drafting - self.proposer.deferred_s
             return outputs
 
     def _contain(self, scheduled: SchedulerOutput) -> list[RequestOutput]:

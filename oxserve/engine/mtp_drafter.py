@@ -4,30 +4,44 @@ The MTP layer predicts the token after next from the target's final hidden state
 position q and the embedding of the token at q + 1, so it runs one position behind the
 target, with its own MLA cache (one more layer in the same paged blocks):
 
-    after each step  `advance`: one MTP pass over every position whose next token is now
-                     known -- this step's tokens, a verify's kept drafts; the last position of
-                     a prefill chunk waits for the next chunk -- writing the MTP cache; for
-                     each request that sampled, the first draft (argmax) and the MTP output
-                     it came from
-    scheduler asks   `propose`: k - 1 more single-position MTP steps, each on its own output
-                     and the previous draft (DeepSeek-V3's recursion)
+    after each step  `advance`: the positions whose next token is now known -- this step's
+                     tokens, a verify's kept drafts; the last position of a prefill chunk
+                     waits for the next chunk -- are owed an MTP pass, which writes their MTP
+                     cache entries. A request that sampled keeps them owed (`_owed`) until it
+                     drafts or a cache block fills; the others' run now, in one pass
+    scheduler asks   `propose`: for each request that drafts, one MTP pass over what it is
+                     owed from before the last step (`catch_up_s`), one over the last step's
+                     positions, which gives the first draft (argmax) and the MTP output it
+                     came from, then k - 1 more single-position MTP steps, each on its own
+                     output and the previous draft (DeepSeek-V3's recursion)
 
-Drafts are greedy (point masses), so `verify`'s rejection sampling keeps the target's
-distribution exactly whatever the drafts are. The recursion writes MTP entries at positions
-the target has not computed yet; the next `advance` overwrites them with the real ones.
-It never writes past a request's allocated blocks: a draft that would is not made.
+A request that does not draft (the guard finds drafts do not pay) thus costs one MTP pass a
+block, not one a step, and what a probe after such a pause owes is not a cost of its drafts
+(the guard is not charged `catch_up_s`). A block's MTP entries are all written in the step
+that fills it, before prefix caching can share it; a request's owed positions are run before
+prefix caching copies the block they lie in, or when it finishes (`settle`).
+
+The passes whose rows all draft (after decode and verify steps) are captured steps: each
+shape recorded the second time it is met, then replayed (`engine.capture`); the others run
+eagerly. Drafts are greedy (point masses), so `verify`'s rejection sampling keeps the
+target's distribution exactly whatever the drafts are. The recursion writes MTP entries at
+positions the target has not computed yet; the pass over those positions, once computed,
+overwrites them with the real ones (a request's passes run its positions in order). It never writes past a request's allocated blocks: a draft that would is not made.
 """
 
 from __future__ import annotations
 
+import functools
+import time
 from dataclasses import dataclass
 
 import torch
 
 from oxserve.cache.layers import MLACache
 from oxserve.cache.spec import CacheLayout
-from oxserve.engine.interface import ScheduledRequest
-from oxserve.model.batch import BatchRequest, make_forward_batch
+from oxserve.engine.capture import CapturedDecode, has_forward_hooks
+from oxserve.engine.interface import NEW_SHAPE, STEADY, ScheduledRequest
+from oxserve.model.batch import BatchRequest, host_tensor, make_forward_batch
 from oxserve.model.glm5_next import Glm5NextForCausalLM
 
 
@@ -58,41 +72,80 @@ class _Row:
 
 
 class MTPDrafter:
-    def __init__(self, model: Glm5NextForCausalLM, cache: MLACache, layout: CacheLayout, device: torch.device):
+    def __init__(self, model: Glm5NextForCausalLM, cache: MLACache, layout: CacheLayout, device: torch.device,
+                 captures: bool = False):  # fmt: skip
         if model.mtp is None:
             raise ValueError("the MTP drafter needs the model loaded with its MTP layer")
         self.model, self.cache, self.layout, self.device = model, cache, layout, device
         self._pending: dict[str, _Pending] = {}
+        # Per request that sampled: its positions not run through the MTP layer yet, a row per step
+        self._owed: dict[str, list[_Row]] = {}
         self._heads: dict[str, _Head] = {}
+        self.captured = CapturedDecode(functools.partial(draft_pass, model, cache)) if captures else None
+        self.novelty = STEADY  # of the last `advance` or `propose`: its most novel pass's
+        self.catch_up_s = 0.0  # the last `propose`'s pass over positions owed from before the last step
+
+    def owing(self) -> list[str]:
+        """The requests that owe MTP passes."""
+        return list(self._owed)
+
+    def settle(self, finished: list[str], copied: set[int], block_tables: dict[str, list[int]]) -> None:
+        """One pass over the positions owed by `finished` requests and by those whose owed
+        positions lie in a block that prefix caching copies this step (`copied`): a copy, now or
+        later (a finished request's last block), must find their MTP entries. (A finished
+        request's block, if it has a new owner already, is written by that owner before it
+        reads it.) `block_tables`: every owing request's."""
+        bs = self.layout.block_size
+        due = [rid for rid, rows in self._owed.items() if rid in block_tables
+               and (rid in finished or block_tables[rid][rows[0].first // bs] in copied)]  # fmt: skip
+        if due:
+            self._run([_joined(self._owed.pop(rid), False) for rid in due], block_tables)
 
     def forget(self, request_id: str) -> None:
         """Finished: nothing carried over."""
         self._pending.pop(request_id, None)
+        self._owed.pop(request_id, None)
         self._heads.pop(request_id, None)
 
     def restart(self, request_id: str) -> None:
         """Resumed after preemption: no draft is owed. A pending row stays: it is used only if
         the request resumes right after it (from a checkpoint at that chunk's end)."""
+        self._owed.pop(request_id, None)
         self._heads.pop(request_id, None)
 
     def clear(self) -> None:
         self._pending.clear()
+        self._owed.clear()
         self._heads.clear()
 
     def advance(self, scheduled: list[ScheduledRequest], hidden: torch.Tensor, yielded: dict[str, list[int]],
                 block_tables: dict[str, list[int]]) -> None:  # fmt: skip
-        """The MTP pass after a step. `scheduled` in batch order, `hidden` [T, D] the target's
-        final hidden state of every row of the step, `yielded` the tokens each sampling request
-        got (kept drafts, then the target's own)."""
+        """After a step. `scheduled` in batch order, `hidden` [T', D] the target's final hidden
+        state of every row of the step (T' >= T: padding rows after them), `yielded` the
+        tokens each sampling request got (kept drafts, then the target's own)."""
         self._heads.clear()
+        self.novelty = STEADY
         rows: list[_Row] = []
         offset = 0
         for s in scheduled:
             h = hidden[offset : offset + s.num_new_tokens]
             offset += s.num_new_tokens
             row = self._row(s, h, yielded.get(s.request_id))
-            if row is not None:
-                rows.append(row)
+            if row is None:
+                continue
+            owed = self._owed.pop(row.request_id, [])
+            if owed and owed[-1].first + len(owed[-1].next_tokens) != row.first:
+                owed = []  # (computed again since)
+            owed.append(row)
+            end = row.first + len(row.next_tokens)
+            if row.wants_draft and end // self.layout.block_size == owed[0].first // self.layout.block_size:
+                self._owed[row.request_id] = owed  # (no block filled: run when it drafts)
+            else:
+                rows.append(_joined(owed, row.wants_draft))
+        self._run_heads(rows, block_tables)
+
+    def _run_heads(self, rows: list[_Row], block_tables: dict[str, list[int]]) -> None:
+        """One MTP pass over `rows`; where a row drafts, its request's head."""
         if rows:
             outputs = self._run(rows, block_tables)
             for row, (z, draft) in zip([r for r in rows if r.wants_draft], outputs):
@@ -120,6 +173,13 @@ class MTPDrafter:
         """Up to k drafts for each request in `wanted` that sampled in the last step."""
         drafts: dict[str, list[int]] = {}
         heads: dict[str, tuple[_Head, int]] = {}
+        self.novelty, self.catch_up_s = STEADY, 0.0
+        owed = [self._owed.pop(rid) for rid, k in wanted.items() if k >= 1 and rid in self._owed]
+        if earlier := [_joined(rows[:-1], False) for rows in owed if len(rows) > 1]:
+            start = time.perf_counter()
+            self._run_heads(earlier, block_tables)
+            self.catch_up_s = time.perf_counter() - start
+        self._run_heads([rows[-1] for rows in owed], block_tables)
         for request_id, k in wanted.items():
             head = self._heads.pop(request_id, None)
             if head is None or k < 1:
@@ -135,7 +195,7 @@ class MTPDrafter:
                     for rid, (head, _) in heads.items()]  # fmt: skip
             for row, (z, draft) in zip(rows, self._run(rows, block_tables)):
                 head, k = heads[row.request_id]
-                head.hidden = z
+                head.hidden = z.clone()  # (a replay's output: the next replay of its shape overwrites it)
                 drafts[row.request_id].append(draft)
                 if len(drafts[row.request_id]) >= k:
                     del heads[row.request_id]
@@ -143,16 +203,61 @@ class MTPDrafter:
         return drafts
 
     def _run(self, rows: list[_Row], block_tables: dict[str, list[int]]) -> list[tuple[torch.Tensor, int]]:
-        """One MTP forward over `rows` (decodes first, as a batch wants them); per row that
-        wants a draft, in `rows` order: the normed output at its last position and its argmax."""
-        order = sorted(range(len(rows)), key=lambda i: 0 if len(rows[i].next_tokens) == 1 and rows[i].first > 0 else 1)
+        """One MTP forward over `rows`; per row that wants a draft, in `rows` order: the normed
+        output at its last position and its argmax. A row of a few positions on a cached
+        context runs as a verify does (a query per position, as captured steps run them), a
+        longer one as a prefill chunk."""
+        kinds = [_kind(r) for r in rows]
+        order = sorted(range(len(rows)), key=kinds.__getitem__)  # decodes, verifies, prefill chunks: as a batch wants them
         requests = [BatchRequest(rows[i].first, len(rows[i].next_tokens), block_tables[rows[i].request_id], 0,
-                                 rows[i].wants_draft) for i in order]  # fmt: skip
+                                 rows[i].wants_draft, len(rows[i].next_tokens) - 1 if kinds[i] == VERIFY else 0)
+                    for i in order]  # fmt: skip
         cfg = self.model.config
-        batch = make_forward_batch(requests, cfg, self.layout.block_size, self.layout.num_blocks, self.device)
-        tokens = torch.tensor([t for i in order for t in rows[i].next_tokens], dtype=torch.long, device=self.device)
+        batch = make_forward_batch(requests, cfg, self.layout.block_size, self.layout.num_blocks, self.device, kda=False)
+        batch.logits_indices = host_tensor(_last_rows([rows[i] for i in order]), self.device)  # (a verify wants every row's)
+        tokens = host_tensor([t for i in order for t in rows[i].next_tokens], self.device)
         hidden = torch.cat([rows[i].hidden for i in order])
-        z = self.model.mtp(self.model.embed(tokens), hidden, batch, self.cache)
-        picks = self.model.compute_logits(z).max(-1).indices.tolist()
-        by_row = dict(zip([i for i in order if rows[i].wants_draft], zip(z, picks)))
+        if (self.captured is not None and all(r.wants_draft for r in rows) and PREFILL not in kinds
+                and not has_forward_hooks(self.model)):  # fmt: skip
+            z, picks = self.captured.run((tokens, hidden), batch)
+            if self.novelty != NEW_SHAPE:
+                self.novelty = self.captured.novelty or self.novelty
+        else:
+            z, picks = draft_pass(self.model, self.cache, tokens, hidden, batch)
+        by_row = dict(zip([i for i in order if rows[i].wants_draft], zip(z, picks.tolist())))
         return [by_row[i] for i in range(len(rows)) if rows[i].wants_draft]
+
+
+DECODE, VERIFY, PREFILL = 0, 1, 2
+VERIFY_ROWS = 8  # the most positions a row runs as a verify
+
+
+def _kind(row: _Row) -> int:
+    if row.first == 0 or len(row.next_tokens) > VERIFY_ROWS:
+        return PREFILL
+    return DECODE if len(row.next_tokens) == 1 else VERIFY
+
+
+def _last_rows(rows: list[_Row]) -> list[int]:
+    """The batch rows of each drafting row's last position (only those go on past attention)."""
+    last, end = [], 0
+    for row in rows:
+        end += len(row.next_tokens)
+        if row.wants_draft:
+            last.append(end - 1)
+    return last
+
+
+def _joined(rows: list[_Row], wants_draft: bool) -> _Row:
+    """Consecutive rows of one request as one."""
+    if len(rows) == 1 and rows[0].wants_draft == wants_draft:
+        return rows[0]
+    return _Row(rows[0].request_id, rows[0].first, torch.cat([r.hidden for r in rows]),
+                [t for r in rows for t in r.next_tokens], wants_draft)  # fmt: skip
+
+
+def draft_pass(model: Glm5NextForCausalLM, cache: MLACache, tokens: torch.Tensor, hidden: torch.Tensor,
+               batch) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """One MTP pass: the normed MTP output of each drafting row and its argmax, the draft."""
+    z = model.mtp(model.embed(tokens), hidden, batch, cache)
+    return z, model.compute_logits(z).argmax(-1)

@@ -93,7 +93,7 @@ class ModelRunner:
         self.caches = [spec.allocate(layout, device) for spec in cache_specs]
         self.kda_caches = [cache for cache in self.caches if isinstance(cache, KDACache)]
         # MTP speculation: the MTP layer's cache is the last one, after the decoder layers'
-        self.drafter = MTPDrafter(model, self.caches[-1], layout, device) if mtp_drafts else None
+        self.drafter = MTPDrafter(model, self.caches[-1], layout, device, captures=capturing) if mtp_drafts else None
         ring = replay_length(cache_specs)
         self.rings = ReplayBook(layout.num_slots, ring) if ring else None  # KDA ReplaySSM ring counts
         self.checkpoints = CheckpointStore(cache_specs, num_checkpoints, device) if num_checkpoints else None  # prefix caching
@@ -114,6 +114,7 @@ class ModelRunner:
         # The last step's `CapturedDecode.novelty` (the most novel of its passes): what its time
         # says of the steps of its shape to come (`Scheduler.observe_step`).
         self.novelty = STEADY
+        self._drafting_novelty = STEADY  # of the MTP passes that drafted for the next step
 
     def drop(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
@@ -128,7 +129,9 @@ class ModelRunner:
         Drafts are optional: a failure to make them is logged, and the step goes on plainly."""
         with span(self.tracer, "mtp_draft", track="engine"):
             try:
-                return self.drafter.propose(wanted, self._block_tables(wanted))
+                drafts = self.drafter.propose(wanted, self._block_tables(wanted))
+                self._drafting_novelty = self.drafter.novelty  # (the step these drafts go into is charged them)
+                return drafts
             except Exception:  # noqa: BLE001 -- never let an optional draft fail the requests
                 log.exception("oxserve: MTP drafting failed; this step's requests decode without drafts")
                 self.drafter.clear()
@@ -142,6 +145,7 @@ class ModelRunner:
         if self.workers is not None:
             self.workers.send("settle", out.without_pixels())
         with self._guard("settling a step"):
+            self._settle_drafts(out)
             self.drop(out.finished_request_ids)
             self.apply_cache_ops(out)
 
@@ -167,7 +171,8 @@ class ModelRunner:
     @torch.inference_mode()
     def _execute(self, out: SchedulerOutput) -> ModelRunnerOutput | None:
         self._replay_greedy = None
-        self.novelty = STEADY
+        self.novelty, self._drafting_novelty = self._drafting_novelty, STEADY
+        self._settle_drafts(out)
         self.apply_cache_ops(out)
         self._update_states(out)
         scheduled = sorted(out.scheduled, key=_batch_order)
@@ -199,11 +204,25 @@ class ModelRunner:
         with span(self.tracer, "mtp_advance", track="engine"):
             try:
                 self.drafter.advance(scheduled, self._step_hidden, yielded, self._block_tables(s.request_id for s in scheduled))
+                self._observe_novelty(self.drafter.novelty)
             except Exception:  # noqa: BLE001 -- the step's tokens stand; only the drafts are lost
                 log.exception("oxserve: the MTP pass failed; drafting restarts from the next step")
                 self.drafter.clear()
             finally:
                 self._step_hidden = None
+
+    @torch.inference_mode()
+    def _settle_drafts(self, out: SchedulerOutput) -> None:
+        """The MTP passes that finished requests owe, and those owed in blocks this step's
+        cache operations copy, before they do (`MTPDrafter.settle`): a failure costs drafts only."""
+        if self.drafter is None or not (owing := [rid for rid in self.drafter.owing() if rid in self.requests]):
+            return
+        with span(self.tracer, "mtp_settle", track="engine"):
+            try:
+                self.drafter.settle(out.finished_request_ids, {src for src, _ in out.cache_ops.copies}, self._block_tables(owing))
+            except Exception:  # noqa: BLE001 -- the step's requests stand; only the drafts are lost
+                log.exception("oxserve: an owed MTP pass failed; drafting restarts from the next step")
+                self.drafter.clear()
 
     def _sample(self, sampling: list[ScheduledRequest], logits: torch.Tensor) -> tuple[list[list[int]], list]:
         """One token per plain request; for a request verifying drafts, the drafts it keeps
@@ -310,9 +329,10 @@ class ModelRunner:
         batch.tracer = self.tracer
         with span(self.tracer, "forward", track="engine", **step_conditions(batch), padding_rows=len(padding)):
             if self._replayable(batch, scheduled, mm_embeds):
-                logits, staged, greedy = self.captured.run(input_ids, batch, recurs=size is not None)
-                if self.novelty != NEW_SHAPE:
-                    self.novelty = self.captured.novelty or self.novelty
+                logits, staged, greedy, hidden = self.captured.run(input_ids, batch, recurs=size is not None)
+                self._observe_novelty(self.captured.novelty)
+                if self.drafter is not None:  # every row's (`_replayable`), padding rows last
+                    self._step_hidden = hidden
                 for cache, conv in zip(self.kda_caches, staged):  # a replay stages what its recording did
                     cache.staged_conv = conv
                 if padding:  # (the padding rows are the last)
@@ -335,17 +355,24 @@ class ModelRunner:
         """The batch size a step of plain decodes replays as (`DecodePadding.size_for`: padding
         rows fill it up); None for other steps, in deterministic mode, and where a step of
         decodes would not replay."""
-        if (self.padding is None or self.deterministic or self.drafter is not None or has_forward_hooks(self.model)
+        if (self.padding is None or self.deterministic or has_forward_hooks(self.model)
                 or not all(s.is_decode and not s.verifies and not s.prompt_logprob_positions for s in scheduled)):
             return None  # fmt: skip (deterministic: every pass one request, whatever ran before)
         shape = table_shape(requests, self.layout.block_size)  # (padding rows leave it as it is)
         return self.padding.size_for(len(scheduled), self.captured.decode_sizes(*shape), self.captured.recording_s)
 
     def _replayable(self, batch, scheduled: list[ScheduledRequest], mm_embeds) -> bool:
-        """A step of decodes and verifies (`CapturedDecode.wants`) whose logits are all its sampling rows,
-        on a model without Python hooks (fault injection, tests), which a replay would skip."""
-        return (self.captured is not None and self.drafter is None and mm_embeds is None and self.captured.wants(batch)
-                and not any(s.prompt_logprob_positions for s in scheduled) and not has_forward_hooks(self.model))  # fmt: skip
+        """A step of decodes and verifies (`CapturedDecode.wants`) whose logits are its sampling
+        rows (with MTP drafting: all its rows, whose hidden states the drafter reads), on a model
+        without Python hooks (fault injection, tests), which a replay would skip."""
+        return (self.captured is not None and mm_embeds is None and self.captured.wants(batch)
+                and not any(s.prompt_logprob_positions for s in scheduled) and not has_forward_hooks(self.model)
+                and (self.drafter is None or batch.logits_indices.shape[0] == batch.num_tokens))  # fmt: skip
+
+    def _observe_novelty(self, novelty: str) -> None:
+        """The step's novelty is its most novel pass's."""
+        if self.novelty != NEW_SHAPE:
+            self.novelty = novelty or self.novelty
 
     def export_caches(self, request_id: str, num_tokens: int) -> dict[str, torch.Tensor]:
         """Copies of the caches of a request's first `num_tokens` tokens, the whole model's
@@ -422,15 +449,17 @@ class ModelRunner:
 def decode_logits(model: Glm5NextForCausalLM, caches: list, kda_caches: list[KDACache], input_ids: torch.Tensor,
                   batch) -> tuple:
     """A decode step's logits, the conv states each KDA layer (`kda_caches`, among `caches`)
-    staged for verified tokens (`KDACache.staged_conv`, read after sampling), and each logits
-    row's argmax where the native pass takes them (else None): what `CapturedDecode` records
+    staged for verified tokens (`KDACache.staged_conv`, read after sampling), each logits
+    row's argmax where the native pass takes them (else None), and the final hidden states
+    that made the logits (the MTP drafter reads them): what `CapturedDecode` records
     and replays (a replay recomputes those tensors, but sets no attribute). The argmax rides in
     the replay because on the host it cost more than its pass: after a replay has streamed the
     weights through the caches, the sampler's checks and its allocation took ~70 us of a
     batch-1 step here."""
-    logits = model.compute_logits(model(input_ids, batch, caches), batch.tracer)
+    hidden = model(input_ids, batch, caches)
+    logits = model.compute_logits(hidden, batch.tracer)
     greedy = argmax_native(logits) if logits is not None and argmax_fit(logits) else None  # (None: a rank but the first)
-    return logits, [cache.staged_conv for cache in kda_caches], greedy
+    return logits, [cache.staged_conv for cache in kda_caches], greedy, hidden
 
 
 def _image_spans(scheduled: list[ScheduledRequest], items_of) -> list[RowSpan]:

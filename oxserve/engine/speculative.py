@@ -72,6 +72,7 @@ class NgramProposer:
 
     def __init__(self, config: SpeculativeConfig):
         self.lookup_max, self.lookup_min = config.prompt_lookup_max, config.prompt_lookup_min
+        self.deferred_s = 0.0  # (nothing is deferred to a proposal: `MTPProposer.deferred_s`)
 
     def propose(self, wanted: list[tuple[Request, int]]) -> dict[str, list[int]]:
         return {r.request_id: ngram_drafts(r.prompt_token_ids + r.output_token_ids, k, self.lookup_max, self.lookup_min)
@@ -84,9 +85,12 @@ class MTPProposer:
 
     def __init__(self, runner):
         self.runner = runner
+        self.deferred_s = 0.0  # of the last `propose`: MTP passes plain steps left owed, not a cost of the drafts
 
     def propose(self, wanted: list[tuple[Request, int]]) -> dict[str, list[int]]:
-        return self.runner.propose_drafts({r.request_id: k for r, k in wanted})
+        drafts = self.runner.propose_drafts({r.request_id: k for r, k in wanted})
+        self.deferred_s = self.runner.drafter.catch_up_s
+        return drafts
 
 
 def make_proposer(config: SpeculativeConfig, runner) -> NgramProposer | MTPProposer:

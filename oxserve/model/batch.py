@@ -169,10 +169,11 @@ def make_forward_batch(
     num_blocks: int,
     device: torch.device | str,
     rings: ReplayBook | None = None,
+    kda: bool = True,
 ) -> ForwardBatch:
     """Every piece of step metadata, from host-side lists (for 8+ plain decodes, partly as
     array arithmetic). With ReplaySSM, `rings` is the host's book of ring counts, advanced past
-    this step."""
+    this step. `kda=False`: for layers without KDA (the MTP layer's), no KDA layouts."""
     seq_len_bound, width = table_shape(requests, block_size)
     tables = np.full((len(requests), width), num_blocks, dtype=np.int64)
     for r, req in enumerate(requests):
@@ -206,14 +207,14 @@ def make_forward_batch(
         num_verifies=num_verifies,
     )
     verify_lens = query_lens[num_decodes : num_decodes + num_verifies]
-    if cfg.kda_layers:
+    if kda and cfg.kda_layers:
         size, exact = chunk_plan(cfg.linear_lower_bound)
         batch.conv, batch.query_runs, batch.chunks = _kda_layouts(
             tuple(query_lens), num_decodes, num_verifies, cfg.linear_conv_kernel_dim, size, exact, device)
     if rings is not None:
         has_context = [req.num_computed_tokens > 0 for req in requests]
         batch.rings = rings.advance([req.state_slot for req in requests], has_context, num_decodes, device, verify_lens)
-    elif num_verifies and cfg.kda_layers:
+    elif num_verifies and kda and cfg.kda_layers:
         raise ValueError("verifying draft tokens needs ReplaySSM rings for the KDA layers (--kda-decode replay)")
     if cfg.full_indexer_layers:
         if plain_decodes:
