@@ -229,7 +229,7 @@ class MTPDrafter:
 
 
 DECODE, VERIFY, PREFILL = 0, 1, 2
-VERIFY_ROWS = 8  # the most positions a row runs as a verify
+VERIFY_ROWS = 16  # the most positions a row runs as a verify (a probe every 16 decodes catches up 15)
 
 
 def _kind(row: _Row) -> int:
