@@ -41,6 +41,7 @@ from oxserve.cache.layers import MLACache
 from oxserve.cache.spec import CacheLayout
 from oxserve.engine.capture import CapturedDecode, has_forward_hooks
 from oxserve.engine.interface import NEW_SHAPE, STEADY, ScheduledRequest
+from oxserve.kernels.rows import argmax_fit, argmax_native
 from oxserve.model.batch import BatchRequest, host_tensor, make_forward_batch
 from oxserve.model.glm5_next import Glm5NextForCausalLM
 
@@ -260,4 +261,5 @@ def draft_pass(model: Glm5NextForCausalLM, cache: MLACache, tokens: torch.Tensor
                batch) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """One MTP pass: the normed MTP output of each drafting row and its argmax, the draft."""
     z = model.mtp(model.embed(tokens), hidden, batch, cache)
-    return z, model.compute_logits(z).argmax(-1)
+    logits = model.compute_logits(z)
+    return z, argmax_native(logits) if argmax_fit(logits) else logits.argmax(-1)

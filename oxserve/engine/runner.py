@@ -215,7 +215,9 @@ class ModelRunner:
     def _settle_drafts(self, out: SchedulerOutput) -> None:
         """The MTP passes that finished requests owe, and those owed in blocks this step's
         cache operations copy, before they do (`MTPDrafter.settle`): a failure costs drafts only."""
-        if self.drafter is None or not (owing := [rid for rid in self.drafter.owing() if rid in self.requests]):
+        if self.drafter is None or not (out.finished_request_ids or out.cache_ops.copies):
+            return
+        if not (owing := [rid for rid in self.drafter.owing() if rid in self.requests]):
             return
         with span(self.tracer, "mtp_settle", track="engine"):
             try:
