@@ -81,8 +81,9 @@ def _drafting_every(monkeypatch, every: int) -> None:
                         lambda self, decodes: (0.5, 99) if every and next(steps) % every == 0 else None)  # fmt: skip
 
 
-def _spy_first_drafts(llm) -> list[tuple[int, int]]:
-    """(tokens the request had, its first draft) of every proposal from now on."""
+def _spy_first_drafts(llm, by_request: dict | None = None) -> list[tuple[int, int]]:
+    """(tokens the request had, its first draft) of every proposal from now on; with
+    `by_request`, also listed there by request id."""
     seen: list[tuple[int, int]] = []
     propose = llm.engine.runner.propose_drafts
 
@@ -90,6 +91,8 @@ def _spy_first_drafts(llm) -> list[tuple[int, int]]:
         drafts = propose(wanted)
         for rid, d in drafts.items():
             seen.append((llm.engine.scheduler.requests[rid].num_tokens, d[0]))
+            if by_request is not None:
+                by_request.setdefault(rid, []).append(seen[-1])
         return drafts
 
     llm.engine.runner.propose_drafts = spy
@@ -180,6 +183,29 @@ def test_64_concurrent_greedy_requests_with_mtp_equal_their_solo_runs(tiny_mtp_d
         if first is not None:
             top = sorted(alone.logprobs[first].values(), reverse=True)
             assert top[0] - top[1] < 1e-4, f"diverged at token {first} (margin {top[0] - top[1]:.3g})"
+
+
+def test_drafts_after_preemption_are_the_mtp_layer_run_over_the_whole_sequence(tiny_mtp_dir, monkeypatch):
+    """Requests preempted for lack of blocks while they owe MTP passes (drafting at most
+    every third step), then resumed: their drafts, before and after, are the MTP layer's over
+    the whole sequence."""
+    _drafting_every(monkeypatch, 3)
+    rng = random.Random()
+    prompts = [[rng.randrange(20, 8000) for _ in range(rng.randrange(10, 20))] for _ in range(4)]
+    llm = LLM(model=str(tiny_mtp_dir), dtype="float32", speculative_config=MTP_SPEC, block_size=16, num_blocks=20,
+              max_num_seqs=4, prefix_checkpoint_policy="lru")  # fmt: skip
+    _poison_mtp_cache(llm)
+    by_request: dict[str, list[tuple[int, int]]] = {}
+    _spy_first_drafts(llm, by_request)
+    params = SamplingParams(temperature=0.0, max_tokens=90, ignore_eos=True)
+    ids = [llm.engine.add_request(None, {"prompt_token_ids": p}, params) for p in prompts]
+    outputs = {}
+    while llm.engine.has_unfinished_requests():
+        outputs.update({o.request_id: o for o in llm.engine.step() if o.finished})
+    assert llm.engine.stats().num_preemptions > 0
+    for rid, prompt in zip(ids, prompts):
+        assert len(by_request[rid]) > 5
+        _assert_mtp_argmax(tiny_mtp_dir, prompt + outputs[rid].outputs[0].token_ids, by_request[rid])
 
 
 @pytest.mark.parametrize("prompt_len", [6, 16], ids=["partial-block-copied", "full-block-shared"])

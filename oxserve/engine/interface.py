@@ -81,6 +81,9 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest]  # decodes first, then prefill chunks
     finished_request_ids: list[str] = field(default_factory=list)  # since the last step: drop their state
     cache_ops: CacheOps = field(default_factory=CacheOps)  # prefix caching: applied before the forward
+    # Preempted (or isolated after a failed step) since the last step: back in the queue, their
+    # blocks freed; they restart on the runner as new requests
+    requeued_request_ids: list[str] = field(default_factory=list)
 
     def __reduce__(self):
         return _rebuilt(self)

@@ -17,9 +17,12 @@ target, with its own MLA cache (one more layer in the same paged blocks):
 
 A request that does not draft (the guard finds drafts do not pay) thus costs one MTP pass a
 block, not one a step, and what a probe after such a pause owes is not a cost of its drafts
-(the guard is not charged `catch_up_s`). A block's MTP entries are all written in the step
-that fills it, before prefix caching can share it; a request's owed positions are run before
-prefix caching copies the block they lie in, or when it finishes (`settle`).
+(the guard is not charged `catch_up_s`). A block's MTP entries are written in the step that
+fills it, before prefix caching can share it (but for a prefill chunk's last position, which
+waits for the next chunk's first token, as it always has); a request's owed positions are run
+before prefix caching copies the block they lie in, and when it leaves its blocks (finished,
+preempted, handed to a decode instance: `settle`). After a failed MTP pass the owed positions
+are dropped with the rest (`clear`): their entries stay unwritten, which costs drafts only.
 
 The passes whose rows all draft (after decode and verify steps) are captured steps: each
 shape recorded the second time it is met, then replayed (`engine.capture`); the others run
@@ -90,15 +93,16 @@ class MTPDrafter:
         """The requests that owe MTP passes."""
         return list(self._owed)
 
-    def settle(self, finished: list[str], copied: set[int], block_tables: dict[str, list[int]]) -> None:
-        """One pass over the positions owed by `finished` requests and by those whose owed
-        positions lie in a block that prefix caching copies this step (`copied`): a copy, now or
-        later (a finished request's last block), must find their MTP entries. (A finished
-        request's block, if it has a new owner already, is written by that owner before it
-        reads it.) `block_tables`: every owing request's."""
+    def settle(self, left: list[str], copied: set[int], block_tables: dict[str, list[int]]) -> None:
+        """One pass over the positions owed by requests that `left` their blocks since the last
+        step (finished, requeued, exported) and by those whose owed positions lie in a block
+        that prefix caching copies this step (`copied`): a copy, now or later (a finished or
+        preempted request's last block, pinned by a checkpoint), must find their MTP entries.
+        A block freed since the last step and given to another request is written by its new
+        owner, from this step on, before it reads it. `block_tables`: every owing request's."""
         bs = self.layout.block_size
         due = [rid for rid, rows in self._owed.items() if rid in block_tables
-               and (rid in finished or block_tables[rid][rows[0].first // bs] in copied)]  # fmt: skip
+               and (rid in left or block_tables[rid][rows[0].first // bs] in copied)]  # fmt: skip
         if due:
             self._run([_joined(self._owed.pop(rid), False) for rid in due], block_tables)
 
@@ -176,7 +180,8 @@ class MTPDrafter:
         heads: dict[str, tuple[_Head, int]] = {}
         self.novelty, self.catch_up_s = STEADY, 0.0
         owed = [self._owed.pop(rid) for rid, k in wanted.items() if k >= 1 and rid in self._owed]
-        if earlier := [_joined(rows[:-1], False) for rows in owed if len(rows) > 1]:
+        # (drafting rows, whose heads the next pass replaces: a pass whose rows all draft can replay)
+        if earlier := [_joined(rows[:-1], True) for rows in owed if len(rows) > 1]:
             start = time.perf_counter()
             self._run_heads(earlier, block_tables)
             self.catch_up_s = time.perf_counter() - start
@@ -230,7 +235,7 @@ class MTPDrafter:
 
 
 DECODE, VERIFY, PREFILL = 0, 1, 2
-VERIFY_ROWS = 16  # the most positions a row runs as a verify (a probe every 16 decodes catches up 15)
+VERIFY_ROWS = 16  # the most positions a row runs as a verify (a probe every 16 decodes catches up 15 or 16)
 
 
 def _kind(row: _Row) -> int:

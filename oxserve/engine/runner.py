@@ -128,6 +128,7 @@ class ModelRunner:
         """MTP drafts: up to k for each request in `wanted` (that sampled in the last step).
         Drafts are optional: a failure to make them is logged, and the step goes on plainly."""
         with span(self.tracer, "mtp_draft", track="engine"):
+            self.drafter.catch_up_s = 0.0
             try:
                 drafts = self.drafter.propose(wanted, self._block_tables(wanted))
                 self._drafting_novelty = self.drafter.novelty  # (the step these drafts go into is charged them)
@@ -145,7 +146,7 @@ class ModelRunner:
         if self.workers is not None:
             self.workers.send("settle", out.without_pixels())
         with self._guard("settling a step"):
-            self._settle_drafts(out)
+            self._settle_step_drafts(out)
             self.drop(out.finished_request_ids)
             self.apply_cache_ops(out)
 
@@ -172,7 +173,7 @@ class ModelRunner:
     def _execute(self, out: SchedulerOutput) -> ModelRunnerOutput | None:
         self._replay_greedy = None
         self.novelty, self._drafting_novelty = self._drafting_novelty, STEADY
-        self._settle_drafts(out)
+        self._settle_step_drafts(out)
         self.apply_cache_ops(out)
         self._update_states(out)
         scheduled = sorted(out.scheduled, key=_batch_order)
@@ -211,17 +212,22 @@ class ModelRunner:
             finally:
                 self._step_hidden = None
 
+    def _settle_step_drafts(self, out: SchedulerOutput) -> None:
+        """Before the step's cache operations: the MTP passes owed by requests that left their
+        blocks since the last step (requeued; finished, where prefix caching may copy or
+        share their blocks) and those owed in the blocks the operations copy."""
+        if self.drafter is not None and (out.requeued_request_ids or out.finished_request_ids or out.cache_ops.copies):
+            left = out.requeued_request_ids + (out.finished_request_ids if self.checkpoints is not None else [])
+            self._settle_drafts(left, {src for src, _ in out.cache_ops.copies})
+
     @torch.inference_mode()
-    def _settle_drafts(self, out: SchedulerOutput) -> None:
-        """The MTP passes that finished requests owe, and those owed in blocks this step's
-        cache operations copy, before they do (`MTPDrafter.settle`): a failure costs drafts only."""
-        if self.drafter is None or not (out.finished_request_ids or out.cache_ops.copies):
-            return
+    def _settle_drafts(self, left: list[str], copied: set[int]) -> None:
+        """`MTPDrafter.settle`: a failure costs drafts only."""
         if not (owing := [rid for rid in self.drafter.owing() if rid in self.requests]):
             return
         with span(self.tracer, "mtp_settle", track="engine"):
             try:
-                self.drafter.settle(out.finished_request_ids, {src for src, _ in out.cache_ops.copies}, self._block_tables(owing))
+                self.drafter.settle(left, copied, self._block_tables(owing))
             except Exception:  # noqa: BLE001 -- the step's requests stand; only the drafts are lost
                 log.exception("oxserve: an owed MTP pass failed; drafting restarts from the next step")
                 self.drafter.clear()
@@ -389,6 +395,8 @@ class ModelRunner:
     def export_piece(self, request_id: str, num_tokens: int) -> dict[str, torch.Tensor]:
         """This rank's piece of `export_caches` (of a parallel rank's: what rank 0 keeps of it)."""
         state = self.requests[request_id]
+        if self.drafter is not None:  # (its MTP entries go too)
+            self._settle_drafts([request_id], set())
         blocks = state.blocks.ids[: -(-num_tokens // self.layout.block_size)]
         piece = export_caches(self.caches, self.layout.num_blocks, blocks, state.slot, self.rings)
         return needed_part(piece, self.model.tp.rank, self.model.ls.rank)

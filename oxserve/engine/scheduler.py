@@ -84,6 +84,7 @@ class Scheduler:
         self.num_draft_tokens = 0  # draft tokens verified
         self.num_accepted_tokens = 0  # ... and kept
         self._finished_ids: list[str] = []  # retired since the last schedule(): the runner drops them
+        self._requeued_ids: list[str] = []  # requeued since the last schedule() (`SchedulerOutput`)
         self._blocks_sent: dict[str, int] = {}  # blocks of each running request the runner already has
         self.pacer = StepPacer(config.max_stall)
         self.draft_cost = DraftCost()  # speculative decoding: what a draft row costs at this batch size
@@ -118,7 +119,8 @@ class Scheduler:
         if not all(decodes[: decodes.count(True)]):  # stable: decodes first, arrival order kept
             scheduled = [s for s, d in zip(scheduled, decodes) if d] + [s for s, d in zip(scheduled, decodes) if not d]
         finished, self._finished_ids = self._finished_ids, []
-        return SchedulerOutput(new_requests, scheduled, finished, self.cache.next_step())
+        requeued, self._requeued_ids = self._requeued_ids, []
+        return SchedulerOutput(new_requests, scheduled, finished, self.cache.next_step(), requeued)
 
     def _choose(self, only: Request | None = None, skip: Request | None = None) -> tuple[list[tuple[Request, int]], bool]:
         """(request, tokens) for this step, and whether it preempted; with `only`, that
@@ -325,6 +327,7 @@ class Scheduler:
         """Free what a request holds and put it at the front of the queue, to start over."""
         self.cache.release(request.request_id)
         self._blocks_sent.pop(request.request_id, None)  # it restarts on the runner as a new request
+        self._requeued_ids.append(request.request_id)
         request.num_computed_tokens = 0
         request.draft_token_ids = []
         request.status = RequestStatus.WAITING
