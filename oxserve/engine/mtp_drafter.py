@@ -29,7 +29,8 @@ shape recorded the second time it is met, then replayed (`engine.capture`); the 
 eagerly. Drafts are greedy (point masses), so `verify`'s rejection sampling keeps the
 target's distribution exactly whatever the drafts are. The recursion writes MTP entries at
 positions the target has not computed yet; the pass over those positions, once computed,
-overwrites them with the real ones (a request's passes run its positions in order). It never writes past a request's allocated blocks: a draft that would is not made.
+overwrites them with the real ones (a request's passes run its positions in order). It
+never writes past a request's allocated blocks: a draft that would is not made.
 """
 
 from __future__ import annotations
