@@ -533,13 +533,13 @@ int panels_routed(const uint16_t *x, int64_t T, int64_t H, const int64_t *ids, c
                          take_experts_scratch(T, 1, shared_I));
     }
     sort_pairs(ids, P, E, offsets, slot_of);
-    #pragma omp parallel for num_threads(nthreads) schedule(static)
+    #pragma omp parallel for num_threads(nthreads) schedule(static) if (T > 1)
     for (int64_t p = 0; p < P; p++) {
         memcpy(rows + slot_of[p] * H, x + (p / k) * H, (size_t)H * sizeof(uint16_t));
         row_weight[slot_of[p]] = weights[p];
     }
     experts_products(rows, P, H, offsets, E, row_weight, gate_up, down, I, limit, out, nthreads, routed_scratch);
-    #pragma omp parallel for num_threads(nthreads) schedule(static)
+    #pragma omp parallel for num_threads(nthreads) schedule(static) if (T > 1)
     for (int64_t t = 0; t < T; t++) {
         float *sum = acc + (int64_t)omp_get_thread_num() * H;
         memset(sum, 0, (size_t)H * sizeof(float));

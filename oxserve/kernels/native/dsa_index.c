@@ -26,7 +26,7 @@ int dsa_index_scores(const void *q, const void *head_weights, int q_bf16, float 
                      int64_t pools_per_block, const void *pool_keys, int bf16, int64_t tokens, int heads, int64_t dim,
                      int64_t num_pools, float scale, float hidden, float *out, int threads) {
     if (dim > MAX_DIM || heads > MAX_HEADS || heads * dim > MAX_QUERY) return -1;
-#pragma omp parallel for num_threads(threads) schedule(static)
+#pragma omp parallel for num_threads(threads) schedule(static) if (tokens > 1)
     for (int64_t t = 0; t < tokens; t++) {
         const int64_t *table = block_tables + request[t] * max_blocks;
         const int64_t visible = (pos[t] + 1) / kpool;

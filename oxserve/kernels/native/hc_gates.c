@@ -87,7 +87,7 @@ int hc_gates(const float *mixed, const float *base, const float *scale, int64_t 
              int iters, float eps, float *pre, float *post, float *comb, int threads) {
     if (n > MAX_N) return -1;
     const int width = (2 + n) * n;
-#pragma omp parallel for num_threads(threads) schedule(static)
+#pragma omp parallel for num_threads(threads) schedule(static) if (tokens > LANES)
     for (int64_t t0 = 0; t0 < tokens; t0 += LANES)
         gates_block(mixed + t0 * width, base, scale, t0, tokens - t0 < LANES ? (int)(tokens - t0) : LANES, n, iters,
                     eps, pre, post, comb);
@@ -320,7 +320,7 @@ int hc_collapse(const void *streams, int is_bf16, int64_t tokens, int n, int64_t
         memset(padded + width * flat, 0, (size_t)((fn_rows - width) * flat) * sizeof(float));
         fn = padded;
     }
-#pragma omp parallel for num_threads(threads) schedule(static)
+#pragma omp parallel for num_threads(threads) schedule(static) if (tokens > BLOCK)
     for (int64_t t0 = 0; t0 < tokens; t0 += BLOCK) {
         const int nt = tokens - t0 < BLOCK ? (int)(tokens - t0) : BLOCK;
         float *x = scratch + (int64_t)omp_get_thread_num() * per_thread, *row = x + BLOCK * ldx;
@@ -397,7 +397,7 @@ int hc_expand(const float *post, const float *comb, const void *block, const voi
     if (tokens == 0) return 0;
     if (threads < 1) threads = 1;
     const int64_t vector_end = d - d % W;
-#pragma omp parallel for num_threads(threads) schedule(static)
+#pragma omp parallel for num_threads(threads) schedule(static) if (tokens > 1)
     for (int64_t t = 0; t < tokens; t++) {
         float p[MAX_N], c[MAX_N * MAX_N]; /* c[j * n + i]: stream j's weight in output i */
         for (int i = 0; i < n; i++) p[i] = rounded(post[t * n + i], is_bf16);

@@ -85,7 +85,7 @@ int kda_conv_inputs(const void *mixed, void *conv_table, const int64_t *slots, c
     for (int64_t t = 0; t < tokens; t++) owner[t] = -1;
     for (int64_t b = 0; b < requests; b++)
         for (int64_t t = runs[2 * b]; t < runs[2 * b] + runs[2 * b + 1]; t++) owner[t] = b;
-#pragma omp parallel for num_threads(threads) schedule(static)
+#pragma omp parallel for num_threads(threads) schedule(static) if (tokens > 1)
     for (int64_t token = 0; token < tokens; token++) {
         const int64_t b = owner[token];
         if (b < 0) continue; /* a row no run covers */
@@ -129,7 +129,7 @@ int kda_conv_inputs(const void *mixed, void *conv_table, const int64_t *slots, c
     /* each request's state: its last K-1 inputs (older state rows first where the run is shorter);
      * requests spread over the threads (each request its own slot; the padding rows of a
      * captured step share one, whose values nothing reads: `engine.padding`) */
-#pragma omp parallel for num_threads(threads) schedule(static)
+#pragma omp parallel for num_threads(threads) schedule(static) if (requests > 1)
     for (int64_t b = 0; b < requests; b++) {
         const int64_t first = runs[2 * b], count = runs[2 * b + 1];
         char *state = (char *)conv_table + slots[b] * rows * state_row;

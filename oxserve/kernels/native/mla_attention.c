@@ -207,7 +207,7 @@ int mla_latent_attention(const void *q, const void *latent, const int64_t *posit
     int block_shift = -1;
     for (int s = 0; s < 62; s++)
         if ((INT64_C(1) << s) == block_size) block_shift = s;
-#pragma omp parallel for num_threads(threads) schedule(static)
+#pragma omp parallel for num_threads(threads) schedule(static) if (tokens > 1)
     for (int64_t t = 0; t < tokens; t++) {
         const int id = omp_get_thread_num();
         float *qf = scratch + id * per_thread, *acc = qf + heads * dim, *score = acc + heads * dim;

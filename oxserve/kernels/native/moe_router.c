@@ -29,7 +29,7 @@ int moe_route(const void *x, int bf16, int64_t tokens, int64_t hidden, const flo
               int64_t experts, int64_t n_group, int64_t topk_group, int64_t top_k, int normalise, float scaling,
               int64_t *ids, float *weights, float *row_scratch, int threads) {
     if (experts > MAX_EXPERTS || n_group < 1 || experts % n_group != 0) return -1;
-#pragma omp parallel for num_threads(threads) schedule(static)
+#pragma omp parallel for num_threads(threads) schedule(static) if (tokens > 1)
     for (int64_t t = 0; t < tokens; t++) {
         float score[MAX_EXPERTS], choice[MAX_EXPERTS];
         uint8_t eligible[MAX_EXPERTS];

@@ -550,7 +550,7 @@ static void expert_mlps(MlpScratch *s, int64_t P, const int32_t *offsets, int64_
  * x_bf16, else fp32) into s->h [T, H] fp32. */
 static void dense_mlp(const void *x, int x_bf16, int64_t T, int64_t H, int64_t I, float limit, const Stack *gu,
                       const Stack *d, MlpScratch *s, int nthreads) {
-    #pragma omp parallel for num_threads(nthreads) schedule(static)
+    #pragma omp parallel for num_threads(nthreads) schedule(static) if (T > 1)
     for (int64_t t = 0; t < T; t++) widen_row(x, t * H, H, x_bf16, s->in + t * H);
     const int32_t rows = (int32_t)T;
     expert_mlps(s, T, &rows, 1, NULL, H, I, limit, gu, d, nthreads);
@@ -595,13 +595,13 @@ int w8a8_panels_routed(const void *x, int x_bf16, int64_t T, int64_t H, const in
         dense_mlp(x, x_bf16, T, H, shared_I, limit, shared_gu, shared_d, &shared, nthreads);
     }
     sort_pairs(ids, P, E, offsets, slot_of);
-    #pragma omp parallel for num_threads(nthreads) schedule(static)
+    #pragma omp parallel for num_threads(nthreads) schedule(static) if (T > 1)
     for (int64_t p = 0; p < P; p++) {
         widen_row(x, (p / k) * H, H, x_bf16, s.in + slot_of[p] * H);
         row_weight[slot_of[p]] = weights[p];
     }
     expert_mlps(&s, P, offsets, E, row_weight, H, I, limit, gu, d, nthreads);
-    #pragma omp parallel for num_threads(nthreads) schedule(static)
+    #pragma omp parallel for num_threads(nthreads) schedule(static) if (T > 1)
     for (int64_t t = 0; t < T; t++) {
         float sum[H_CHUNK];
         for (int64_t c0 = 0; c0 < H; c0 += H_CHUNK) {
