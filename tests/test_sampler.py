@@ -8,7 +8,9 @@ from collections import Counter
 import pytest
 import torch
 
-from oxserve.engine.sampler import SamplingRow, apply_penalties, filtered_probs, greedy_tokens, make_generator, sample
+from oxserve.engine.sampler import (SamplingRow, apply_penalties, filtered_probs, greedy_tokens, inverse_cdf, make_generator,
+                                    sample, uniforms)
+from oxserve.kernels.sampling import sample_native
 from oxserve.sampling_params import SamplingParams
 
 # Total-variation tolerance for empirical vs. reference distributions. With N draws over
@@ -363,3 +365,72 @@ def test_greedy_tokens_are_argmax_ties_nan_and_inf_included(dtype):
     x[0, torch.randint(0, vocab, (3,), generator=gen)] = float("nan")
     x[-1] = float("-inf")
     assert torch.equal(greedy_tokens(x), x.argmax(dim=-1))
+
+
+# --- the native random sampler against the torch form ------------------------------------
+
+
+def _random_filters(gen: torch.Generator, rows: int) -> list[SamplingParams]:
+    """Each filter on in about half the rows, at random strengths."""
+    def coin() -> bool:
+        return bool(torch.rand(1, generator=gen) < 0.5)
+
+    def uniform(low: float, high: float) -> float:
+        return low + (high - low) * float(torch.rand(1, generator=gen))
+
+    return [SamplingParams(temperature=uniform(0.2, 2.0), top_k=int(torch.randint(1, 300, (1,), generator=gen)) if coin() else 0,
+                           top_p=uniform(0.05, 1.0) if coin() else 1.0, min_p=uniform(0.0, 0.3) if coin() else 0.0)
+            for _ in range(rows)]  # fmt: skip
+
+
+@pytest.mark.parametrize("vocab", [8192, 1000, 37, 2])
+def test_native_sampling_draws_the_torch_forms_token_from_each_uniform(vocab):
+    """Fresh random rows (logits at random scales, some masked to -inf) and filters: the
+    native sampler takes the token the torch form (`filtered_probs` then `inverse_cdf`) takes
+    for the same uniform number. They round e^x in their last bits differently, so a draw
+    that falls within rounding of a cut may differ: at most 2 in 2,000."""
+    gen = torch.Generator().manual_seed(random.randrange(2**31))
+    rows, batches, differ = 250, 8, 0
+    for _ in range(batches):
+        x = torch.randn(rows, vocab, generator=gen) * (0.2 + 4 * torch.rand(rows, 1, generator=gen))
+        x[torch.rand(rows, vocab, generator=gen) < 0.3 * torch.rand(rows, 1, generator=gen)] = float("-inf")
+        x[torch.arange(rows), torch.randint(vocab, (rows,), generator=gen)] = 0.5  # a finite logit in every row
+        params = _random_filters(gen, rows)
+        u = torch.rand(rows, dtype=torch.float64, generator=gen)
+        u[:4] = torch.tensor([0.0, 1.0 - 2**-53, 0.5, 1e-300], dtype=torch.float64)
+        expected = inverse_cdf(filtered_probs(x.clone(), params), u)
+        got = sample_native(x.clone(), params, u)
+        assert (x.gather(1, got.unsqueeze(1)) > float("-inf")).all()  # never a masked token
+        differ += int((got != expected).sum())
+    assert differ <= 2, f"{differ} of {rows * batches} draws differ"
+
+
+def test_native_top_k_keeps_the_tokens_tied_with_the_kth():
+    """As vLLM's top-k: every token at least the k-th largest logit stays (here 4 for k = 2)."""
+    x = torch.tensor([[1.0, 3.0, 2.0, 3.0, 2.0, 2.0, 0.0]])
+    params = [SamplingParams(temperature=1.0, top_k=2)]
+    seen = {int(sample_native(x.clone(), params, torch.tensor([u], dtype=torch.float64))) for u in torch.linspace(0, 0.999, 200).tolist()}
+    assert seen == {1, 3}
+    params = [SamplingParams(temperature=1.0, top_k=3)]
+    seen = {int(sample_native(x.clone(), params, torch.tensor([u], dtype=torch.float64))) for u in torch.linspace(0, 0.999, 200).tolist()}
+    assert seen == {1, 2, 3, 4, 5}
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_row_the_native_sampler_cannot_take_is_left_whole_for_the_torch_form(bad):
+    """A row holding NaN or +inf, or only -inf, gets -1 and is untouched; `sample` takes it
+    with the torch form and the other rows natively, each from its own seeded generator."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(4, 300, generator=gen)
+    x[1, 7] = bad
+    x[2] = float("-inf")
+    params = [SamplingParams(temperature=0.8, top_p=0.9, seed=s) for s in range(4)]
+    before = x.clone()
+    out = sample_native(x, params, torch.full((4,), 0.5, dtype=torch.float64))
+    assert out[1] == -1 and out[2] == -1 and out[0] >= 0 and out[3] >= 0
+    torch.testing.assert_close(x[1:3], before[1:3], rtol=0, atol=0, equal_nan=True)
+
+    rows = [_row(p, generator=make_generator(p.seed, "cpu")) for p in params]
+    u = uniforms([make_generator(p.seed, "cpu") for p in params], torch.device("cpu"))
+    expected = inverse_cdf(filtered_probs(before.clone(), params), u)
+    assert sample(before, rows).token_ids == expected.tolist()

@@ -7,7 +7,7 @@ import functools
 
 import torch
 
-from oxserve.engine.sampler import greedy_tokens
+from oxserve.engine.sampler import filtered_probs, greedy_tokens, inverse_cdf, sample_random
 from oxserve.kernels.hyper import hc_collapse, hc_collapse_torch, hc_expand, hc_expand_torch, hc_gates_torch
 from oxserve.kernels.norm import rms_norm_torch
 from oxserve.kernels.onednn import choose_linear_kernel
@@ -17,6 +17,7 @@ from oxserve.model.glm5_next import Glm5NextForCausalLM
 from oxserve.model.hyper import HyperConnection
 from oxserve.profiling.opbench.checks import bind_params, close_for, precision_of, randn, token_counts
 from oxserve.profiling.opbench.registry import Case, Op, register_op, returning
+from oxserve.sampling_params import SamplingParams
 
 FP32 = torch.float32
 
@@ -292,3 +293,37 @@ def _greedy_cases(cfg, shapes, dtype, device):
 register_op(Op("sampler.greedy", _greedy_cases, reference_greedy, exact,
                {"engine": returning(greedy_tokens), "max": returning(lambda logits: logits.max(dim=-1).indices),
                 "argmax": returning(lambda logits: logits.argmax(dim=-1))}))
+
+
+# ---- random sampling ----------------------------------------------------------------------
+
+# Chat traffic's sampling (workloads/short_chat.yaml): the nucleus is the costly part.
+CHAT_SAMPLING = SamplingParams(temperature=0.7, top_p=0.95)
+
+
+def reference_random(cfg, i):
+    """Per row, the first token whose cumulative probability (after temperature and top-p)
+    exceeds its uniform number: the sampler's torch form."""
+    logits = i["logits"]
+    return (inverse_cdf(filtered_probs(logits.clone(), [CHAT_SAMPLING] * len(logits)), i["u"]),)
+
+
+def _random_cases(cfg, shapes, dtype, device):
+    v = cfg.vocab_size
+    return [
+        Case(f"B={b}", lambda gen, b=b: {"logits": randn(gen, b, v, dtype=FP32, device=device),
+                                          "u": torch.rand(b, generator=gen, dtype=torch.float64, device=device)},
+             lambda i: (torch.empty(i["logits"].shape[0], dtype=torch.long, device=device),),
+             lambda i: (i["logits"].numel() * 4, 0.0), "fp32")
+        for b in shapes.batches  # one row per request, fp32 as the sampler takes them
+    ]
+
+
+def same_tokens(cfg, out, ref, inputs) -> str | None:
+    bad = int((out[0] != ref[0]).sum())
+    return f"{bad} of {out[0].numel()} tokens differ" if bad else None
+
+
+register_op(Op("sampler.random", _random_cases, reference_random, same_tokens,
+               {"engine": returning(lambda logits, u: sample_random(logits.clone(), [CHAT_SAMPLING] * len(logits), u)),
+                "torch": returning(lambda logits, u: reference_random(None, {"logits": logits, "u": u})[0])}))

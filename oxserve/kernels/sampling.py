@@ -1,0 +1,49 @@
+"""Random sampling of a step's rows in one native pass per row (`native/sampling.c`):
+temperature, min-p, top-k, top-p and the inverse CDF of each row's uniform number, the
+torch form of which (`oxserve.engine.sampler.filtered_probs` then `inverse_cdf`) is what it
+is tested against."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from oxserve.kernels import native
+from oxserve.sampling_params import SamplingParams
+
+BUILD_FLAGS = native.NATIVE_ISA + native.OPENMP + ("-O3",)
+
+
+@functools.cache
+def _kernel() -> ctypes.CDLL | None:
+    lib = native.load("sampling", BUILD_FLAGS)
+    if lib is not None:
+        p, i64 = ctypes.c_void_p, ctypes.c_int64
+        lib.sample_rows.argtypes = [p, i64, i64, i64, p, p, p, p, p, p, ctypes.c_int]
+        lib.sample_rows.restype = ctypes.c_int
+    return lib
+
+
+def sample_fit(x: torch.Tensor) -> bool:
+    return (x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and x.shape[1] > 0
+            and x.stride(1) == 1 and _kernel() is not None)  # fmt: skip
+
+
+def sample_native(x: torch.Tensor, params: list[SamplingParams], u: torch.Tensor) -> torch.Tensor:
+    """One token per row of x [R, V] fp32 (overwritten) under its params, drawn with u [R]
+    float64 in [0, 1); -1 for a row holding NaN or +inf or no finite logit, which is left as
+    it was."""
+    rows = len(params)
+    temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32)
+    min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32)
+    top_k = torch.tensor([min(p.top_k, x.shape[1]) for p in params], dtype=torch.int64)
+    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
+    u = u.to(torch.float64).contiguous()
+    out = torch.empty(rows, dtype=torch.int64)
+    ptr = native.pointer
+    if _kernel().sample_rows(ptr(x), rows, x.shape[1], x.stride(0), ptr(temperature), ptr(min_p), ptr(top_k), ptr(top_p),
+                             ptr(u), ptr(out), torch.get_num_threads()) != 0:  # fmt: skip
+        raise MemoryError("sample_rows: no scratch memory")
+    return out
