@@ -1,6 +1,7 @@
 /* Random sampling of a step's rows, one row per task (oxserve/engine/sampler.py: its torch
- * form runs ~20 ops over the whole [R, V] block, a sort for top-k/top-p and a float64 cumsum
- * among them: 2.1 ms for 32 rows of 8192 on the Zen 5 EPYC of docs/performance.md).
+ * form runs ~20 ops over the whole [R, V] block, a sort for top-p and a float64 cumsum among
+ * them: 11 ms for 32 rows of 8,192 with top-p, 1.9 ms without, on a 2-core Zen 5 EPYC;
+ * `oxserve bench kernels --ops sampler.random`).
  *
  * Per row, in place: z = x / temperature; w = e^(z - max z) (0 for -inf); min-p drops w <
  * min_p (w is the probability over the most likely one's); top-k keeps w >= the k-th largest
@@ -8,7 +9,8 @@
  * their running mass stays within (1 - p) of what is left, the largest always kept; then the
  * first token whose running mass (float64, in token order) exceeds u times the total, u being
  * the row's uniform number in [0, 1). The two selections find their cut in a histogram of the
- * weights' top bits and sort only the bin it falls in.
+ * weights' top bits and sort only the bin it falls in; top-p bins only the weights above
+ * budget / V (the rest go whatever the others are).
  *
  * A row holding NaN or +inf, or no finite logit, is left untouched and gets -1: the caller
  * samples it with the torch form. */
@@ -59,24 +61,49 @@ static int64_t first_past(const float *w, int64_t n, double target) {
     return -1;
 }
 
+/* A row's working memory: n floats and n indices. */
+typedef struct {
+    float *values;
+    int32_t *index;
+} RowScratch;
+
 static int ascending(const void *a, const void *b) {
     const float x = *(const float *)a, y = *(const float *)b;
     return (x > y) - (x < y);
 }
 
-/* z = x / temperature in place and its max; -1 (row untouched) where a z is NaN or +inf or
- * none is finite. */
-static int scale_row(float *row, int64_t n, float temperature, float *max_z) {
-    float top = -INFINITY;
-    int bad = 0;
-    for (int64_t i = 0; i < n; i++) {
-        const float z = row[i] / temperature;
-        top = z > top ? z : top;
-        bad |= (z != z) | (z == INFINITY);
+#define LANES 16 /* independent running maxima: the compares vectorise */
+
+/* The row's largest logit and its first index; -1 where a logit is NaN or +inf, or none is
+ * finite (division by a positive temperature keeps the order, so the scaled row's max is
+ * this one's, scaled). */
+static int row_max(const float *x, int64_t n, float *top, int64_t *first) {
+    float lane_max[LANES];
+    int32_t lane_first[LANES], bad[LANES];
+    for (int l = 0; l < LANES; l++) lane_max[l] = -INFINITY, lane_first[l] = l, bad[l] = 0;
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES)
+        for (int l = 0; l < LANES; l++) {
+            const float v = x[i + l];
+            const int above = v > lane_max[l];
+            lane_max[l] = above ? v : lane_max[l];
+            lane_first[l] = above ? (int32_t)(i + l) : lane_first[l];
+            bad[l] |= (v != v) | (v == INFINITY);
+        }
+    float best = -INFINITY;
+    int64_t at = 0;
+    int any_bad = 0;
+    for (int l = 0; l < LANES; l++) {
+        any_bad |= bad[l];
+        if (lane_max[l] > best || (lane_max[l] == best && lane_first[l] < at)) best = lane_max[l], at = lane_first[l];
     }
-    if (bad || top == -INFINITY) return -1;
-    for (int64_t i = 0; i < n; i++) row[i] /= temperature;
-    *max_z = top;
+    for (; i < n; i++) {
+        any_bad |= (x[i] != x[i]) | (x[i] == INFINITY);
+        if (x[i] > best) best = x[i], at = i;
+    }
+    if (any_bad || best == -INFINITY) return -1;
+    *top = best;
+    *first = at;
     return 0;
 }
 
@@ -95,44 +122,71 @@ static float kth_largest(const float *w, int64_t n, int64_t k, float *bin_values
     return bin_values[m - (k - above)];
 }
 
-/* Top-p over the weights left: the smallest dropped while their mass stays within budget. */
-static void keep_top_p(float *w, int64_t n, double budget, float *bin_values) {
-    static _Thread_local double mass[BINS];
-    memset(mass, 0, sizeof(mass));
-    for (int64_t i = 0; i < n; i++) mass[bin_of(w[i])] += w[i];
-    double dropped = 0.0;
-    uint32_t b = 0;
-    while (b < BINS - 1 && dropped + mass[b] <= budget) dropped += mass[b++];
+/* Top-p over the weights left (their sum `total`): the smallest dropped, in ascending order,
+ * while their mass stays within (1 - top_p) of the total. Every weight at most budget / n goes
+ * first, whatever the others (together they hold at most the budget): in a trained model's
+ * distribution that is most of the vocabulary, and only the rest (`index`) is binned. */
+static void keep_top_p(float *w, int64_t n, double total, float top_p, RowScratch s) {
+    const double budget = (1.0 - (double)top_p) * total;
+    float floor_w = (float)(budget / (double)n);
+    if ((double)floor_w > budget / (double)n) floor_w = nextafterf(floor_w, 0.0f); /* rounded down: dropping stays safe */
     int64_t m = 0;
-    for (int64_t i = 0; i < n; i++)
-        if (bin_of(w[i]) == b) bin_values[m++] = w[i];
-    qsort(bin_values, (size_t)m, sizeof(float), ascending);
+    for (int64_t i = 0; i < n; i++) { /* (no branch: which weights pass is a coin toss) */
+        const int keep = w[i] > floor_w;
+        s.index[m] = (int32_t)i;
+        m += keep;
+        w[i] = keep ? w[i] : 0.0f;
+    }
+    uint32_t low = BINS - 1, high = 0;
+    for (int64_t j = 0; j < m; j++) {
+        const uint32_t bj = bin_of(w[s.index[j]]);
+        low = bj < low ? bj : low;
+        high = bj > high ? bj : high;
+    }
+    static _Thread_local double mass[BINS];
+    if (m) memset(mass + low, 0, (high - low + 1) * sizeof(double));
+    double dropped = total;
+    for (int64_t j = 0; j < m; j++) {
+        mass[bin_of(w[s.index[j]])] += w[s.index[j]];
+        dropped -= w[s.index[j]];
+    }
+    uint32_t b = low;
+    while (b < high && dropped + mass[b] <= budget) dropped += mass[b++];
+    int64_t in_bin = 0;
+    for (int64_t j = 0; j < m; j++)
+        if (bin_of(w[s.index[j]]) == b) s.values[in_bin++] = w[s.index[j]];
+    qsort(s.values, (size_t)in_bin, sizeof(float), ascending);
     int64_t cut = 0; /* bin b's smallest `cut` values go too */
-    while (cut < m && dropped + bin_values[cut] <= budget) dropped += bin_values[cut++];
-    const float last = cut ? bin_values[cut - 1] : 0.0f;
+    while (cut < in_bin && dropped + s.values[cut] <= budget) dropped += s.values[cut++];
+    const float last = cut ? s.values[cut - 1] : 0.0f;
     int64_t equal = 0; /* of the values dropped, how many equal the last (ties go in token order) */
-    for (int64_t j = cut - 1; j >= 0 && bin_values[j] == last; j--) equal++;
-    for (int64_t i = 0; i < n; i++) {
-        const uint32_t bi = bin_of(w[i]);
-        if (bi < b || (bi == b && cut && (w[i] < last || (w[i] == last && equal-- > 0)))) w[i] = 0.0f;
+    for (int64_t j = cut - 1; j >= 0 && s.values[j] == last; j--) equal++;
+    for (int64_t j = 0; j < m; j++) {
+        float *wi = w + s.index[j];
+        const uint32_t bi = bin_of(*wi);
+        if (bi < b || (bi == b && cut && (*wi < last || (*wi == last && equal-- > 0)))) *wi = 0.0f;
     }
 }
 
 static int64_t sample_row(float *row, int64_t n, float temperature, float min_p, int64_t top_k, float top_p, double u,
-                          float *bin_values) {
+                          RowScratch s) {
     float top;
-    if (scale_row(row, n, temperature, &top) != 0) return -1;
-    int64_t first_max = 0;
-    while (row[first_max] != top) first_max++;
-    for (int64_t i = 0; i < n; i++) row[i] = row[i] == -INFINITY ? 0.0f : vexp(row[i] - top);
+    int64_t first_max;
+    if (row_max(row, n, &top, &first_max) != 0) return -1;
+    const float top_z = top / temperature;
+    if (top_z == INFINITY) return -1;
+    for (int64_t i = 0; i < n; i++) {
+        const float z = row[i] / temperature;
+        row[i] = z == -INFINITY ? 0.0f : vexp(z - top_z);
+    }
     if (min_p > 0.0f)
         for (int64_t i = 0; i < n; i++) row[i] = row[i] < min_p ? 0.0f : row[i];
     if (top_k > 0 && top_k < n) {
-        const float kth = kth_largest(row, n, top_k, bin_values);
+        const float kth = kth_largest(row, n, top_k, s.values);
         for (int64_t i = 0; i < n; i++) row[i] = row[i] < kth ? 0.0f : row[i];
     }
     if (top_p < 1.0f) {
-        keep_top_p(row, n, (1.0 - (double)top_p) * sum_of(row, n), bin_values);
+        keep_top_p(row, n, sum_of(row, n), top_p, s);
         row[first_max] = 1.0f; /* the most likely token always stays */
     }
     const int64_t token = first_past(row, n, u * sum_of(row, n));
@@ -141,17 +195,19 @@ static int64_t sample_row(float *row, int64_t n, float temperature, float min_p,
 
 /* x [rows, n] fp32 at row_stride (overwritten with the kept weights, except rows that get -1);
  * per row its temperature (> 0), min_p, top_k (<= 0 or >= n: all), top_p (in (0, 1]) and
- * uniform u; out [rows] int64. Returns 0, or -1 without scratch memory. */
+ * uniform u; out [rows] int64. Returns 0, or -1 without scratch memory (or n past int32). */
 int sample_rows(float *x, int64_t rows, int64_t n, int64_t row_stride, const float *temperature, const float *min_p,
                 const int64_t *top_k, const float *top_p, const double *u, int64_t *out, int nthreads) {
     if (nthreads < 1) nthreads = 1;
-    if (scratch_reserve((size_t)nthreads * scratch_padded((size_t)n * sizeof(float))) != 0) return -1;
-    float *bin_values = scratch_take((size_t)nthreads * scratch_padded((size_t)n * sizeof(float)));
-    const int64_t per_thread = (int64_t)(scratch_padded((size_t)n * sizeof(float)) / sizeof(float));
+    const size_t values = scratch_padded((size_t)n * sizeof(float)), indices = scratch_padded((size_t)n * sizeof(int32_t));
+    if (n > INT32_MAX || scratch_reserve((size_t)nthreads * (values + indices)) != 0) return -1;
+    char *block = scratch_take((size_t)nthreads * (values + indices));
     #pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1) if (rows > 1)
-    for (int64_t r = 0; r < rows; r++)
+    for (int64_t r = 0; r < rows; r++) {
+        char *mine = block + (size_t)omp_get_thread_num() * (values + indices);
         out[r] = sample_row(x + r * row_stride, n, temperature[r], min_p[r], top_k[r], top_p[r], u[r],
-                            bin_values + omp_get_thread_num() * per_thread);
+                            (RowScratch){(float *)mine, (int32_t *)(mine + values)});
+    }
     scratch_done();
     return 0;
 }
