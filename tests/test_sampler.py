@@ -434,3 +434,29 @@ def test_a_row_the_native_sampler_cannot_take_is_left_whole_for_the_torch_form(b
     u = uniforms([make_generator(p.seed, "cpu") for p in params], torch.device("cpu"))
     expected = inverse_cdf(filtered_probs(before.clone(), params), u)
     assert sample(before, rows).token_ids == expected.tolist()
+
+
+def test_native_sampling_edge_rows_match_the_torch_form():
+    """Rows picked to break a sampler: a draw at the very end of the mass behind a block of
+    masked tokens (it once ran a block twice and took a masked token), a temperature past
+    float32 with top-k (top-k must rank the logits, not weights that round equal), and tied
+    most likely tokens under a small top-p (as many kept as the torch form keeps)."""
+    masked_tail = torch.full((1, 512), float("-inf"))
+    masked_tail[0, 0], masked_tail[0, 1:256] = 0.0, -40.06
+    plain = [SamplingParams(temperature=1.0)]
+    for k in range(1, 64):
+        u = torch.tensor([1.0 - k * 2.0**-53], dtype=torch.float64)
+        assert int(sample_native(masked_tail.clone(), plain, u)) == int(inverse_cdf(filtered_probs(masked_tail.clone(), plain), u))
+
+    gen = torch.Generator().manual_seed(11)
+    wide = torch.randn(4, 1000, generator=gen)
+    wide[:, ::3] = float("-inf")
+    hot = [SamplingParams(temperature=1e39, top_k=5)] * 4
+    for u in torch.rand(8, 4, dtype=torch.float64, generator=gen):
+        assert torch.equal(sample_native(wide.clone(), hot, u), inverse_cdf(filtered_probs(wide.clone(), hot), u))
+
+    for tied, top_p in ((torch.zeros(1, 8), 0.5), (torch.tensor([[2.0, 2.0, 0.0, 0.0]]), 0.3)):
+        params = [SamplingParams(temperature=1.0, top_p=top_p)]
+        weights = tied.clone()
+        sample_native(weights, params, torch.tensor([0.5], dtype=torch.float64))
+        assert int((weights > 0).sum()) == int((filtered_probs(tied.clone(), params) > 0).sum())

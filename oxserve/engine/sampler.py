@@ -154,7 +154,8 @@ def _draw(x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
 def sample_random(x: torch.Tensor, params: list[SamplingParams], u: torch.Tensor) -> torch.Tensor:
     """One token per row of logits x [R, V] fp32 (overwritten) under its temperature, min-p,
     top-k and top-p, drawn with u [R] in [0, 1): natively on CPU (`oxserve.kernels.sampling`),
-    with the torch form for the rows the kernel leaves (NaN or infinite logits) and elsewhere."""
+    with the torch form for the rows the kernel leaves (NaN or infinite logits, or a max that
+    overflows float32 when divided by the temperature) and elsewhere."""
     if not sample_fit(x):
         return inverse_cdf(filtered_probs(x, params), u)
     tokens = sample_native(x, params, u)
@@ -162,7 +163,6 @@ def sample_random(x: torch.Tensor, params: list[SamplingParams], u: torch.Tensor
         index = left.tolist()
         tokens[left] = inverse_cdf(filtered_probs(x[left], [params[i] for i in index]), u[left])
     return tokens
-
 
 
 def filtered_probs(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

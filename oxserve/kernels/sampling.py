@@ -28,22 +28,26 @@ def _kernel() -> ctypes.CDLL | None:
 
 def sample_fit(x: torch.Tensor) -> bool:
     return (x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and x.shape[1] > 0
-            and x.stride(1) == 1 and _kernel() is not None)  # fmt: skip
+            and x.is_contiguous() and _kernel() is not None)  # fmt: skip
 
 
 def sample_native(x: torch.Tensor, params: list[SamplingParams], u: torch.Tensor) -> torch.Tensor:
     """One token per row of x [R, V] fp32 (overwritten) under its params, drawn with u [R]
-    float64 in [0, 1); -1 for a row holding NaN or +inf or no finite logit, which is left as
-    it was."""
+    float64 in [0, 1); -1 for a row holding NaN or +inf, no finite logit or a max that
+    overflows when scaled, which is left as it was."""
     rows = len(params)
-    temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32)
+    # As the torch form's: a temperature past float32's range is taken at its edge, not as infinity.
+    temperature = torch.tensor([min(p.temperature, torch.finfo(torch.float32).max) for p in params], dtype=torch.float32)
     min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32)
     top_k = torch.tensor([min(p.top_k, x.shape[1]) for p in params], dtype=torch.int64)
     top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
     u = u.to(torch.float64).contiguous()
     out = torch.empty(rows, dtype=torch.int64)
     ptr = native.pointer
-    if _kernel().sample_rows(ptr(x), rows, x.shape[1], x.stride(0), ptr(temperature), ptr(min_p), ptr(top_k), ptr(top_p),
-                             ptr(u), ptr(out), torch.get_num_threads()) != 0:  # fmt: skip
+    status = _kernel().sample_rows(ptr(x), rows, x.shape[1], x.stride(0), ptr(temperature), ptr(min_p), ptr(top_k),
+                                   ptr(top_p), ptr(u), ptr(out), torch.get_num_threads())  # fmt: skip
+    if status == -2:
+        raise ValueError(f"sample_rows: a vocabulary of {x.shape[1]} is past the kernel's int32 indices")
+    if status != 0:
         raise MemoryError("sample_rows: no scratch memory")
     return out

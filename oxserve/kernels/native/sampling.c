@@ -3,17 +3,18 @@
  * them: 11 ms for 32 rows of 8,192 with top-p, 1.9 ms without, on a 2-core Zen 5 EPYC;
  * `oxserve bench kernels --ops sampler.random`).
  *
- * Per row, in place: z = x / temperature; w = e^(z - max z) (0 for -inf); min-p drops w <
- * min_p (w is the probability over the most likely one's); top-k keeps w >= the k-th largest
- * (ties kept, as vLLM's top-k); top-p drops the smallest weights, in ascending order, while
+ * Per row, in place: z = x / temperature; w = e^(z - max z) (0 for -inf; `vexp` floors the
+ * rest at e^-87, where torch would give a denormal or 0: mass ~1e-38 a token); min-p drops w <
+ * min_p (w is the probability over the most likely one's); top-k keeps the logits >= the k-th
+ * largest (ties kept, as vLLM's top-k); top-p drops the smallest weights, in ascending order, while
  * their running mass stays within (1 - p) of what is left, the largest always kept; then the
  * first token whose running mass (float64, in token order) exceeds u times the total, u being
- * the row's uniform number in [0, 1). The two selections find their cut in a histogram of the
- * weights' top bits and sort only the bin it falls in; top-p bins only the weights above
- * budget / V (the rest go whatever the others are).
+ * the row's uniform number in [0, 1). Top-k and top-p find their cut in a histogram (of the
+ * logits' order, of the weights' top bits) and sort only the bin it falls in; top-p bins only
+ * the weights above budget / V (the rest go whatever the others are).
  *
- * A row holding NaN or +inf, or no finite logit, is left untouched and gets -1: the caller
- * samples it with the torch form. */
+ * A row holding NaN or +inf, no finite logit, or a max that overflows when scaled is left
+ * untouched and gets -1: the caller samples it with the torch form. */
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
@@ -23,7 +24,7 @@
 #include "scratch.h"
 #include "vmath.h"
 
-/* A bin: a weight's exponent and top five mantissa bits (weights lie in [0, 1]). */
+/* A top-p bin: a weight's exponent and top five mantissa bits (weights lie in [0, 1]). */
 #define BIN_SHIFT 18
 #define BINS ((0x3f800000u >> BIN_SHIFT) + 1)
 
@@ -53,10 +54,12 @@ static int64_t first_past(const float *w, int64_t n, double target) {
     for (int64_t start = 0; start < n; start += SCAN) {
         const int64_t len = n - start < SCAN ? n - start : SCAN;
         const double block = sum_of(w + start, len);
-        if (running + block > target)
-            for (int64_t i = start; i < start + len; i++)
-                if ((running += w[i]) > target) return i;
-        running += block;
+        if (running + block <= target) {
+            running += block;
+            continue;
+        }
+        for (int64_t i = start; i < start + len; i++) /* (the block's own order may not cross it: go on) */
+            if ((running += w[i]) > target) return i;
     }
     return -1;
 }
@@ -107,17 +110,26 @@ static int row_max(const float *x, int64_t n, float *top, int64_t *first) {
     return 0;
 }
 
-/* The k-th largest weight (1 <= k <= n). */
-static float kth_largest(const float *w, int64_t n, int64_t k, float *bin_values) {
-    static _Thread_local uint32_t counts[BINS];
+/* An unsigned key in the floats' order (-inf lowest; NaN never comes here). */
+static inline uint32_t key_of(float v) {
+    union { float f; uint32_t u; } bits = {.f = v};
+    return bits.u & 0x80000000u ? ~bits.u : bits.u | 0x80000000u;
+}
+
+#define KEY_SHIFT 20
+#define KEY_BINS (1u << (32 - KEY_SHIFT))
+
+/* The k-th largest logit (1 <= k <= n). */
+static float kth_largest(const float *x, int64_t n, int64_t k, float *bin_values) {
+    static _Thread_local uint32_t counts[KEY_BINS];
     memset(counts, 0, sizeof(counts));
-    for (int64_t i = 0; i < n; i++) counts[bin_of(w[i])]++;
+    for (int64_t i = 0; i < n; i++) counts[key_of(x[i]) >> KEY_SHIFT]++;
     int64_t above = 0;
-    uint32_t b = BINS - 1;
+    uint32_t b = KEY_BINS - 1;
     while (b > 0 && above + counts[b] < k) above += counts[b--];
     int64_t m = 0;
     for (int64_t i = 0; i < n; i++)
-        if (bin_of(w[i]) == b) bin_values[m++] = w[i];
+        if (key_of(x[i]) >> KEY_SHIFT == b) bin_values[m++] = x[i];
     qsort(bin_values, (size_t)m, sizeof(float), ascending);
     return bin_values[m - (k - above)];
 }
@@ -126,7 +138,7 @@ static float kth_largest(const float *w, int64_t n, int64_t k, float *bin_values
  * while their mass stays within (1 - top_p) of the total. Every weight at most budget / n goes
  * first, whatever the others (together they hold at most the budget): in a trained model's
  * distribution that is most of the vocabulary, and only the rest (`index`) is binned. */
-static void keep_top_p(float *w, int64_t n, double total, float top_p, RowScratch s) {
+static void keep_top_p(float *w, int64_t n, double total, float top_p, int64_t most_likely, RowScratch s) {
     const double budget = (1.0 - (double)top_p) * total;
     float floor_w = (float)(budget / (double)n);
     if ((double)floor_w > budget / (double)n) floor_w = nextafterf(floor_w, 0.0f); /* rounded down: dropping stays safe */
@@ -161,10 +173,11 @@ static void keep_top_p(float *w, int64_t n, double total, float top_p, RowScratc
     const float last = cut ? s.values[cut - 1] : 0.0f;
     int64_t equal = 0; /* of the values dropped, how many equal the last (ties go in token order) */
     for (int64_t j = cut - 1; j >= 0 && s.values[j] == last; j--) equal++;
-    for (int64_t j = 0; j < m; j++) {
+    for (int64_t j = 0; j < m; j++) { /* (the most likely token stays whatever the rounding: a tie with it goes instead) */
         float *wi = w + s.index[j];
         const uint32_t bi = bin_of(*wi);
-        if (bi < b || (bi == b && cut && (*wi < last || (*wi == last && equal-- > 0)))) *wi = 0.0f;
+        if (s.index[j] != most_likely && (bi < b || (bi == b && cut && (*wi < last || (*wi == last && equal-- > 0)))))
+            *wi = 0.0f;
     }
 }
 
@@ -172,35 +185,32 @@ static int64_t sample_row(float *row, int64_t n, float temperature, float min_p,
                           RowScratch s) {
     float top;
     int64_t first_max;
-    if (row_max(row, n, &top, &first_max) != 0) return -1;
+    if (!(temperature > 0.0f) || temperature == INFINITY || row_max(row, n, &top, &first_max) != 0) return -1;
     const float top_z = top / temperature;
     if (top_z == INFINITY) return -1;
+    /* top-k on the logits (dividing by the temperature keeps their order), before e^x rounds them */
+    const float kth = top_k > 0 && top_k < n ? kth_largest(row, n, top_k, s.values) : -INFINITY;
     for (int64_t i = 0; i < n; i++) {
         const float z = row[i] / temperature;
-        row[i] = z == -INFINITY ? 0.0f : vexp(z - top_z);
+        row[i] = z == -INFINITY || row[i] < kth ? 0.0f : vexp(z - top_z);
     }
-    if (min_p > 0.0f)
+    if (min_p > 0.0f) /* (min-p and top-k are both masks: their order does not matter) */
         for (int64_t i = 0; i < n; i++) row[i] = row[i] < min_p ? 0.0f : row[i];
-    if (top_k > 0 && top_k < n) {
-        const float kth = kth_largest(row, n, top_k, s.values);
-        for (int64_t i = 0; i < n; i++) row[i] = row[i] < kth ? 0.0f : row[i];
-    }
-    if (top_p < 1.0f) {
-        keep_top_p(row, n, sum_of(row, n), top_p, s);
-        row[first_max] = 1.0f; /* the most likely token always stays */
-    }
+    if (top_p < 1.0f) keep_top_p(row, n, sum_of(row, n), top_p, first_max, s);
     const int64_t token = first_past(row, n, u * sum_of(row, n));
     return token >= 0 ? token : first_max; /* (u times the total rounded up to a block's running sum) */
 }
 
 /* x [rows, n] fp32 at row_stride (overwritten with the kept weights, except rows that get -1);
- * per row its temperature (> 0), min_p, top_k (<= 0 or >= n: all), top_p (in (0, 1]) and
- * uniform u; out [rows] int64. Returns 0, or -1 without scratch memory (or n past int32). */
+ * per row its temperature (finite, > 0; else -1), min_p, top_k (<= 0 or >= n: all), top_p (in
+ * (0, 1]) and uniform u; out [rows] int64. Returns 0, -1 without scratch memory, -2 for n past
+ * int32. */
 int sample_rows(float *x, int64_t rows, int64_t n, int64_t row_stride, const float *temperature, const float *min_p,
                 const int64_t *top_k, const float *top_p, const double *u, int64_t *out, int nthreads) {
     if (nthreads < 1) nthreads = 1;
     const size_t values = scratch_padded((size_t)n * sizeof(float)), indices = scratch_padded((size_t)n * sizeof(int32_t));
-    if (n > INT32_MAX || scratch_reserve((size_t)nthreads * (values + indices)) != 0) return -1;
+    if (n > INT32_MAX) return -2;
+    if (scratch_reserve((size_t)nthreads * (values + indices)) != 0) return -1;
     char *block = scratch_take((size_t)nthreads * (values + indices));
     #pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1) if (rows > 1)
     for (int64_t r = 0; r < rows; r++) {

@@ -320,8 +320,11 @@ def _random_cases(cfg, shapes, dtype, device):
 
 
 def same_tokens(cfg, out, ref, inputs) -> str | None:
+    """The torch form's tokens; one row may differ where its draw falls within rounding of a
+    cut (e^x's last bits), a systematic error differs in many (tests/test_sampler.py holds the
+    native sampler to at most 2 in 2,000)."""
     bad = int((out[0] != ref[0]).sum())
-    return f"{bad} of {out[0].numel()} tokens differ" if bad else None
+    return f"{bad} of {out[0].numel()} tokens differ" if bad > 1 else None
 
 
 register_op(Op("sampler.random", _random_cases, reference_random, same_tokens,
