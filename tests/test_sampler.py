@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from oxserve.engine.sampler import (SamplingRow, apply_penalties, filtered_probs, greedy_tokens, inverse_cdf, make_generator,
-                                    sample, uniforms)
+                                    penalties_torch, sample, uniforms)
 from oxserve.kernels.sampling import sample_native
 from oxserve.sampling_params import SamplingParams
 
@@ -460,3 +460,31 @@ def test_native_sampling_edge_rows_match_the_torch_form():
         weights = tied.clone()
         sample_native(weights, params, torch.tensor([0.5], dtype=torch.float64))
         assert int((weights > 0).sum()) == int((filtered_probs(tied.clone(), params) > 0).sum())
+
+
+def test_native_penalties_equal_the_torch_form_bit_for_bit():
+    """Fresh random rows, a tenth masked, prompts and outputs of random lengths (repeats
+    included) and penalties across their range, rounding edges too (a repetition penalty that
+    float32 takes as 0 or as a denormal): the native penalties give the torch form's floats."""
+    rng = random.Random(random.randrange(2**31))
+    gen = torch.Generator().manual_seed(rng.randrange(2**31))
+    differ = 0
+    for vocab in (8192, 100, 7):
+        rows_n = 8
+        x = torch.randn(rows_n, vocab, generator=gen) * 5
+        x[torch.rand(rows_n, vocab, generator=gen) < 0.1] = float("-inf")
+        rows = [_row(SamplingParams(temperature=1.0, repetition_penalty=rng.choice([1.0, 1.1, 0.9, 3.0, 1e38, 5e-324, 1e-40]),
+                                    frequency_penalty=rng.choice([0.0, 0.5, -0.3, 2.0, -2.0, 1e-40]),
+                                    presence_penalty=rng.choice([0.0, 0.5, -0.3, 2.0, -2.0, 5e-324])),
+                     prompt=[rng.randrange(vocab) for _ in range(rng.randrange(0, 50))],
+                     output=[rng.randrange(vocab) for _ in range(rng.randrange(0, 300))])
+                for _ in range(rows_n)]  # fmt: skip
+        expected, got = penalties_torch(x.clone(), rows), apply_penalties(x.clone(), rows)
+        differ += int((~((expected == got) | (expected.isnan() & got.isnan()))).sum())
+    assert differ == 0
+
+
+def test_native_penalties_refuse_a_token_outside_the_vocabulary():
+    rows = [_row(SamplingParams(temperature=1.0, frequency_penalty=0.5), prompt=[1], output=[2, 50])]
+    with pytest.raises(IndexError, match="outside the vocabulary of 50"):
+        apply_penalties(torch.randn(1, 50), rows)

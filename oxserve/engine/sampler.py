@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from oxserve.kernels.rows import argmax_fit, argmax_native
-from oxserve.kernels.sampling import sample_fit, sample_native
+from oxserve.kernels.sampling import penalise_native, sample_fit, sample_native
 from oxserve.sampling_params import SamplingParams
 
 
@@ -102,9 +102,20 @@ def apply_penalties(x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
 
     A logit that was finite stays finite, however large the penalty: a grammar mask may leave
     only tokens the prompt holds, and an overflow to -inf there would leave nothing to sample
-    (-inf, the mask's, stays -inf)."""
+    (-inf, the mask's, stays -inf). On CPU in place, natively on the tokens each row has seen
+    (`oxserve.kernels.sampling`); the torch form (`penalties_torch`) makes [R, V] count tensors
+    and runs ~15 ops over the whole block."""
     if not any(_has_penalties(row.params) for row in rows):
         return x
+    if sample_fit(x):
+        penalise_native(x, [row.params for row in rows], [row.prompt_token_ids for row in rows],
+                        [row.output_token_ids for row in rows])
+        return x
+    return penalties_torch(x, rows)
+
+
+def penalties_torch(x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """`apply_penalties` in torch ops."""
     finite, masked = x.isfinite(), x == float("-inf")
     _, vocab = x.shape
     output_counts = _token_counts([row.output_token_ids for row in rows], vocab, x.device)

@@ -1,12 +1,15 @@
-"""Random sampling of a step's rows in one native pass per row (`native/sampling.c`):
-temperature, min-p, top-k, top-p and the inverse CDF of each row's uniform number, the
-torch form of which (`oxserve.engine.sampler.filtered_probs` then `inverse_cdf`) is what it
-is tested against."""
+"""The sampler's row-wise work in one native pass per row (`native/sampling.c`): random
+sampling (temperature, min-p, top-k, top-p and the inverse CDF of each row's uniform number)
+and the repetition, frequency and presence penalties. Their torch forms
+(`oxserve.engine.sampler.filtered_probs` then `inverse_cdf`; `penalties_torch`) are what they
+are tested against."""
 
 from __future__ import annotations
 
+import array
 import ctypes
 import functools
+import itertools
 
 import torch
 
@@ -23,6 +26,8 @@ def _kernel() -> ctypes.CDLL | None:
         p, i64 = ctypes.c_void_p, ctypes.c_int64
         lib.sample_rows.argtypes = [p, i64, i64, i64, p, p, p, p, p, p, ctypes.c_int]
         lib.sample_rows.restype = ctypes.c_int
+        lib.penalise_rows.argtypes = [p, i64, i64, i64, p, p, p, p, p, p, p, ctypes.c_int]
+        lib.penalise_rows.restype = ctypes.c_int
     return lib
 
 
@@ -51,3 +56,35 @@ def sample_native(x: torch.Tensor, params: list[SamplingParams], u: torch.Tensor
     if status != 0:
         raise MemoryError("sample_rows: no scratch memory")
     return out
+
+
+def _float32s(values: list[float]) -> torch.Tensor:
+    """As the torch form's columns: a value past float32's range is taken at its edge."""
+    limit = torch.finfo(torch.float32).max
+    return torch.tensor([max(-limit, min(limit, v)) for v in values], dtype=torch.float32)
+
+
+def _flat(token_lists: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The lists end to end as int64, and where each starts (one more: the end)."""
+    starts = [0, *itertools.accumulate(len(tokens) for tokens in token_lists)]
+    flat = array.array("q", itertools.chain.from_iterable(token_lists))  # (a C loop: lists of thousands each step)
+    ids = torch.frombuffer(flat, dtype=torch.int64) if flat else torch.zeros(0, dtype=torch.int64)
+    return ids, torch.tensor(starts, dtype=torch.int64)
+
+
+def penalise_native(x: torch.Tensor, params: list[SamplingParams], prompts: list[list[int]], outputs: list[list[int]]) -> None:
+    """The repetition, frequency and presence penalties on x [R, V] fp32 in place, as
+    `oxserve.engine.sampler.penalties_torch` computes them (bit for bit)."""
+    prompt_ids, prompt_at = _flat(prompts)
+    output_ids, output_at = _flat(outputs)
+    repetition = _float32s([p.repetition_penalty for p in params])
+    frequency = _float32s([p.frequency_penalty for p in params])
+    presence = _float32s([p.presence_penalty for p in params])
+    ptr = native.pointer
+    status = _kernel().penalise_rows(ptr(x), len(params), x.shape[1], x.stride(0), ptr(prompt_ids), ptr(prompt_at),
+                                     ptr(output_ids), ptr(output_at), ptr(repetition), ptr(frequency), ptr(presence),
+                                     torch.get_num_threads())  # fmt: skip
+    if status == -2:
+        raise IndexError(f"penalties: a prompt or output token id is outside the vocabulary of {x.shape[1]}")
+    if status != 0:
+        raise MemoryError("penalise_rows: no scratch memory")

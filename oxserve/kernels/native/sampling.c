@@ -15,6 +15,7 @@
  *
  * A row holding NaN or +inf, no finite logit, or a max that overflows when scaled is left
  * untouched and gets -1: the caller samples it with the torch form. */
+#include <float.h>
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
@@ -220,4 +221,57 @@ int sample_rows(float *x, int64_t rows, int64_t n, int64_t row_stride, const flo
     }
     scratch_done();
     return 0;
+}
+
+/* Penalties (the sampler's `apply_penalties`, the same float32 operations in the same order)
+ * on the tokens a row has seen, in place: repetition on its prompt and output tokens (x / r
+ * where x > 0, else x * r), then frequency times the token's output count and presence where
+ * it is output at all; a finite logit stays finite (clamped to float32's range), a -inf stays
+ * -inf. Tokens are given flat, each row's from its offset to the next. Scratch: each
+ * vocabulary entry's output count, -1 once the entry is penalised. */
+
+static int penalise_row(float *x, int64_t n, const int64_t *prompt, int64_t n_prompt, const int64_t *output,
+                        int64_t n_output, float repetition, float frequency, float presence, int32_t *counts) {
+    for (int64_t j = 0; j < n_output; j++)
+        if (output[j] < 0 || output[j] >= n) return -1;
+    for (int64_t j = 0; j < n_prompt; j++)
+        if (prompt[j] < 0 || prompt[j] >= n) return -1;
+    memset(counts, 0, (size_t)n * sizeof(int32_t));
+    for (int64_t j = 0; j < n_output; j++) counts[output[j]]++;
+    for (int64_t pass = 0; pass < 2; pass++) { /* each seen token once: the output's, then the prompt's */
+        const int64_t *ids = pass ? prompt : output, len = pass ? n_prompt : n_output;
+        for (int64_t j = 0; j < len; j++) {
+            const int64_t t = ids[j];
+            if (counts[t] < 0) continue; /* done already */
+            const int32_t count = counts[t];
+            counts[t] = -1;
+            const float before = x[t];
+            float v = before > 0.0f ? before / repetition : before * repetition;
+            v = v - frequency * (float)count;
+            v = v - presence * (count > 0 ? 1.0f : 0.0f);
+            if (isfinite(before)) v = v > FLT_MAX ? FLT_MAX : (v < -FLT_MAX ? -FLT_MAX : v);
+            x[t] = before == -INFINITY ? before : v; /* (a mask's -inf times a penalty rounded to 0 was NaN) */
+        }
+    }
+    return 0;
+}
+
+/* x [rows, n] fp32 at row_stride; per row its penalties and its prompt and output tokens
+ * (prompt_ids[prompt_at[r] .. prompt_at[r + 1]], likewise output). Returns 0, -1 without
+ * scratch memory, -2 for a token id outside [0, n) (that row untouched, others penalised). */
+int penalise_rows(float *x, int64_t rows, int64_t n, int64_t row_stride, const int64_t *prompt_ids,
+                  const int64_t *prompt_at, const int64_t *output_ids, const int64_t *output_at, const float *repetition,
+                  const float *frequency, const float *presence, int nthreads) {
+    if (nthreads < 1) nthreads = 1;
+    const size_t per_thread = scratch_padded((size_t)n * sizeof(int32_t));
+    if (scratch_reserve((size_t)nthreads * per_thread) != 0) return -1;
+    char *block = scratch_take((size_t)nthreads * per_thread);
+    int bad = 0;
+    #pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1) if (rows > 1) reduction(| : bad)
+    for (int64_t r = 0; r < rows; r++)
+        bad |= penalise_row(x + r * row_stride, n, prompt_ids + prompt_at[r], prompt_at[r + 1] - prompt_at[r],
+                            output_ids + output_at[r], output_at[r + 1] - output_at[r], repetition[r], frequency[r],
+                            presence[r], (int32_t *)(block + (size_t)omp_get_thread_num() * per_thread)) != 0;
+    scratch_done();
+    return bad ? -2 : 0;
 }
