@@ -389,7 +389,8 @@ def test_native_sampling_draws_the_torch_forms_token_from_each_uniform(vocab):
     native sampler takes the token the torch form (`filtered_probs` then `inverse_cdf`) takes
     for the same uniform number. They round e^x in their last bits differently, so a draw
     that falls within rounding of a cut may differ: at most 2 in 2,000."""
-    gen = torch.Generator().manual_seed(random.randrange(2**31))
+    seed = random.randrange(2**31)
+    gen = torch.Generator().manual_seed(seed)
     rows, batches, differ = 250, 8, 0
     for _ in range(batches):
         x = torch.randn(rows, vocab, generator=gen) * (0.2 + 4 * torch.rand(rows, 1, generator=gen))
@@ -402,7 +403,7 @@ def test_native_sampling_draws_the_torch_forms_token_from_each_uniform(vocab):
         got = sample_native(x.clone(), params, u)
         assert (x.gather(1, got.unsqueeze(1)) > float("-inf")).all()  # never a masked token
         differ += int((got != expected).sum())
-    assert differ <= 2, f"{differ} of {rows * batches} draws differ"
+    assert differ <= 2, f"{differ} of {rows * batches} draws differ (seed {seed})"
 
 
 def test_native_top_k_keeps_the_tokens_tied_with_the_kth():
@@ -465,14 +466,16 @@ def test_native_sampling_edge_rows_match_the_torch_form():
 def test_native_penalties_equal_the_torch_form_bit_for_bit():
     """Fresh random rows, a tenth masked, prompts and outputs of random lengths (repeats
     included) and penalties across their range, rounding edges too (a repetition penalty that
-    float32 takes as 0 or as a denormal): the native penalties give the torch form's floats."""
-    rng = random.Random(random.randrange(2**31))
-    gen = torch.Generator().manual_seed(rng.randrange(2**31))
+    float32 takes as 0 or as a denormal): the native penalties give the torch form's values."""
+    seed = random.randrange(2**31)
+    rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
     differ = 0
     for vocab in (8192, 100, 7):
         rows_n = 8
         x = torch.randn(rows_n, vocab, generator=gen) * 5
         x[torch.rand(rows_n, vocab, generator=gen) < 0.1] = float("-inf")
+        x[torch.rand(rows_n, vocab, generator=gen) < 0.05] = 0.0  # (equal as values whatever their sign)
+        x[torch.rand(rows_n, vocab, generator=gen) < 0.05] = -0.0
         rows = [_row(SamplingParams(temperature=1.0, repetition_penalty=rng.choice([1.0, 1.1, 0.9, 3.0, 1e38, 5e-324, 1e-40]),
                                     frequency_penalty=rng.choice([0.0, 0.5, -0.3, 2.0, -2.0, 1e-40]),
                                     presence_penalty=rng.choice([0.0, 0.5, -0.3, 2.0, -2.0, 5e-324])),
@@ -481,7 +484,7 @@ def test_native_penalties_equal_the_torch_form_bit_for_bit():
                 for _ in range(rows_n)]  # fmt: skip
         expected, got = penalties_torch(x.clone(), rows), apply_penalties(x.clone(), rows)
         differ += int((~((expected == got) | (expected.isnan() & got.isnan()))).sum())
-    assert differ == 0
+    assert differ == 0, f"{differ} logits differ (seed {seed})"
 
 
 def test_native_penalties_refuse_a_token_outside_the_vocabulary():

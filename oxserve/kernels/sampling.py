@@ -68,13 +68,15 @@ def _flat(token_lists: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
     """The lists end to end as int64, and where each starts (one more: the end)."""
     starts = [0, *itertools.accumulate(len(tokens) for tokens in token_lists)]
     flat = array.array("q", itertools.chain.from_iterable(token_lists))  # (a C loop: lists of thousands each step)
-    ids = torch.frombuffer(flat, dtype=torch.int64) if flat else torch.zeros(0, dtype=torch.int64)
+    ids = torch.frombuffer(flat, dtype=torch.int64) if flat else torch.zeros(1, dtype=torch.int64)  # (no NULL for C)
     return ids, torch.tensor(starts, dtype=torch.int64)
 
 
 def penalise_native(x: torch.Tensor, params: list[SamplingParams], prompts: list[list[int]], outputs: list[list[int]]) -> None:
     """The repetition, frequency and presence penalties on x [R, V] fp32 in place, as
-    `oxserve.engine.sampler.penalties_torch` computes them (bit for bit)."""
+    `oxserve.engine.sampler.penalties_torch` computes them: the same floats, except that a
+    -0.0 on a token the row has not seen stays -0.0 (the torch form subtracts a negative
+    penalty times 0 from every token and makes it +0.0; equal as values)."""
     prompt_ids, prompt_at = _flat(prompts)
     output_ids, output_at = _flat(outputs)
     repetition = _float32s([p.repetition_penalty for p in params])

@@ -31,7 +31,10 @@ log = logging.getLogger(__name__)
 # -fno-trapping-math: no kernel reads floating-point exception flags, and with them gcc will not
 # if-convert a loop whose arithmetic sits under a branch, which left every loop calling vexp
 # (its clamps become branches) scalar. Values are unchanged: no reassociation, no contraction.
-FLAGS = ("-O2", "-fPIC", "-shared", "-std=c11", "-fno-trapping-math")
+# -ffp-contract=off says the latter outright: gcc keeps a * b + c two roundings under -std=c11
+# anyway, but clang ($CC) and gcc's GNU modes would fuse it, and kernels that must give the
+# torch form's floats (the sampler's penalties) need the two roundings.
+FLAGS = ("-O2", "-fPIC", "-shared", "-std=c11", "-fno-trapping-math", "-ffp-contract=off")
 # Kernels that need vector instructions are built for the CPU they run on.
 NATIVE_ISA = ("-march=native",)
 # OpenMP: libgomp's soname is the one torch loads first, so kernels share torch's threads.

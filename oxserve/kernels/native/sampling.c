@@ -236,6 +236,7 @@ static int penalise_row(float *x, int64_t n, const int64_t *prompt, int64_t n_pr
         if (output[j] < 0 || output[j] >= n) return -1;
     for (int64_t j = 0; j < n_prompt; j++)
         if (prompt[j] < 0 || prompt[j] >= n) return -1;
+    if (repetition == 1.0f && frequency == 0.0f && presence == 0.0f) return 0; /* (another row's penalties) */
     memset(counts, 0, (size_t)n * sizeof(int32_t));
     for (int64_t j = 0; j < n_output; j++) counts[output[j]]++;
     for (int64_t pass = 0; pass < 2; pass++) { /* each seen token once: the output's, then the prompt's */
