@@ -7,6 +7,7 @@ import random
 
 import pytest
 import torch
+from test_speculative import pin_the_guard
 from tiny_models import TINY_TEXT_CONFIG
 
 from oxserve import LLM, SamplingParams
@@ -27,8 +28,9 @@ def _first_difference(a, b):
     return next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), None)
 
 
-def test_mtp_greedy_equals_plain_greedy(tiny_mtp_dir):
+def test_mtp_greedy_equals_plain_greedy(tiny_mtp_dir, monkeypatch):
     """Chunked prompts, preemption, drafts near block ends: the same tokens as plain greedy."""
+    pin_the_guard(monkeypatch)
     rng = random.Random()
     prompts = [[rng.randrange(20, 8000) for _ in range(rng.randrange(1, 90))] for _ in range(6)]
     params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True, logprobs=2)
@@ -166,10 +168,11 @@ def test_requests_that_do_not_draft_run_the_mtp_layer_once_a_block(tiny_mtp_dir,
 
 
 @pytest.mark.slow
-def test_64_concurrent_greedy_requests_with_mtp_equal_their_solo_runs(tiny_mtp_dir):
+def test_64_concurrent_greedy_requests_with_mtp_equal_their_solo_runs(tiny_mtp_dir, monkeypatch):
     """The concurrency guarantee with speculation on: batched with 63 others (chunked
     prefill, drafts accepted and rejected in the same steps) a greedy request yields the
     tokens it yields alone, up to picks that fp32 rounding can flip."""
+    pin_the_guard(monkeypatch)
     rng = random.Random()
     prompts = [[rng.randrange(20, 8000) for _ in range(rng.randrange(1, 40))] for _ in range(64)]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2)

@@ -13,7 +13,7 @@ import time
 
 import pytest
 import torch
-from test_speculative import SPEC, OracleProposer
+from test_speculative import SPEC, OracleProposer, pin_the_guard
 from tiny_models import two_mla_checkpoint
 
 from oxserve import LLM, SamplingParams
@@ -153,9 +153,10 @@ def test_a_second_host_needs_a_known_port():
 
 
 @pytest.mark.parametrize("tp,ls", [(2, 1), (1, 2)], ids=["tp2", "ls2"])
-def test_speculative_greedy_on_parallel_ranks_equals_plain_greedy(tiny_model_dir, two_mla_model_dir, tp, ls):
+def test_speculative_greedy_on_parallel_ranks_equals_plain_greedy(tiny_model_dir, two_mla_model_dir, tp, ls, monkeypatch):
     """Drafts accepted and rejected: rank 0 tells the other ranks what each request kept, so
     their KDA states (and rings) undo the same tokens, and the output is plain greedy's."""
+    pin_the_guard(monkeypatch)  # (the guard runs in this process: rank 0's scheduler)
     model_dir = two_mla_model_dir if ls > 1 else tiny_model_dir
     rng = random.Random()
     prompts = [[rng.randrange(20, 8000) for _ in range(n)] for n in (7, 33, 60)]
