@@ -7,8 +7,8 @@ Order: penalties, then
   whose temperature-scaled probability is below min_p times the most likely one's; top-p
   then counts mass over what min-p and top-k left, renormalised. On CPU these rows run in
   one native pass each (`oxserve.kernels.sampling`: 8.6x the torch form at 32 rows with
-  top-p, `oxserve bench kernels --ops sampler.random`); its top-k keeps every token tied with the k-th, as vLLM's does (the torch form
-  keeps k of them).
+  top-p, `oxserve bench kernels --ops sampler.random`); its top-k keeps every token tied
+  with the k-th, as vLLM's does (the torch form keeps k of them).
 Logprobs are reported from the raw model distribution, before any processing.
 """
 
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from oxserve.kernels.rows import argmax_fit, argmax_native
-from oxserve.kernels.sampling import penalise_native, sample_fit, sample_native
+from oxserve.kernels.sampling import float32s, penalise_native, sample_fit, sample_native
 from oxserve.sampling_params import SamplingParams
 
 
@@ -149,10 +149,8 @@ def _token_counts(token_lists: list[list[int]], vocab: int, device: torch.device
 
 
 def _column(values: list[float], device: torch.device) -> torch.Tensor:
-    """[R, 1] float32; a value past float32's range (a finite float64 is accepted) is taken at
-    its edge rather than as infinity, which would turn 0 * inf and -inf / inf into NaN."""
-    limit = torch.finfo(torch.float32).max
-    return torch.tensor([max(-limit, min(limit, v)) for v in values], dtype=torch.float32, device=device).unsqueeze(1)
+    """[R, 1] float32, as `float32s` takes the values."""
+    return float32s(values, device).unsqueeze(1)
 
 
 # --- random sampling --------------------------------------------------------------------

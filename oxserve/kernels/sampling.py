@@ -41,11 +41,9 @@ def sample_native(x: torch.Tensor, params: list[SamplingParams], u: torch.Tensor
     float64 in [0, 1); -1 for a row holding NaN or +inf, no finite logit or a max that
     overflows when scaled, which is left as it was."""
     rows = len(params)
-    # As the torch form's: a temperature past float32's range is taken at its edge, not as infinity.
-    temperature = torch.tensor([min(p.temperature, torch.finfo(torch.float32).max) for p in params], dtype=torch.float32)
-    min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32)
+    temperature = float32s([p.temperature for p in params])
+    min_p, top_p = float32s([p.min_p for p in params]), float32s([p.top_p for p in params])
     top_k = torch.tensor([min(p.top_k, x.shape[1]) for p in params], dtype=torch.int64)
-    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
     u = u.to(torch.float64).contiguous()
     out = torch.empty(rows, dtype=torch.int64)
     ptr = native.pointer
@@ -58,10 +56,11 @@ def sample_native(x: torch.Tensor, params: list[SamplingParams], u: torch.Tensor
     return out
 
 
-def _float32s(values: list[float]) -> torch.Tensor:
-    """As the torch form's columns: a value past float32's range is taken at its edge."""
+def float32s(values: list[float], device: torch.device | str = "cpu") -> torch.Tensor:
+    """[R] float32; a value past float32's range (a finite float64 is accepted) is taken at
+    its edge rather than as infinity, which would turn 0 * inf and -inf / inf into NaN."""
     limit = torch.finfo(torch.float32).max
-    return torch.tensor([max(-limit, min(limit, v)) for v in values], dtype=torch.float32)
+    return torch.tensor([max(-limit, min(limit, v)) for v in values], dtype=torch.float32, device=device)
 
 
 def _flat(token_lists: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,9 +78,9 @@ def penalise_native(x: torch.Tensor, params: list[SamplingParams], prompts: list
     penalty times 0 from every token and makes it +0.0; equal as values)."""
     prompt_ids, prompt_at = _flat(prompts)
     output_ids, output_at = _flat(outputs)
-    repetition = _float32s([p.repetition_penalty for p in params])
-    frequency = _float32s([p.frequency_penalty for p in params])
-    presence = _float32s([p.presence_penalty for p in params])
+    repetition = float32s([p.repetition_penalty for p in params])
+    frequency = float32s([p.frequency_penalty for p in params])
+    presence = float32s([p.presence_penalty for p in params])
     ptr = native.pointer
     status = _kernel().penalise_rows(ptr(x), len(params), x.shape[1], x.stride(0), ptr(prompt_ids), ptr(prompt_at),
                                      ptr(output_ids), ptr(output_at), ptr(repetition), ptr(frequency), ptr(presence),

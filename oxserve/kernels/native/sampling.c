@@ -1,7 +1,8 @@
-/* Random sampling of a step's rows, one row per task (oxserve/engine/sampler.py: its torch
- * form runs ~20 ops over the whole [R, V] block, a sort for top-p and a float64 cumsum among
- * them: 10.9 ms for 32 rows of 8,192 at top-p 0.95 on a 2-core Zen 5 EPYC, `oxserve bench
- * kernels --ops sampler.random`).
+/* The sampler's row-wise work, one row per task: random sampling, then (below) the penalties.
+ *
+ * Random sampling replaces oxserve/engine/sampler.py's torch form, ~20 ops over the whole
+ * [R, V] block with a sort for top-p and a float64 cumsum among them: 10.9 ms for 32 rows of
+ * 8,192 at top-p 0.95 on a 2-core Zen 5 EPYC (`oxserve bench kernels --ops sampler.random`).
  *
  * Per row, in place: z = x / temperature; w = e^(z - max z) (0 for -inf; `vexp` floors the
  * rest at e^-87, where torch would give a denormal or 0: mass ~1e-38 a token); min-p drops w <
