@@ -65,9 +65,10 @@ def host_tensor(values, device: torch.device | str, dtype=np.int64) -> torch.Ten
     return tensor if torch.device(device).type == "cpu" else tensor.to(device)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class BatchRequest:
-    """One request's share of a step, as the runner knows it."""
+    """One request's share of a step, as the runner knows it. Not changed once made (not
+    frozen, as `ScheduledRequest`: one is made a request and step)."""
 
     num_computed_tokens: int
     num_new_tokens: int
