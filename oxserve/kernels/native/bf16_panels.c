@@ -208,9 +208,9 @@ static inline int64_t start_of(const int32_t *offsets, int64_t e) { return e == 
 static inline int64_t rows_of(const int32_t *offsets, int64_t e) { return offsets[e] - start_of(offsets, e); }
 
 /* The experts that have rows, most rows first (equal counts in expert order), into order;
- * returns how many. Tasks are handed out in this order: the last ones are the smallest, so
- * threads finish together, and an expert without rows costs no task at all (a decode step
- * of a model with hundreds of experts reaches few). A counting sort: slots holds P + 1. */
+ * returns how many. Tasks are handed out round-robin in this order: the last ones are the
+ * smallest, so threads finish close together, and an expert without rows costs no task at
+ * all (a decode step of a model with hundreds of experts reaches few). A counting sort: slots holds P + 1. */
 static int64_t busiest_first(const int32_t *offsets, int64_t E, int64_t P, int64_t *order, int64_t *slots) {
     memset(slots, 0, (size_t)(P + 1) * sizeof(int64_t));
     for (int64_t e = 0; e < E; e++) /* key P - rows: 0 for the busiest possible */
@@ -353,6 +353,11 @@ static void panel_pair(const uint16_t *a, int64_t lda, int64_t k, const uint16_t
 #error "bf16_panels.c needs AMX-BF16 (-mamx-tile -mamx-bf16), AVX512-BF16, or AVX2 with FMA"
 #endif
 
+/* A panel of k inputs (16 x k bf16, contiguous) towards L2, for a task about to start. */
+static inline void prefetch_panel(const uint16_t *p, int64_t k) {
+    for (int64_t at = 0; at < k * TILE_N; at += 32) __builtin_prefetch(p + at, 0, 2);
+}
+
 /* The scratch of experts_products: act [P, I] bf16, order [E], slots [P + 1]. */
 typedef struct {
     uint16_t *act;
@@ -384,10 +389,19 @@ static void experts_products(const uint16_t *x, int64_t P, int64_t H, const int3
     {
         int configured = 0;
         float acc0[TILE_M * TILE_N], acc1[TILE_M * TILE_N];
+        /* Tasks go round-robin, so a thread knows its next ones: it fetches the panels of its
+         * task after next while it computes (at decode sizes a task is a few rows against
+         * 16 KiB of weights that come from memory, not cache). */
+        const int64_t stride = 2 * (int64_t)omp_get_num_threads();
         /* gate and up for 16 intermediate channels of one expert, 16 rows at a time */
-        #pragma omp for schedule(dynamic, 1)
+        #pragma omp for schedule(static, 1)
         for (int64_t task = 0; task < busy * panels_i; task++) {
             int64_t e = order[task / panels_i], b = task % panels_i;
+            if (task + stride < busy * panels_i) {
+                const int64_t ne = order[(task + stride) / panels_i], nb = (task + stride) % panels_i;
+                prefetch_panel(panel(gate_up, 2 * I, H, ne, nb), H);
+                prefetch_panel(panel(gate_up, 2 * I, H, ne, panels_i + nb), H);
+            }
             for (int64_t m0 = start_of(offsets, e), end = offsets[e]; m0 < end; m0 += TILE_M) {
                 int m = end - m0 < TILE_M ? (int)(end - m0) : TILE_M;
                 rows_of_block(m, &configured);
@@ -398,9 +412,14 @@ static void experts_products(const uint16_t *x, int64_t P, int64_t H, const int3
             }
         }
         /* the implicit barrier: every act row is complete before the down products read it */
-        #pragma omp for schedule(dynamic, 1)
+        #pragma omp for schedule(static, 1)
         for (int64_t task = 0; task < busy * pairs_h; task++) {
             int64_t e = order[task / pairs_h], b = 2 * (task % pairs_h);
+            if (task + stride < busy * pairs_h) {
+                const int64_t ne = order[(task + stride) / pairs_h], nb = 2 * ((task + stride) % pairs_h);
+                prefetch_panel(panel(down, H, I, ne, nb), I);
+                prefetch_panel(panel(down, H, I, ne, nb + 1), I);
+            }
             for (int64_t m0 = start_of(offsets, e), end = offsets[e]; m0 < end; m0 += TILE_M) {
                 int m = end - m0 < TILE_M ? (int)(end - m0) : TILE_M;
                 rows_of_block(m, &configured);
