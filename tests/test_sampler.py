@@ -10,7 +10,7 @@ import torch
 
 from oxserve.engine.sampler import (SamplingRow, apply_penalties, filtered_probs, greedy_tokens, inverse_cdf, make_generator,
                                     penalties_torch, sample, uniforms)
-from oxserve.kernels.sampling import sample_native
+from oxserve.kernels.sampling import filter_native, sample_native
 from oxserve.sampling_params import SamplingParams
 
 # Total-variation tolerance for empirical vs. reference distributions. With N draws over
@@ -404,6 +404,31 @@ def test_native_sampling_draws_the_torch_forms_token_from_each_uniform(vocab):
         assert (x.gather(1, got.unsqueeze(1)) > float("-inf")).all()  # never a masked token
         differ += int((got != expected).sum())
     assert differ <= 2, f"{differ} of {rows * batches} draws differ (seed {seed})"
+
+
+def test_native_filters_keep_the_torch_forms_probabilities():
+    """What speculative verification reads (`filter_native`): per row the weights the native
+    sampler draws from, and their total; weight / total is the torch form's probability
+    (`filtered_probs`) on fresh random rows and filters, and the same tokens are kept, but
+    where e^x's last bits move a weight across a cut (at most 2 rows in 1,000). A row the
+    kernel refuses gets -1 and is left as it was."""
+    seed = random.randrange(2**31)
+    gen = torch.Generator().manual_seed(seed)
+    rows, vocab = 1000, 1000
+    x = torch.randn(rows, vocab, generator=gen) * (0.2 + 4 * torch.rand(rows, 1, generator=gen))
+    x[torch.rand(rows, vocab, generator=gen) < 0.3 * torch.rand(rows, 1, generator=gen)] = float("-inf")
+    x[torch.arange(rows), torch.randint(vocab, (rows,), generator=gen)] = 0.5
+    x[7, 3] = float("nan")
+    params = _random_filters(gen, rows)
+    expected = filtered_probs(x.clone(), params)
+    weights = x.clone()
+    totals = filter_native(weights, params)
+    assert totals[7] == -1 and torch.equal(weights[7].isnan(), x[7].isnan())
+    kept = [r for r in range(rows) if r != 7]
+    probs = weights[kept].double() / totals[kept, None]
+    same_cut = ((probs > 0) == (expected[kept] > 0)).all(dim=1)
+    assert int((~same_cut).sum()) <= 2, f"seed {seed}"
+    torch.testing.assert_close(probs[same_cut], expected[kept][same_cut].double(), rtol=1e-5, atol=1e-7, msg=f"seed {seed}")
 
 
 def test_native_top_k_keeps_the_tokens_tied_with_the_kth():

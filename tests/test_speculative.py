@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from oxserve import LLM, SamplingParams
-from oxserve.engine import scheduler
+from oxserve.engine import sampler, scheduler
 from oxserve.engine.sampler import SamplingRow
 from oxserve.engine.spec_guard import MAX_DEPTH, MIN_FLOOR
 from oxserve.engine.speculative import SpeculativeConfig, lookup_replay, ngram_drafts, verify
@@ -111,6 +111,29 @@ def test_rejection_sampling_keeps_the_target_distribution():
     second_ref = ref_distribution(logits[1], SamplingRow(params, [1, 2], [3, 3, d0], None))
     assert sum(seconds.values()) > 5_000
     assert _tv(freq(seconds), second_ref) < TV_TOLERANCE
+
+
+def test_sampled_verification_keeps_the_torch_forms_tokens(monkeypatch):
+    """Verification filters natively on CPU (`filtered_weights`): on fresh random logits,
+    drafts and filters, with the same generator states it yields the tokens the torch form
+    (`filtered_probs`) yields, but where e^x's last bits move an acceptance across its
+    uniform number or a weight across a cut (at most 3 of 300 requests)."""
+    seed = random.randrange(2**31)
+    gen = torch.Generator().manual_seed(seed)
+    vocab, differ = 500, 0
+    for request in range(300):
+        n = int(torch.randint(1, 5, (1,), generator=gen))
+        logits = torch.randn(n + 1, vocab, generator=gen) * (0.5 + 3 * float(torch.rand(1, generator=gen)))
+        pick = int(torch.randint(0, 3, (1,), generator=gen))  # drafts among each row's three likeliest
+        drafts = [int(t) for t in logits[:n].argsort(dim=1, descending=True)[:, pick]]
+        params = SamplingParams(temperature=0.3 + 1.5 * float(torch.rand(1, generator=gen)), top_p=0.9,
+                                top_k=50 if request % 2 else 0, min_p=0.02 if request % 3 == 0 else 0.0)  # fmt: skip
+        native = verify(logits, drafts, SamplingRow(params, [1], [2], torch.Generator().manual_seed(request))).token_ids
+        with monkeypatch.context() as m:
+            m.setattr(sampler, "sample_fit", lambda x: False)
+            torch_form = verify(logits, drafts, SamplingRow(params, [1], [2], torch.Generator().manual_seed(request))).token_ids
+        differ += native != torch_form
+    assert differ <= 3, f"{differ} of 300 differ (seed {seed})"
 
 
 def test_greedy_verification_keeps_drafts_up_to_the_first_miss():

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from oxserve.kernels.rows import argmax_fit, argmax_native
-from oxserve.kernels.sampling import float32s, penalise_native, sample_fit, sample_native
+from oxserve.kernels.sampling import filter_native, float32s, penalise_native, sample_fit, sample_native
 from oxserve.sampling_params import SamplingParams
 
 
@@ -168,10 +168,24 @@ def sample_random(x: torch.Tensor, params: list[SamplingParams], u: torch.Tensor
     if not sample_fit(x):
         return inverse_cdf(filtered_probs(x, params), u)
     tokens = sample_native(x, params, u)
-    if (left := (tokens < 0).nonzero().flatten()).numel():  # those rows are untouched
-        index = left.tolist()
-        tokens[left] = inverse_cdf(filtered_probs(x[left], [params[i] for i in index]), u[left])
+    if left := [i for i, token in enumerate(tokens.tolist()) if token < 0]:  # those rows are untouched
+        index = torch.tensor(left, device=x.device)
+        tokens[index] = inverse_cdf(filtered_probs(x[index], [params[i] for i in left]), u[index])
     return tokens
+
+
+def filtered_weights(x: torch.Tensor, params: list[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [R, V] fp32 (overwritten) -> what temperature, min-p, top-k and top-p keep of each
+    row as weights [R, V] and their totals [R] float64 (a token's probability: weight / total):
+    natively on CPU (`filter_native`, the weights `sample_random` draws from), with the torch
+    form (`filtered_probs`: probabilities, total 1) for the rows the kernel leaves and elsewhere."""
+    if not sample_fit(x):
+        return filtered_probs(x, params), torch.ones(len(params), dtype=torch.float64, device=x.device)
+    totals = filter_native(x, params)
+    if left := [i for i, total in enumerate(totals.tolist()) if total < 0]:  # those rows are untouched
+        index = torch.tensor(left, device=x.device)
+        x[index], totals[index] = filtered_probs(x[index], [params[i] for i in left]), 1.0
+    return x, totals
 
 
 def filtered_probs(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from oxserve.engine.request import Request
-from oxserve.engine.sampler import SamplingRow, apply_penalties, filtered_probs, is_plain_greedy, logprob_entries
+from oxserve.engine.sampler import SamplingRow, apply_penalties, filtered_weights, is_plain_greedy, logprob_entries
 
 METHODS = ("ngram", "mtp")
 
@@ -157,15 +157,15 @@ def verify(logits: torch.Tensor, drafts: list[int], row: SamplingRow, argmax: li
     rows = [SamplingRow(row.params, row.prompt_token_ids, row.output_token_ids + drafts[:i], row.generator) for i in range(n)]
     x = apply_penalties(logits.to(torch.float32, copy=True), rows)
     greedy = row.params.greedy
-    probs = None if greedy else filtered_probs(x, [row.params] * n)
+    weights, totals = (None, None) if greedy else filtered_weights(x, [row.params] * n)
     tokens: list[int] = []
     for i in range(n):
         if greedy:
             choice = int(x[i].argmax())
-        elif i < len(drafts) and _uniform(row.generator, logits.device) < float(probs[i, drafts[i]]):
+        elif i < len(drafts) and _uniform(row.generator, logits.device) < float(weights[i, drafts[i]]) / float(totals[i]):
             choice = drafts[i]
         else:
-            residual = probs[i].clone()
+            residual = weights[i].clone()
             if i < len(drafts):
                 residual[drafts[i]] = 0.0  # max(p - q, 0) for a draft q that is one token for sure
             choice = _draw(residual, row.generator)
@@ -185,6 +185,7 @@ def _uniform(generator: torch.Generator | None, device: torch.device) -> float:
 
 
 def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """A token drawn from `probs` (weights: they need not sum to 1)."""
     cdf = probs.double().cumsum(0)
     u = _uniform(generator, probs.device) * float(cdf[-1])
     at = torch.tensor([u], dtype=torch.float64, device=cdf.device)

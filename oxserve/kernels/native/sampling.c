@@ -183,13 +183,15 @@ static void keep_top_p(float *w, int64_t n, double total, float top_p, int64_t m
     }
 }
 
-static int64_t sample_row(float *row, int64_t n, float temperature, float min_p, int64_t top_k, float top_p, double u,
-                          RowScratch s) {
+/* Temperature, top-k, min-p and top-p on a row, in place: its kept weights e^(z - max z), 0
+ * for the dropped. Returns their total, or -1 for a row the kernel refuses (left untouched);
+ * *first_max: the most likely token. */
+static double filter_row(float *row, int64_t n, float temperature, float min_p, int64_t top_k, float top_p,
+                         RowScratch s, int64_t *first_max) {
     float top;
-    int64_t first_max;
-    if (!(temperature > 0.0f) || temperature == INFINITY || row_max(row, n, &top, &first_max) != 0) return -1;
+    if (!(temperature > 0.0f) || temperature == INFINITY || row_max(row, n, &top, first_max) != 0) return -1.0;
     const float top_z = top / temperature;
-    if (top_z == INFINITY) return -1;
+    if (top_z == INFINITY) return -1.0;
     /* top-k on the logits (dividing by the temperature keeps their order), before e^x rounds them */
     const float kth = top_k > 0 && top_k < n ? kth_largest(row, n, top_k, s.values) : -INFINITY;
     for (int64_t i = 0; i < n; i++) {
@@ -198,17 +200,19 @@ static int64_t sample_row(float *row, int64_t n, float temperature, float min_p,
     }
     if (min_p > 0.0f) /* (min-p and top-k are both masks: their order does not matter) */
         for (int64_t i = 0; i < n; i++) row[i] = row[i] < min_p ? 0.0f : row[i];
-    if (top_p < 1.0f) keep_top_p(row, n, sum_of(row, n), top_p, first_max, s);
-    const int64_t token = first_past(row, n, u * sum_of(row, n));
-    return token >= 0 ? token : first_max; /* (u times the total rounded up to a block's running sum) */
+    if (top_p < 1.0f) keep_top_p(row, n, sum_of(row, n), top_p, *first_max, s);
+    return sum_of(row, n);
 }
 
-/* x [rows, n] fp32 at row_stride (overwritten with the kept weights, except rows that get -1);
- * per row its temperature (finite, > 0; else -1), min_p, top_k (<= 0 or >= n: all), top_p (in
- * (0, 1]) and uniform u; out [rows] int64. Returns 0, -1 without scratch memory, -2 for n past
- * int32. */
-int sample_rows(float *x, int64_t rows, int64_t n, int64_t row_stride, const float *temperature, const float *min_p,
-                const int64_t *top_k, const float *top_p, const double *u, int64_t *out, int nthreads) {
+/* filter_row on each row of x [rows, n] fp32 at row_stride (overwritten with the kept weights,
+ * except refused rows); per row its temperature (finite, > 0; else refused), min_p, top_k (<= 0
+ * or >= n: all) and top_p (in (0, 1]). With u: out [rows] int64, the first token whose running
+ * mass (float64, in token order) exceeds u times the total, -1 for a refused row. With totals:
+ * totals [rows] float64, -1 for a refused row. Returns 0, -1 without scratch memory, -2 for n
+ * past int32. */
+static int each_row(float *x, int64_t rows, int64_t n, int64_t row_stride, const float *temperature, const float *min_p,
+                    const int64_t *top_k, const float *top_p, const double *u, int64_t *out, double *totals,
+                    int nthreads) {
     if (nthreads < 1) nthreads = 1;
     const size_t values = scratch_padded((size_t)n * sizeof(float)), indices = scratch_padded((size_t)n * sizeof(int32_t));
     if (n > INT32_MAX) return -2;
@@ -217,11 +221,31 @@ int sample_rows(float *x, int64_t rows, int64_t n, int64_t row_stride, const flo
     #pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1) if (rows > 1)
     for (int64_t r = 0; r < rows; r++) {
         char *mine = block + (size_t)omp_get_thread_num() * (values + indices);
-        out[r] = sample_row(x + r * row_stride, n, temperature[r], min_p[r], top_k[r], top_p[r], u[r],
-                            (RowScratch){(float *)mine, (int32_t *)(mine + values)});
+        float *row = x + r * row_stride;
+        int64_t first_max;
+        const double total = filter_row(row, n, temperature[r], min_p[r], top_k[r], top_p[r],
+                                        (RowScratch){(float *)mine, (int32_t *)(mine + values)}, &first_max);
+        if (totals != NULL) totals[r] = total;
+        if (out != NULL) {
+            const int64_t token = total < 0.0 ? -1 : first_past(row, n, u[r] * total);
+            out[r] = total < 0.0 ? -1 : token >= 0 ? token : first_max; /* (u x total rounded up past a block's sum) */
+        }
     }
     scratch_done();
     return 0;
+}
+
+/* Random sampling: each_row with u [rows], into out. */
+int sample_rows(float *x, int64_t rows, int64_t n, int64_t row_stride, const float *temperature, const float *min_p,
+                const int64_t *top_k, const float *top_p, const double *u, int64_t *out, int nthreads) {
+    return each_row(x, rows, n, row_stride, temperature, min_p, top_k, top_p, u, out, NULL, nthreads);
+}
+
+/* The filters alone (speculative verification reads a draft's probability, weight / total):
+ * each_row into totals. */
+int filter_rows(float *x, int64_t rows, int64_t n, int64_t row_stride, const float *temperature, const float *min_p,
+                const int64_t *top_k, const float *top_p, double *totals, int nthreads) {
+    return each_row(x, rows, n, row_stride, temperature, min_p, top_k, top_p, NULL, NULL, totals, nthreads);
 }
 
 /* Penalties (the sampler's `apply_penalties`, the same float32 operations in the same order)

@@ -7,7 +7,7 @@ import functools
 
 import torch
 
-from oxserve.engine.sampler import filtered_probs, greedy_tokens, inverse_cdf, sample_random
+from oxserve.engine.sampler import filtered_probs, filtered_weights, greedy_tokens, inverse_cdf, sample_random
 from oxserve.kernels.hyper import hc_collapse, hc_collapse_torch, hc_expand, hc_expand_torch, hc_gates_torch
 from oxserve.kernels.norm import rms_norm_torch
 from oxserve.kernels.onednn import choose_linear_kernel
@@ -330,3 +330,39 @@ def same_tokens(cfg, out, ref, inputs) -> str | None:
 register_op(Op("sampler.random", _random_cases, reference_random, same_tokens,
                {"engine": returning(lambda logits, u: sample_random(logits.clone(), [CHAT_SAMPLING] * len(logits), u)),
                 "torch": returning(lambda logits, u: reference_random(None, {"logits": logits, "u": u})[0])}))
+
+
+# ---- the filters alone (speculative verification reads a draft's probability) ---------------
+
+
+def reference_filter(cfg, i):
+    """Each row's probabilities after temperature and top-p: the torch form."""
+    return (filtered_probs(i["logits"].clone(), [CHAT_SAMPLING] * len(i["logits"])),)
+
+
+def engine_filter(logits):
+    weights, totals = filtered_weights(logits.clone(), [CHAT_SAMPLING] * len(logits))
+    return weights / totals.unsqueeze(1).float()
+
+
+def same_probabilities(cfg, out, ref, inputs) -> str | None:
+    """The torch form's probabilities, to float32 rounding; one row may keep a token more or
+    less where a weight lies within rounding of the top-p cut."""
+    same_cut = ((out[0] > 0) == (ref[0] > 0)).all(dim=1)
+    if int((~same_cut).sum()) > 1:
+        return f"{int((~same_cut).sum())} of {len(same_cut)} rows keep other tokens"
+    err = float((out[0][same_cut] - ref[0][same_cut]).abs().max()) if same_cut.any() else 0.0
+    return f"max error {err:.3g}" if err > 1e-5 else None
+
+
+def _filter_cases(cfg, shapes, dtype, device):
+    v = cfg.vocab_size
+    return [
+        Case(f"B={b}", lambda gen, b=b: {"logits": randn(gen, b, v, dtype=FP32, device=device)},
+             lambda i: (torch.empty_like(i["logits"]),), lambda i: (i["logits"].numel() * 8, 0.0), "fp32")
+        for b in shapes.batches  # verify rows: a request's tokens and drafts, fp32
+    ]
+
+
+register_op(Op("sampler.filter", _filter_cases, reference_filter, same_probabilities,
+               {"engine": returning(engine_filter), "torch": returning(lambda logits: reference_filter(None, {"logits": logits})[0])}))
