@@ -45,15 +45,24 @@ class DenseMLP(nn.Module):
         self.hidden_act, self.act = hidden_act, activation(hidden_act)
         self.panels: tuple[torch.Tensor, torch.Tensor] | None = None  # (gate_up, down) packed for panel_experts
         self._ones = torch.ones(0)
+        self._counts = torch.arange(0, dtype=torch.int32)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.panels is not None:
             rows = x.reshape(-1, self.hidden)
-            one_expert = torch.tensor([rows.shape[0]], dtype=torch.int32)  # every row, weight 1
-            out = panel_experts(rows, self._unit_weights(rows.shape[0]), one_expert, *self.panels, self.swiglu_limit)
+            out = panel_experts(rows, self._unit_weights(rows.shape[0]), self._one_expert(rows.shape[0]), *self.panels,
+                                self.swiglu_limit)  # fmt: skip
             return out.view(x.shape)
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
         return self.down_proj(clamped_glu(gate, up, self.swiglu_limit, self.act))
+
+    def _one_expert(self, rows: int) -> torch.Tensor:
+        """The panel kernel's expert offsets for one expert holding every row, [rows] int32: a
+        view of kept counts, as `_unit_weights` (a fresh `torch.tensor` is an op every replay,
+        and splits the step's run of native calls in two)."""
+        if self._counts.numel() <= rows:
+            self._counts = torch.arange(max(rows + 1, 2 * self._counts.numel()), dtype=torch.int32)
+        return self._counts[rows : rows + 1]
 
     def _unit_weights(self, rows: int) -> torch.Tensor:
         """Ones for `rows` rows: a view of a kept tensor (a view costs a captured step nothing,
