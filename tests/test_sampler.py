@@ -8,8 +8,8 @@ from collections import Counter
 import pytest
 import torch
 
-from oxserve.engine.sampler import (SamplingRow, apply_penalties, filtered_probs, greedy_tokens, inverse_cdf, make_generator,
-                                    penalties_torch, sample, uniforms)
+from oxserve.engine.sampler import (SamplingRow, apply_penalties, filtered_probs, filtered_weights, greedy_tokens, inverse_cdf,
+                                    make_generator, penalties_torch, sample, uniforms)
 from oxserve.kernels.sampling import filter_native, sample_native
 from oxserve.sampling_params import SamplingParams
 
@@ -409,9 +409,12 @@ def test_native_sampling_draws_the_torch_forms_token_from_each_uniform(vocab):
 def test_native_filters_keep_the_torch_forms_probabilities():
     """What speculative verification reads (`filter_native`): per row the weights the native
     sampler draws from, and their total; weight / total is the torch form's probability
-    (`filtered_probs`) on fresh random rows and filters, and the same tokens are kept, but
-    where e^x's last bits move a weight across a cut (at most 2 rows in 1,000). A row the
-    kernel refuses gets -1 and is left as it was."""
+    (`filtered_probs`) on fresh random rows and filters, and the same tokens are kept (a weight
+    below 1e-30 counts as dropped: the kernel floors e^x at e^-87 where torch gives 0), but
+    where top-k keeps tokens tied with the k-th (the kernel keeps them, as vLLM; the torch form
+    keeps k) or e^x's last bits move a weight across a cut: at most 2 rows in 1,000. A row the
+    kernel refuses gets -1 and is left as it was; `filtered_weights` gives it the torch form's
+    probabilities (total 1) and the other rows the kernel's weights."""
     seed = random.randrange(2**31)
     gen = torch.Generator().manual_seed(seed)
     rows, vocab = 1000, 1000
@@ -426,9 +429,13 @@ def test_native_filters_keep_the_torch_forms_probabilities():
     assert totals[7] == -1 and torch.equal(weights[7].isnan(), x[7].isnan())
     kept = [r for r in range(rows) if r != 7]
     probs = weights[kept].double() / totals[kept, None]
-    same_cut = ((probs > 0) == (expected[kept] > 0)).all(dim=1)
+    same_cut = ((probs > 1e-30) == (expected[kept] > 1e-30)).all(dim=1)
     assert int((~same_cut).sum()) <= 2, f"seed {seed}"
     torch.testing.assert_close(probs[same_cut], expected[kept][same_cut].double(), rtol=1e-5, atol=1e-7, msg=f"seed {seed}")
+    mixed, mixed_totals = filtered_weights(x[5:9].clone(), params[5:9])  # row 7 (the NaN) goes to the torch form
+    assert mixed_totals.tolist() == [float(t) for t in totals[5:7]] + [1.0, float(totals[8])]
+    assert torch.equal(mixed[[0, 1, 3]], weights[[5, 6, 8]])
+    assert torch.equal(mixed[2].isnan(), expected[7].isnan()) and torch.equal(mixed[2].nan_to_num(), expected[7].nan_to_num())
 
 
 def test_native_top_k_keeps_the_tokens_tied_with_the_kth():

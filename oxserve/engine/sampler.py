@@ -175,12 +175,13 @@ def sample_random(x: torch.Tensor, params: list[SamplingParams], u: torch.Tensor
 
 
 def filtered_weights(x: torch.Tensor, params: list[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [R, V] fp32 (overwritten) -> what temperature, min-p, top-k and top-p keep of each
-    row as weights [R, V] and their totals [R] float64 (a token's probability: weight / total):
-    natively on CPU (`filter_native`, the weights `sample_random` draws from), with the torch
-    form (`filtered_probs`: probabilities, total 1) for the rows the kernel leaves and elsewhere."""
+    """x [R, V] fp32 -> what temperature, min-p, top-k and top-p keep of each row as weights
+    [R, V] and their totals [R] float64 on the host (a token's probability: weight / total):
+    natively on CPU (`filter_native`, the weights `sample_random` draws from; x is overwritten),
+    with the torch form (`filtered_probs`: probabilities, total 1) for the rows the kernel
+    leaves and elsewhere."""
     if not sample_fit(x):
-        return filtered_probs(x, params), torch.ones(len(params), dtype=torch.float64, device=x.device)
+        return filtered_probs(x, params), torch.ones(len(params), dtype=torch.float64)
     totals = filter_native(x, params)
     if left := [i for i, total in enumerate(totals.tolist()) if total < 0]:  # those rows are untouched
         index = torch.tensor(left, device=x.device)

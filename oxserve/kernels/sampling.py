@@ -81,7 +81,7 @@ def float32s(values: list[float] | list[list[float]], device: torch.device | str
     finite float64 is accepted) is taken at its edge rather than as infinity, which would turn
     0 * inf and -inf / inf into NaN."""
     limit = torch.finfo(torch.float32).max
-    clamped = [[max(-limit, min(limit, v)) for v in row] if isinstance(row, list) else max(-limit, min(limit, row))
+    clamped = [[max(-limit, min(limit, v)) for v in row] if isinstance(row, (list, tuple)) else max(-limit, min(limit, row))
                for row in values]  # fmt: skip
     return torch.tensor(clamped, dtype=torch.float32, device=device)
 
