@@ -208,8 +208,8 @@ static inline int64_t start_of(const int32_t *offsets, int64_t e) { return e == 
 static inline int64_t rows_of(const int32_t *offsets, int64_t e) { return offsets[e] - start_of(offsets, e); }
 
 /* The experts that have rows, most rows first (equal counts in expert order), into order;
- * returns how many. Tasks are handed out round-robin in this order: the last ones are the
- * smallest, so threads finish close together, and an expert without rows costs no task at
+ * returns how many. Tasks are handed out in this order: the last ones are the smallest, so
+ * threads finish close together, and an expert without rows costs no task at
  * all (a decode step of a model with hundreds of experts reaches few). A counting sort: slots holds P + 1. */
 static int64_t busiest_first(const int32_t *offsets, int64_t E, int64_t P, int64_t *order, int64_t *slots) {
     memset(slots, 0, (size_t)(P + 1) * sizeof(int64_t));
@@ -385,19 +385,23 @@ static void experts_products(const uint16_t *x, int64_t P, int64_t H, const int3
     uint16_t *act = s.act;
     const int64_t *order = s.order;
     const int64_t panels_i = I / TILE_N, pairs_h = H / (2 * TILE_N), busy = busiest_first(offsets, E, P, s.order, s.slots);
+    /* Where every thread count divides an expert's tasks, round-robin gives each thread the
+     * same share of every expert, however uneven the experts: then a thread knows its next
+     * tasks and fetches the panels of its task after next while it computes (at decode sizes
+     * a few rows against 64 x H bytes of weights, 16 KiB at H = 256, that come from memory,
+     * not cache). Elsewhere tasks come from a queue, busiest expert first. */
+    const int even = nthreads > 0 && panels_i % nthreads == 0 && pairs_h % nthreads == 0;
+    omp_set_schedule(even ? omp_sched_static : omp_sched_dynamic, 1);
     #pragma omp parallel num_threads(nthreads)
     {
         int configured = 0;
         float acc0[TILE_M * TILE_N], acc1[TILE_M * TILE_N];
-        /* Tasks go round-robin, so a thread knows its next ones: it fetches the panels of its
-         * task after next while it computes (at decode sizes a task is a few rows against
-         * 64 x H bytes of weights, 16 KiB at H = 256, that come from memory, not cache). */
-        const int64_t stride = 2 * (int64_t)omp_get_num_threads();
+        const int64_t stride = even ? 2 * (int64_t)omp_get_num_threads() : 0; /* 0: no prefetch */
         /* gate and up for 16 intermediate channels of one expert, 16 rows at a time */
-        #pragma omp for schedule(static, 1)
+        #pragma omp for schedule(runtime)
         for (int64_t task = 0; task < busy * panels_i; task++) {
             int64_t e = order[task / panels_i], b = task % panels_i;
-            if (task + stride < busy * panels_i) {
+            if (stride && task + stride < busy * panels_i) {
                 const int64_t ne = order[(task + stride) / panels_i], nb = (task + stride) % panels_i;
                 prefetch_panel(panel(gate_up, 2 * I, H, ne, nb), H);
                 prefetch_panel(panel(gate_up, 2 * I, H, ne, panels_i + nb), H);
@@ -412,10 +416,10 @@ static void experts_products(const uint16_t *x, int64_t P, int64_t H, const int3
             }
         }
         /* the implicit barrier: every act row is complete before the down products read it */
-        #pragma omp for schedule(static, 1)
+        #pragma omp for schedule(runtime)
         for (int64_t task = 0; task < busy * pairs_h; task++) {
             int64_t e = order[task / pairs_h], b = 2 * (task % pairs_h);
-            if (task + stride < busy * pairs_h) {
+            if (stride && task + stride < busy * pairs_h) {
                 const int64_t ne = order[(task + stride) / pairs_h], nb = 2 * ((task + stride) % pairs_h);
                 prefetch_panel(panel(down, H, I, ne, nb), I);
                 prefetch_panel(panel(down, H, I, ne, nb + 1), I);
