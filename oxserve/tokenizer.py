@@ -82,14 +82,13 @@ class IncrementalDetokenizer:
     without the new one, so that multi-token characters and merged spaces come out right, and
     holds back a delta ending in U+FFFD (an incomplete UTF-8 sequence) until a later token
     completes it. One call into Rust a token, where the same window in Python took two
-    decodes and two list slices (0.9 against 1.6 us a token over 500 tokens, `python docs/bench/detokenize_cost.py --tokens 500`).
+    decodes and two list slices (`python docs/bench/detokenize_cost.py` times both).
     """
 
     def __init__(self, tokenizer: Tokenizer):
         self._tok = tokenizer._tok
         self._stream = DecodeStream(skip_special_tokens=True)  # as `Tokenizer.decode`
-        self._parts: list[str] = []
-        self._text = ""
+        self.text = ""
 
     def push(self, token_id: int) -> str:
         try:
@@ -103,12 +102,5 @@ class IncrementalDetokenizer:
             delta = self._stream.step(self._tok, token_id)
         if not delta:
             return ""
-        self._parts.append(delta)
+        self.text += delta
         return delta
-
-    @property
-    def text(self) -> str:
-        if self._parts:  # joined when read: appending to one string copies it each token
-            self._text += "".join(self._parts)
-            self._parts.clear()
-        return self._text

@@ -556,7 +556,7 @@ class OutputText:
         if self.detok is None:
             return None
         delta = self.detok.push(token)
-        return self.stops.check(self.detok.text, len(delta)) if delta and self.stops.watching else None
+        return self.stops.check(self.detok.text, len(delta))
 
     @property
     def visible(self) -> str:

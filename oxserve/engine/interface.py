@@ -49,7 +49,7 @@ class NewRequestData:
 @dataclass(slots=True)
 class ScheduledRequest:
     """What one request computes this step. Not changed once made (not frozen: a frozen
-    dataclass sets each field through object.__setattr__, 1.8 against 0.3 us to make one,
+    dataclass sets each field through object.__setattr__, ~1.0 against 0.21 us to make one,
     and a step makes one a request)."""
 
     request_id: str

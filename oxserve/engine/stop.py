@@ -34,11 +34,6 @@ class StopStrings:
         self.params = params
         self._cut: int | None = None  # text length to show once a stop string matched
 
-    @property
-    def watching(self) -> bool:
-        """Whether a stop string can still match (there are some, and none has)."""
-        return bool(self.params.stop) and self._cut is None
-
     def check(self, text: str, delta_len: int) -> str | None:
         """The stop string that the last `delta_len` characters of `text` completed, if any."""
         if not self.params.stop or not delta_len or self._cut is not None:

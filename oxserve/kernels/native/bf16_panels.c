@@ -209,8 +209,8 @@ static inline int64_t rows_of(const int32_t *offsets, int64_t e) { return offset
 
 /* The experts that have rows, most rows first (equal counts in expert order), into order;
  * returns how many. Tasks are handed out in this order: the last ones are the smallest, so
- * threads finish close together, and an expert without rows costs no task at
- * all (a decode step of a model with hundreds of experts reaches few). A counting sort: slots holds P + 1. */
+ * threads finish together, and an expert without rows costs no task at all (a decode step
+ * of a model with hundreds of experts reaches few). A counting sort: slots holds P + 1. */
 static int64_t busiest_first(const int32_t *offsets, int64_t E, int64_t P, int64_t *order, int64_t *slots) {
     memset(slots, 0, (size_t)(P + 1) * sizeof(int64_t));
     for (int64_t e = 0; e < E; e++) /* key P - rows: 0 for the busiest possible */
