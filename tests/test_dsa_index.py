@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from oxserve.kernels.dsa_index import (expand_selection, expand_selection_torch, index_scores, index_scores_fit,
-                                       select_every_pool, store_keys, store_keys_fit)
+                                       select_every_pool, store_keys, store_keys_fit, top_pools, top_pools_torch)
 
 BLOCK, KPOOL = 16, 4
 
@@ -44,6 +44,48 @@ def test_native_index_scores_match_torch(dtype, query_dtype, tokens, heads, dim)
 
 @pytest.mark.parametrize("pool,tail", [(4, True), (4, False), (1, True), (16, True)])
 @pytest.mark.parametrize("tokens,k", [(1, 3), (9, 5), (6, 0)])
+def _ranked_first(row: list[float], k: int) -> list[int]:
+    """The rule by hand: highest score first (every NaN above +inf, -0 = +0), the lower pool
+    among equal scores; the first k, in pool order."""
+    def rank(i):
+        x = row[i]
+        return (1, 0.0, -i) if x != x else (0, x + 0.0, -i)
+
+    return sorted(sorted(range(len(row)), key=rank, reverse=True)[:k])
+
+
+def _scores_with_ties(gen: torch.Generator, tokens: int, n: int, kind: str) -> torch.Tensor:
+    x = torch.randn(tokens, n, generator=gen)
+    if kind == "relu":  # the indexer's scores: many exact zeros, of either sign
+        x = x.relu() * torch.where(torch.rand(tokens, n, generator=gen) < 0.5, -1.0, 1.0)
+    elif kind == "coarse":  # few distinct values: ties straddle the k-th everywhere
+        x = (x * 2).round() / 2
+    elif kind == "special":  # hidden pools (-inf), NaN of either sign, +inf, -0 among the rest
+        nan = float("nan")
+        for value, share in (float("-inf"), 0.3), (nan, 0.05), (-nan, 0.05), (float("inf"), 0.05), (-0.0, 0.1):
+            x[torch.rand(tokens, n, generator=gen) < share] = value
+    return x
+
+
+@pytest.mark.parametrize("kind", ["random", "relu", "coarse", "special"])
+def test_top_pools_follow_their_rule(kind):
+    """The native choice and its torch form each equal the rule written out by hand, on fresh
+    random rows of every size around the kernel's radix passes and thread split."""
+    gen = torch.Generator().manual_seed(torch.seed())
+    for _ in range(60):
+        tokens, n = int(torch.randint(1, 40, (1,), generator=gen)), int(torch.randint(1, 600, (1,), generator=gen))
+        k = int(torch.randint(0, n + 1, (1,), generator=gen))
+        scores = _scores_with_ties(gen, tokens, n, kind)
+        want = torch.tensor([_ranked_first(row, k) for row in scores.tolist()], dtype=torch.int64).view(tokens, k)
+        assert torch.equal(top_pools(scores, k), want), (tokens, n, k)
+        assert torch.equal(top_pools_torch(scores, k), want), (tokens, n, k)
+
+
+def test_top_pools_refuse_more_than_the_row():
+    with pytest.raises(ValueError, match="3 of 2 pools"):
+        top_pools(torch.zeros(1, 2), 3)
+
+
 def test_native_selection_expands_as_torch(pool, tail, tokens, k):
     """Chosen pools -> positions: pools past a query's visible ones (top-k's filler) and tail
     positions past the query itself become -1."""

@@ -2,9 +2,10 @@
 
 `index_scores` runs `native/dsa_index.c` on CPU for a bf16 or fp32 pool-key table; the torch
 form (`Indexer._select`: gather the keys, two products) runs elsewhere and for int8/fp8
-tables, and is what the kernel is tested against. The choice of pools (top-k) stays torch's
-either way, so ties are broken the same way; `expand_selection` turns the chosen pools into
-positions in one pass (`expand_selection_torch` is its torch form). `store_keys` writes a
+tables, and is what the kernel is tested against. `top_pools` chooses each query's best pools
+by one rule everywhere (ties to the lower pool; `top_pools_torch` is its torch form), in one
+native pass on CPU, and `expand_selection` turns them into positions in another
+(`expand_selection_torch` is its torch form). `store_keys` writes a
 step's keys and compresses the pools it completes (`Indexer._write_keys`' torch form).
 """
 
@@ -50,6 +51,28 @@ def index_scores(q: torch.Tensor, head_weights: torch.Tensor, query_pos: torch.T
     if status != 0:
         raise RuntimeError(f"dsa_index_scores failed ({status}): {heads} heads of {dim}")
     return out
+
+
+def top_pools_torch(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """The k highest scores' pools of each row of scores [T, P] (k <= P; NaN above +inf, the
+    lower pool first among equal scores), in ascending pool order: int64 [T, k]."""
+    best = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k]
+    return best.sort(dim=-1).values
+
+
+def top_pools(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """`top_pools_torch` in one native pass on CPU (fp32 scores): a replayed decode step calls
+    it with its other kernels, where torch.topk's cold code cost 130-150 us a call at batch 32
+    (docs/performance.md, "The indexer's pools chosen natively")."""
+    if not 0 <= k <= scores.shape[-1]:
+        raise ValueError(f"top_pools: {k} of {scores.shape[-1]} pools")
+    if scores.device.type != "cpu" or scores.dtype != torch.float32 or scores.dim() != 2 or _kernel() is None:
+        return top_pools_torch(scores, k)
+    scores = scores.contiguous()
+    chosen = torch.empty(scores.shape[0], k, dtype=torch.int64)
+    _kernel().dsa_top_pools(scores.data_ptr(), scores.shape[0], scores.shape[1], k, chosen.data_ptr(),
+                            torch.get_num_threads())
+    return chosen
 
 
 def expand_selection_torch(chosen: torch.Tensor, visible_pools: torch.Tensor, query_pos: torch.Tensor, pool: int,
@@ -140,5 +163,7 @@ def _kernel() -> ctypes.CDLL | None:
     lib.dsa_index_scores.argtypes = [p, p, i32, f32, p, i64, p, p, i64, i64, p, i32, i64, i32, i64, i64, f32, f32, p, i32]
     lib.dsa_expand_selection.argtypes = [p, i64, i64, p, p, i64, i32, p]
     lib.dsa_expand_selection.restype = None
+    lib.dsa_top_pools.argtypes = [p, i64, i64, i64, p, i32]
+    lib.dsa_top_pools.restype = None
     lib.dsa_store_keys.argtypes = [p, p, p, p, ctypes.c_float, p, i64, i64, p, p, i64, p, p, i64, i64, p, p, i64, i32]
     return lib

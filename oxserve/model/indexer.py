@@ -5,8 +5,9 @@ A complete pool gets one compressed key (softmax-weighted mean of its tokens' ke
 weights from a learned gate + per-offset bias), computed once when its last token arrives
 and kept in the pool cache. A query at position t scores the pools that end at or before
 t, keeps the best min(index_topk / P, #pools) (all of them, unscored, while a step's requests
-have no more pools than that), expands them to their P positions and, when
-`index_kpool_always_select_tail`, adds the tokens of its own incomplete pool (the tail):
+have no more pools than that; among equal scores the lower pool), expands them to their P
+positions and, when `index_kpool_always_select_tail`, adds the tokens of its own incomplete
+pool (the tail):
 
     positions:  0 1 2 3 | 4 5 6 7 | 8 9 10 11 | 12 13      query t = 13, P = 4
     pools:        p0    |   p1    |    p2     |  tail = {12, 13}
@@ -23,7 +24,7 @@ from torch import nn
 from oxserve.cache.layers import MLACache
 from oxserve.cache.spec import PagedTensor
 from oxserve.kernels.dsa_index import (expand_selection, index_scores, index_scores_fit, select_every_pool, store_keys,
-                                       store_keys_fit)
+                                       store_keys_fit, top_pools)
 from oxserve.kernels.moe import pack_linear, panel_linear, panel_linear_fit
 from oxserve.model.batch import ForwardBatch, PoolCompletions
 from oxserve.model.config import TextModelConfig
@@ -134,8 +135,7 @@ class Indexer(nn.Module):
             pool_scores = self.tp.reduce(index_scores(q, head_weights, query_pos, self.kpool, request, batch.block_tables,
                                                       batch.block_size // self.kpool, cache.pool_keys, num_pools, scale,
                                                       self.head_weight_scale, hidden=float("-inf")))  # fmt: skip
-            chosen = pool_scores.topk(k, dim=-1).indices
-            return expand_selection(chosen, None, query_pos, self.kpool, self.with_tail)
+            return expand_selection(top_pools(pool_scores, k), None, query_pos, self.kpool, self.with_tail)
         q, head_weights = q.float(), head_weights.float() * self.head_weight_scale
         visible_pools = (query_pos + 1) // self.kpool
         pool_ids = torch.arange(num_pools, device=q.device)
@@ -155,5 +155,4 @@ class Indexer(nn.Module):
         head_sums = (head_weights.unsqueeze(1) @ scores).squeeze(1)
         visible = pool_ids.unsqueeze(0) < visible_pools.unsqueeze(1)
         pool_scores = self.tp.reduce(head_sums).masked_fill(~visible, float("-inf"))
-        chosen = pool_scores.topk(k, dim=-1).indices
-        return expand_selection(chosen, visible_pools, query_pos, self.kpool, self.with_tail)
+        return expand_selection(top_pools(pool_scores, k), visible_pools, query_pos, self.kpool, self.with_tail)

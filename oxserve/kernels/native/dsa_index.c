@@ -13,6 +13,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "bf16.h"
 #include "vmath.h"
@@ -53,6 +54,55 @@ int dsa_index_scores(const void *q, const void *head_weights, int q_bf16, float 
         for (int64_t p = seen; p < num_pools; p++) row_out[p] = hidden;
     }
     return 0;
+}
+
+/* ---- the pools a query keeps ---------------------------------------------------------------
+ *
+ * chosen[t] = the k pools of row t of scores [tokens, n] with the highest scores, in ascending
+ * pool order (as `select_every_pool` lists them when every pool is kept). Every NaN ranks
+ * above +inf (as torch.topk ranks them) and -0 equals +0; among equal scores the lower pool
+ * wins, so that the choice is a function of the scores alone (torch.topk's among ties is
+ * whatever its selection algorithm leaves). `top_pools_torch` in kernels/dsa_index.py is the
+ * same rule in torch.
+ *
+ * Radix selection on keys that order as the scores do, 8 bits a pass from the top: each pass
+ * counts the members of the group still undecided by their next byte, takes the groups above
+ * the one holding the k-th score whole, and stops once that group is taken whole too; after
+ * the last byte the group is the scores equal to the k-th, taken lowest pool first. */
+static inline uint32_t order_key(float x) {
+    if (x != x) return UINT32_MAX;
+    if (x == 0.0f) x = 0.0f; /* -0 -> +0 */
+    uint32_t u;
+    memcpy(&u, &x, sizeof u);
+    return (u & 0x80000000u) ? ~u : u | 0x80000000u;
+}
+
+static void top_row(const float *row, int64_t n, int64_t k, int64_t *out) {
+    uint32_t prefix = 0, mask = 0;
+    int64_t wanted = k; /* how many of the group (key & mask) == prefix to take, lowest pools first */
+    for (int shift = 24; shift >= 0 && wanted > 0; shift -= 8) {
+        int64_t count[256] = {0};
+        for (int64_t i = 0; i < n; i++) {
+            const uint32_t key = order_key(row[i]);
+            if ((key & mask) == prefix) count[key >> shift & 255]++;
+        }
+        int b = 255;
+        for (; b > 0 && count[b] < wanted; b--) wanted -= count[b];
+        prefix |= (uint32_t)b << shift;
+        mask |= 255u << shift;
+        if (count[b] == wanted) break;
+    }
+    int64_t taken = 0, ties = 0;
+    for (int64_t i = 0; i < n && taken < k; i++) {
+        const uint32_t group = order_key(row[i]) & mask;
+        if (group > prefix || (group == prefix && ties++ < wanted)) out[taken++] = i;
+    }
+}
+
+/* k <= n. Rows are spread over threads where there is enough of them to pay for it. */
+void dsa_top_pools(const float *scores, int64_t tokens, int64_t n, int64_t k, int64_t *chosen, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (tokens > 1 && tokens * n >= 4096)
+    for (int64_t t = 0; t < tokens; t++) top_row(scores + t * n, n, k, chosen + t * k);
 }
 
 /* The positions a query attends to, from the pools top-k chose (chosen [T, k], pool ids):
