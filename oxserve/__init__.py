@@ -2,6 +2,6 @@
 
 from oxserve.llm import LLM
 from oxserve.outputs import CompletionOutput, RequestOutput
-from oxserve.sampling_params import SamplingParams
+from oxserve.sampling_params import RequestOutputKind, SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "RequestOutputKind", "RequestOutput", "CompletionOutput"]

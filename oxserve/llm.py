@@ -8,7 +8,7 @@ from typing import Any, Sequence
 from oxserve.engine.engine import LLMEngine, Prompt
 from oxserve.options import engine_config
 from oxserve.outputs import CompletionOutput, RequestOutput
-from oxserve.sampling_params import SamplingParams
+from oxserve.sampling_params import RequestOutputKind, SamplingParams
 
 
 class LLM:
@@ -66,7 +66,9 @@ class LLM:
             for j, child in enumerate(p.fan_out()):
                 rid = f"llm-{self._counter}"
                 self._counter += 1
-                self.engine.add_request(rid, prompt, child, urgency)
+                # Only final outputs are returned: none is built while the request runs (as vLLM's LLM asks).
+                final_only = replace(child, output_kind=RequestOutputKind.FINAL_ONLY)
+                self.engine.add_request(rid, prompt, final_only, urgency)
                 children[rid] = (i, j)
         finished = run_to_completion(self.engine, set(children))
         return self._merge(prompts, children, finished)

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from tokenizers import Tokenizer
 
-from oxserve import LLM, SamplingParams
+from oxserve import LLM, RequestOutputKind, SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -198,3 +199,52 @@ def test_the_priority_policy_serves_the_most_urgent_first(tiny_model_dir):
     plain = LLM(model=str(tiny_model_dir), dtype="float32", max_num_seqs=1)
     expected = plain.generate(prompts, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in expected]
+
+
+def _run_alone(llm: LLM, prompt: list[int], params: SamplingParams) -> list:
+    llm.engine.add_request("kind", prompt, params)
+    outputs = []
+    while llm.engine.has_unfinished_requests():
+        outputs += llm.engine.step()
+    return outputs
+
+
+def test_output_kinds_carry_the_same_request(llm):
+    """CUMULATIVE: everything so far, every step; DELTA: only what earlier outputs did not
+    carry (the prompt's logprobs in the first); FINAL_ONLY: one output, at the end. The same
+    tokens, text and logprobs in the end, with a stop string (tokens decoded as they come) and
+    without (decoded when the text is read)."""
+    prompt = [int(t) for t in torch.randint(20, 200, (int(torch.randint(3, 40, ())),))]
+    base = dict(temperature=0.0, max_tokens=30, ignore_eos=True, logprobs=2, prompt_logprobs=1)
+    plain = _run_alone(llm, prompt, SamplingParams(**base))[-1].outputs[0]
+    middle = plain.text[len(plain.text) // 2 :].strip()
+    for stop in ([], [middle[0]] if middle else []):
+        runs = {kind: _run_alone(llm, prompt, SamplingParams(**base, stop=stop, output_kind=kind))
+                for kind in RequestOutputKind}  # fmt: skip
+        cumulative, deltas, final = (runs[k] for k in RequestOutputKind)
+        whole = cumulative[-1]
+        assert len(final) == 1 and final[0].finished and len(cumulative) == len(deltas) > 1
+        assert [o.finished for o in cumulative] == [o.finished for o in deltas] == [False] * (len(deltas) - 1) + [True]
+        for earlier, later in zip(cumulative, cumulative[1:]):
+            assert later.outputs[0].token_ids[: len(earlier.outputs[0].token_ids)] == earlier.outputs[0].token_ids
+        assert final[0].outputs[0] == whole.outputs[0] and final[0].prompt_logprobs == whole.prompt_logprobs
+        assert [t for o in deltas for t in o.outputs[0].token_ids] == whole.outputs[0].token_ids
+        assert [p for o in deltas for p in o.outputs[0].logprobs] == whole.outputs[0].logprobs
+        assert "".join(o.outputs[0].text for o in deltas) == whole.outputs[0].text
+        assert deltas[0].prompt_logprobs == whole.prompt_logprobs and all(o.prompt_logprobs is None for o in deltas[1:])
+        if stop:
+            assert whole.outputs[0].stop_reason == stop[0] and len(whole.outputs[0].token_ids) < 30
+
+
+def test_generate_returns_what_a_cumulative_request_ends_with(llm):
+    """`LLM.generate` asks for final outputs only; they are what a request that streams
+    everything ends with."""
+    prompt = [int(t) for t in torch.randint(20, 200, (17,))]
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=1)
+    assert llm.generate([prompt], params)[0].outputs[0] == _run_alone(llm, prompt, params)[-1].outputs[0]
+
+
+def test_output_kind_must_be_one_of_three():
+    assert SamplingParams(output_kind=2).output_kind is RequestOutputKind.FINAL_ONLY
+    with pytest.raises(ValueError, match="output_kind must be one of"):
+        SamplingParams(output_kind=3)

@@ -20,7 +20,7 @@ import torch
 
 from oxserve.cli import add_engine_arguments, engine_config_from_args
 from oxserve.engine.engine import DTYPES, LLMEngine
-from oxserve.sampling_params import SamplingParams
+from oxserve.sampling_params import RequestOutputKind, SamplingParams
 from oxserve.telemetry import Tracer
 
 
@@ -103,7 +103,8 @@ def _random_prompts(n: int, length: int, engine: LLMEngine, seed: int) -> list[l
 
 
 def run_oxserve(engine: LLMEngine, prompts: list[list[int]], output_len: int) -> PhaseRates:
-    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    # Offline generation, as HF's generate and `LLM.generate` run it: no output until a request ends.
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY)
     engine.add_request("warmup", prompts[0][:64], SamplingParams(max_tokens=4, ignore_eos=True))
     while engine.has_unfinished_requests():
         engine.step()

@@ -44,7 +44,7 @@ from oxserve.parallel.groups import ALONE
 from oxserve.parallel.workers import ParallelError, RankPlan, WorkerGroup
 from oxserve.quantization.on_load import choose_quantization, load_transform
 from oxserve.quantization.plan import QuantizationPlan
-from oxserve.sampling_params import SamplingParams
+from oxserve.sampling_params import RequestOutputKind, SamplingParams
 from oxserve.structured.grammar import GrammarCompiler, check_constraint
 from oxserve.telemetry import span
 from oxserve.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -365,7 +365,7 @@ class LLMEngine:
         self.scheduler.observe_step(scheduled, time.perf_counter() - started + self._drafting_s, self.runner.novelty)
         with span(tracer, "postprocess", track="engine"):
             updates = self.scheduler.update_from_output(scheduled, result)
-            outputs = [self._output_of(update) for update in updates]
+            outputs = [output for update in updates if (output := self._output_of(update)) is not None]
             if self.proposer is not None:  # drafts for the next step, which is charged their time
                 drafting, self.proposer.deferred_s = time.perf_counter(), 0.0
                 self.scheduler.propose_drafts(self.proposer, self.speculative.num_speculative_tokens)
@@ -384,7 +384,8 @@ class LLMEngine:
             log.error("%s failed alone in a step; it finishes with 'error'", request.request_id)
         return [self._retire(request) for request in failed]
 
-    def _output_of(self, update: RequestUpdate) -> RequestOutput:
+    def _output_of(self, update: RequestUpdate) -> RequestOutput | None:
+        """The request's output after this step's tokens (None: it wants none until it finishes)."""
         request = update.request
         if request.first_token_time is None:
             request.first_token_time = time.monotonic()
@@ -399,7 +400,9 @@ class LLMEngine:
                 else:
                     self.scheduler.finish(request.request_id, "stop", hit)
                 break
-        return self._retire(request) if request.is_finished else self._output(request)
+        if request.is_finished:
+            return self._retire(request)
+        return None if request.params.output_kind is RequestOutputKind.FINAL_ONLY else self._output(request)
 
     def _retire(self, request: Request) -> RequestOutput:
         output = self._output(request)
@@ -439,16 +442,25 @@ class LLMEngine:
         return {"model": model_fingerprint(self.model_path, self.config.model.dtype), "layout": self.kv_layout}
 
     def _output(self, request: Request) -> RequestOutput:
+        """Everything so far, or with DELTA what earlier outputs did not carry (the prompt's
+        logprobs in the first only)."""
+        text = self._texts[request.request_id]
+        visible = text.visible
+        first_token = first_char = 0
+        if request.params.output_kind is RequestOutputKind.DELTA:
+            first_token, first_char = text.sent_tokens, text.sent_chars
+            text.sent_tokens, text.sent_chars = len(request.output_token_ids), max(first_char, len(visible))
         completion = CompletionOutput(
             index=0,
-            text=self._texts[request.request_id].visible,
-            token_ids=list(request.output_token_ids),
-            logprobs=list(request.output_logprobs) if request.params.logprobs is not None else None,
+            text=visible[first_char:],
+            token_ids=request.output_token_ids[first_token:],  # (a copy)
+            logprobs=request.output_logprobs[first_token:] if request.params.logprobs is not None else None,
             finish_reason=request.finish_reason,
             stop_reason=request.stop_reason,
         )
         # Shared, not copied: once complete, the scheduler never touches them again.
-        scored = request.params.prompt_logprobs is not None and len(request.prompt_logprobs) == len(request.prompt_token_ids)
+        scored = (request.params.prompt_logprobs is not None and len(request.prompt_logprobs) == len(request.prompt_token_ids)
+                  and (first_token == 0 or request.params.output_kind is not RequestOutputKind.DELTA))
         return RequestOutput(
             request_id=request.request_id,
             prompt=request.prompt,
@@ -545,22 +557,34 @@ class LLMEngine:
 
 
 class OutputText:
-    """A request's decoded text so far and its stop strings."""
+    """A request's decoded text so far and its stop strings. Without stop strings to look for,
+    tokens are decoded when the text is read, not as they come: a request that wants no
+    output until it finishes (FINAL_ONLY) decodes its tokens once, at the end."""
 
     def __init__(self, tokenizer: Tokenizer | None, params: SamplingParams):
         self.detok = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
         self.stops = StopStrings(params)
+        self._undecoded: list[int] = []  # tokens taken, not decoded yet (no stop strings)
+        self.sent_tokens = self.sent_chars = 0  # DELTA: what earlier outputs carried
 
     def push(self, token: int) -> str | None:
         """Take the next accepted token; the stop string it completed, if any."""
         if self.detok is None:
+            return None
+        if not self.stops.params.stop:
+            self._undecoded.append(token)
             return None
         delta = self.detok.push(token)
         return self.stops.check(self.detok.text, len(delta))
 
     @property
     def visible(self) -> str:
-        return self.stops.visible_text(self.detok.text) if self.detok else ""
+        if self.detok is None:
+            return ""
+        for token in self._undecoded:
+            self.detok.push(token)
+        self._undecoded.clear()
+        return self.stops.visible_text(self.detok.text)
 
 
 class PromptError(ValueError):
