@@ -1,0 +1,88 @@
+"""Two variants of a steady decode step, A and B, in one process: two engines of the default
+model (bf16, 2 threads), each with BATCH greedy requests of 576 prompt tokens decoding, stepped
+in alternating blocks of 25 steps (A first in even rounds, B first in odd ones). On a machine
+whose runs drift +-20% from minute to minute, pairs of blocks a few milliseconds apart see the
+same machine; `oxserve experiment run` compares whole runs (prefill and all) and cannot resolve
+a few percent there.
+
+Variants:
+  topk         A: the indexer's pools chosen by torch.topk (as before 7c723fb); B: `top_pools`
+  output-kind  A: requests want every step's output (CUMULATIVE); B: only their last (FINAL_ONLY)
+
+    python docs/bench/step_ab.py VARIANT BATCH [--rounds N]
+
+Prints each engine's median step time and the A/B ratio of paired blocks: its median, and a
+95% interval of that median by bootstrap over the pairs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+
+import oxserve.model.indexer as indexer_module
+from oxserve import LLM, RequestOutputKind, SamplingParams
+
+NATIVE_TOP_POOLS = indexer_module.top_pools
+
+
+def torch_topk(scores, k):
+    return scores.topk(k, dim=-1).indices
+
+
+# variant -> {arm: (the indexer's pool choice, what requests ask for)}
+VARIANTS = {
+    "topk": {"A": (torch_topk, RequestOutputKind.CUMULATIVE), "B": (NATIVE_TOP_POOLS, RequestOutputKind.CUMULATIVE)},
+    "output-kind": {"A": (NATIVE_TOP_POOLS, RequestOutputKind.CUMULATIVE),
+                    "B": (NATIVE_TOP_POOLS, RequestOutputKind.FINAL_ONLY)},
+}  # fmt: skip
+
+
+def step_block(llm: LLM, choose_pools, steps: int) -> float:
+    """Mean ms a step over `steps` steps; the pool choice set for this engine's steps (its
+    recordings are made with it, and a new shape may be recorded in any block)."""
+    indexer_module.top_pools = choose_pools
+    start = time.perf_counter()
+    for _ in range(steps):
+        llm.engine.step()
+    return (time.perf_counter() - start) / steps * 1e3
+
+
+def median_interval(ratios: list[float], draws: int = 2000) -> tuple[float, float]:
+    rng = random.Random(0)
+    medians = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(draws))
+    return medians[int(0.025 * draws)], medians[int(0.975 * draws) - 1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("variant", choices=sorted(VARIANTS))
+    parser.add_argument("batch", type=int)
+    parser.add_argument("--rounds", type=int, default=30)
+    args = parser.parse_args()
+    arms = VARIANTS[args.variant]
+    engines = {}
+    for arm, (choose_pools, kind) in arms.items():
+        engines[arm] = llm = LLM(dtype="bfloat16", threads=2)
+        params = SamplingParams(temperature=0.0, max_tokens=20_000, ignore_eos=True, output_kind=kind)
+        for i in range(args.batch):
+            llm.engine.add_request(f"r{i}", list(range(40 + i, 40 + i + 576)), params)
+        step_block(llm, choose_pools, 40)  # prefill, then the decode shapes recorded
+    times: dict[str, list[float]] = {"A": [], "B": []}
+    for r in range(args.rounds):
+        for arm in ("A", "B") if r % 2 == 0 else ("B", "A"):
+            times[arm].append(step_block(engines[arm], arms[arm][0], 25))
+    ratios = [a / b for a, b in zip(times["A"], times["B"])]
+    low, high = median_interval(ratios)
+    for arm in ("A", "B"):
+        print(f"{arm}: median step {statistics.median(times[arm]):.3f} ms")
+    print(f"{args.variant}, batch {args.batch}: A/B step time {statistics.median(ratios):.3f} (95% interval of the "
+          f"median [{low:.3f}, {high:.3f}], {args.rounds} pairs of 25-step blocks)")
+    for llm in engines.values():
+        llm.close()
+
+
+if __name__ == "__main__":
+    main()
