@@ -42,8 +42,6 @@ def test_native_index_scores_match_torch(dtype, query_dtype, tokens, heads, dim)
     assert torch.equal(hidden[seen], got[seen]) and (hidden[~seen] == float("-inf")).all()
 
 
-@pytest.mark.parametrize("pool,tail", [(4, True), (4, False), (1, True), (16, True)])
-@pytest.mark.parametrize("tokens,k", [(1, 3), (9, 5), (6, 0)])
 def _ranked_first(row: list[float], k: int) -> list[int]:
     """The rule by hand: highest score first (every NaN above +inf, -0 = +0), the lower pool
     among equal scores; the first k, in pool order."""
@@ -86,6 +84,8 @@ def test_top_pools_refuse_more_than_the_row():
         top_pools(torch.zeros(1, 2), 3)
 
 
+@pytest.mark.parametrize("pool,tail", [(4, True), (4, False), (1, True), (16, True)])
+@pytest.mark.parametrize("tokens,k", [(1, 3), (9, 5), (6, 0)])
 def test_native_selection_expands_as_torch(pool, tail, tokens, k):
     """Chosen pools -> positions: pools past a query's visible ones (top-k's filler) and tail
     positions past the query itself become -1."""
