@@ -8,6 +8,8 @@ a few percent there.
 Variants:
   topk         A: the indexer's pools chosen by torch.topk (as before 7c723fb); B: `top_pools`
   output-kind  A: requests want every step's output (CUMULATIVE); B: only their last (FINAL_ONLY)
+  huge-pages   A: weights and caches on 4 KiB pages (OXSERVE_HUGE_PAGES=0); B: on huge pages
+                  (both arms FINAL_ONLY, as the others' B)
 
     python docs/bench/step_ab.py VARIANT BATCH [--rounds N]
 
@@ -18,12 +20,13 @@ Prints each engine's median step time and the A/B ratio of paired blocks: its me
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import statistics
 import time
 
 import oxserve.model.indexer as indexer_module
-from oxserve import LLM, RequestOutputKind, SamplingParams
+from oxserve import LLM, RequestOutputKind, SamplingParams, huge_pages
 
 NATIVE_TOP_POOLS = indexer_module.top_pools
 
@@ -32,12 +35,13 @@ def torch_topk(scores, k):
     return scores.topk(k, dim=-1).indices
 
 
-# variant -> {arm: (the indexer's pool choice, what requests ask for)}
+CUMULATIVE, FINAL_ONLY = RequestOutputKind.CUMULATIVE, RequestOutputKind.FINAL_ONLY
+# variant -> {arm: (the indexer's pool choice, what requests ask for, huge pages)}
 VARIANTS = {
-    "topk": {"A": (torch_topk, RequestOutputKind.CUMULATIVE), "B": (NATIVE_TOP_POOLS, RequestOutputKind.CUMULATIVE)},
-    "output-kind": {"A": (NATIVE_TOP_POOLS, RequestOutputKind.CUMULATIVE),
-                    "B": (NATIVE_TOP_POOLS, RequestOutputKind.FINAL_ONLY)},
-}  # fmt: skip
+    "topk": {"A": (torch_topk, CUMULATIVE, True), "B": (NATIVE_TOP_POOLS, CUMULATIVE, True)},
+    "output-kind": {"A": (NATIVE_TOP_POOLS, CUMULATIVE, True), "B": (NATIVE_TOP_POOLS, FINAL_ONLY, True)},
+    "huge-pages": {"A": (NATIVE_TOP_POOLS, FINAL_ONLY, False), "B": (NATIVE_TOP_POOLS, FINAL_ONLY, True)},
+}
 
 
 def step_block(llm: LLM, choose_pools, steps: int) -> float:
@@ -64,7 +68,9 @@ def main() -> None:
     args = parser.parse_args()
     arms = VARIANTS[args.variant]
     engines = {}
-    for arm, (choose_pools, kind) in arms.items():
+    for arm, (choose_pools, kind, huge) in arms.items():
+        os.environ["OXSERVE_HUGE_PAGES"] = "1" if huge else "0"  # read as the engine starts
+        huge_pages.available.cache_clear()
         engines[arm] = llm = LLM(dtype="bfloat16", threads=2)
         params = SamplingParams(temperature=0.0, max_tokens=20_000, ignore_eos=True, output_kind=kind)
         for i in range(args.batch):

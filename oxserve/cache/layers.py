@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from oxserve import huge_pages
 from oxserve.cache.replay import RingCounts
 from oxserve.kernels import kda_decode, kda_io
 from oxserve.kernels.kda import ChunkLayout, kda_chunked
@@ -47,7 +48,7 @@ class ScaledRows:
     @classmethod
     def zeros(cls, rows: int, width: int, dtype: torch.dtype, read_as: torch.dtype, device) -> ScaledRows:
         storage = torch.int8 if dtype == torch.int8 else torch.uint8
-        return cls(torch.zeros(rows, width, dtype=storage, device=device), torch.ones(rows, device=device), dtype, read_as)
+        return cls(huge_pages.zeros((rows, width), storage, device), torch.ones(rows, device=device), dtype, read_as)
 
     def quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, W] -> (stored values [N, W], scales [N])."""

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from oxserve import huge_pages
 from oxserve.cache.layers import QMAX, KDACache, MLACache, ReplayRing, ScaledRows, Table
 
 
@@ -54,7 +55,7 @@ class PagedTensor:
         rows = layout.num_blocks * layout.block_size // self.tokens_per_entry
         if self.scaled:
             return ScaledRows.zeros(rows, self.width, self.dtype, self.read_as or torch.float32, device)
-        return torch.zeros(rows, self.width, dtype=self.dtype, device=device)
+        return huge_pages.zeros((rows, self.width), self.dtype, device)
 
 
 @dataclass(frozen=True)
@@ -69,7 +70,7 @@ class StateTensor:
         return math.prod(self.shape) * itemsize(self.dtype)
 
     def allocate(self, layout: CacheLayout, device) -> torch.Tensor:
-        return torch.zeros(layout.num_slots, *self.shape, dtype=self.dtype, device=device)
+        return huge_pages.zeros((layout.num_slots, *self.shape), self.dtype, device)
 
 
 @dataclass(frozen=True)

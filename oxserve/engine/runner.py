@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from oxserve import huge_pages
 from oxserve.cache.layers import KDACache
 from oxserve.cache.replay import ReplayBook
 from oxserve.cache.spec import CacheLayout, LayerCacheSpec, replay_length
@@ -81,6 +82,8 @@ class ModelRunner:
         capture_sizes: tuple[int, ...] = (),
     ):
         self.model = model
+        if torch.device(device).type == "cpu" and (moved := huge_pages.move_weights(model)):  # before a recording keeps an address
+            log.info("oxserve: %.1f MB of weights on transparent huge pages", moved / 1e6)
         self.workers = workers  # tensor parallelism, on rank 0: the other ranks
         capturing = bool(capture_sizes) and workers is None  # (one process only: parallel ranks run eagerly)
         self.padding: DecodePadding | None = None  # decode batches filled up to a captured size
