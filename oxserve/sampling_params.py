@@ -53,7 +53,7 @@ class SamplingParams:
         if self.top_k == -1:
             self.top_k = 0
         kinds = {kind.value for kind in RequestOutputKind}
-        _check(isinstance(self.output_kind, int) and self.output_kind in kinds,
+        _check(isinstance(self.output_kind, int) and not isinstance(self.output_kind, bool) and self.output_kind in kinds,
                f"output_kind must be one of {sorted(kinds)} (RequestOutputKind), got {self.output_kind!r}")
         self.output_kind = RequestOutputKind(self.output_kind)
         _check(isinstance(self.n, int) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}")

@@ -30,7 +30,7 @@ from oxserve.engine.request import Request
 from oxserve.engine.runner import ModelRunner
 from oxserve.engine.scheduler import RequestUpdate, Scheduler
 from oxserve.engine.speculative import SpeculativeConfig, make_proposer
-from oxserve.engine.stop import StopStrings
+from oxserve.engine.output_text import OutputText, TextDeltas
 from oxserve.engine.threads import choose_threads
 from oxserve.faults import Faults
 from oxserve.kernels.onednn import choose_linear_kernel
@@ -47,7 +47,7 @@ from oxserve.quantization.plan import QuantizationPlan
 from oxserve.sampling_params import RequestOutputKind, SamplingParams
 from oxserve.structured.grammar import GrammarCompiler, check_constraint
 from oxserve.telemetry import span
-from oxserve.tokenizer import IncrementalDetokenizer, Tokenizer
+from oxserve.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -198,6 +198,7 @@ class LLMEngine:
         self.role_token_ids = self.tokenizer.role_token_ids() if self.tokenizer is not None else frozenset()
         torch.manual_seed(config.model.seed)  # requests without their own seed draw from this
         self._texts: dict[str, OutputText] = {}
+        self._deltas: dict[str, TextDeltas] = {}  # DELTA requests: what their outputs sent
         self._next_id = 0
         self._prompt_tokens = 0
         self._generation_tokens = 0
@@ -260,6 +261,8 @@ class LLMEngine:
             self._check_transfer(request, export_caches, kv_import)
         self.scheduler.add(request)
         self._texts[request_id] = OutputText(self.tokenizer, params)
+        if params.output_kind is RequestOutputKind.DELTA:
+            self._deltas[request_id] = TextDeltas(params)
         if kv_import is not None:
             self._texts[request_id].push(kv_import.first_token)
             self.runner.imports[request_id] = kv_import
@@ -410,6 +413,7 @@ class LLMEngine:
             output.kv_snapshot = self._snapshot(request)
         self.scheduler.forget(request.request_id)
         del self._texts[request.request_id]
+        self._deltas.pop(request.request_id, None)
         return output
 
     def _snapshot(self, request: Request) -> CacheSnapshot:
@@ -442,25 +446,21 @@ class LLMEngine:
         return {"model": model_fingerprint(self.model_path, self.config.model.dtype), "layout": self.kv_layout}
 
     def _output(self, request: Request) -> RequestOutput:
-        """Everything so far, or with DELTA what earlier outputs did not carry (the prompt's
-        logprobs in the first only)."""
-        text = self._texts[request.request_id]
-        visible = text.visible
-        first_token = first_char = 0
-        if request.params.output_kind is RequestOutputKind.DELTA:
-            first_token, first_char = text.sent_tokens, text.sent_chars
-            text.sent_tokens, text.sent_chars = len(request.output_token_ids), max(first_char, len(visible))
-        completion = CompletionOutput(
-            index=0,
-            text=visible[first_char:],
-            token_ids=request.output_token_ids[first_token:],  # (a copy)
-            logprobs=request.output_logprobs[first_token:] if request.params.logprobs is not None else None,
-            finish_reason=request.finish_reason,
-            stop_reason=request.stop_reason,
-        )
+        """Everything so far; with DELTA, what earlier outputs did not carry (the text's
+        possible start of a stop string held back until it finishes; the prompt's logprobs in
+        the first only)."""
+        text = self._texts[request.request_id].visible
+        logprobs = request.output_logprobs if request.params.logprobs is not None else None
+        deltas = self._deltas.get(request.request_id)
+        first = deltas is None or deltas.deltas_sent == 0
+        if deltas is None:
+            token_ids, logprobs = list(request.output_token_ids), None if logprobs is None else list(logprobs)
+        else:
+            text, token_ids, logprobs = deltas.next(text, request.output_token_ids, logprobs, request.is_finished)
+        completion = CompletionOutput(index=0, text=text, token_ids=token_ids, logprobs=logprobs,
+                                      finish_reason=request.finish_reason, stop_reason=request.stop_reason)
         # Shared, not copied: once complete, the scheduler never touches them again.
-        scored = (request.params.prompt_logprobs is not None and len(request.prompt_logprobs) == len(request.prompt_token_ids)
-                  and (first_token == 0 or request.params.output_kind is not RequestOutputKind.DELTA))
+        scored = first and request.params.prompt_logprobs is not None and len(request.prompt_logprobs) == len(request.prompt_token_ids)
         return RequestOutput(
             request_id=request.request_id,
             prompt=request.prompt,
@@ -554,37 +554,6 @@ class LLMEngine:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             ids.add(self.tokenizer.eos_token_id)
         return ids
-
-
-class OutputText:
-    """A request's decoded text so far and its stop strings. Without stop strings to look for,
-    tokens are decoded when the text is read, not as they come: a request that wants no
-    output until it finishes (FINAL_ONLY) decodes its tokens once, at the end."""
-
-    def __init__(self, tokenizer: Tokenizer | None, params: SamplingParams):
-        self.detok = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
-        self.stops = StopStrings(params)
-        self._undecoded: list[int] = []  # tokens taken, not decoded yet (no stop strings)
-        self.sent_tokens = self.sent_chars = 0  # DELTA: what earlier outputs carried
-
-    def push(self, token: int) -> str | None:
-        """Take the next accepted token; the stop string it completed, if any."""
-        if self.detok is None:
-            return None
-        if not self.stops.params.stop:
-            self._undecoded.append(token)
-            return None
-        delta = self.detok.push(token)
-        return self.stops.check(self.detok.text, len(delta))
-
-    @property
-    def visible(self) -> str:
-        if self.detok is None:
-            return ""
-        for token in self._undecoded:
-            self.detok.push(token)
-        self._undecoded.clear()
-        return self.stops.visible_text(self.detok.text)
 
 
 class PromptError(ValueError):

@@ -23,6 +23,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from oxserve.disagg.connector import KVReceiver, KVSender, KVTransferError
 from oxserve.disagg.snapshot import CacheSnapshot
 from oxserve.engine.engine import PromptError, PromptInputs, check_prompt_ids
+from oxserve.engine.output_text import TextDeltas
 from oxserve.multimodal.media import MediaError, decode_image, decode_video, media_bytes
 from oxserve.outputs import CompletionOutput, RequestOutput
 from oxserve.sampling_params import SamplingParams
@@ -92,29 +93,6 @@ class Job:
             "completion_tokens": completion_tokens,
             "total_tokens": self.prompt_tokens + completion_tokens,
         }
-
-
-class TextDeltas:
-    """What one choice has sent so far, and the next delta of the engine's growing text.
-
-    A stop string is cut from the text once it is complete; until then its possible start
-    at the end of the text is held back, so no text is ever sent and then retracted.
-    """
-
-    def __init__(self, params: SamplingParams):
-        longest = max((len(s) for s in params.stop), default=0)
-        self.holdback = 0 if params.include_stop_str_in_output else max(longest - 1, 0)
-        self.text_sent = 0
-        self.tokens_sent = 0
-
-    def next(self, out: CompletionOutput) -> tuple[str, list[int], list[dict[int, float]] | None]:
-        end = len(out.text) if out.finished else len(out.text) - self.holdback
-        end = max(end, self.text_sent)
-        text = out.text[self.text_sent : end]
-        start = self.tokens_sent
-        self.text_sent, self.tokens_sent = end, len(out.token_ids)
-        logprobs = out.logprobs[start:] if out.logprobs is not None else None
-        return text, out.token_ids[start:], logprobs
 
 
 @dataclass
@@ -191,7 +169,8 @@ class OpenAIServing:
             def render(i: int, out: RequestOutput) -> dict | None:
                 first = deltas[i].tokens_sent == 0
                 offset = deltas[i].text_sent
-                text, token_ids, logprobs = deltas[i].next(out.outputs[0])
+                c = out.outputs[0]
+                text, token_ids, logprobs = deltas[i].next(c.text, c.token_ids, c.logprobs, c.finished)
                 if not (token_ids or out.finished):
                     return None
                 return shape.choice(i, out, text, token_ids, logprobs, offset, first)
@@ -233,7 +212,7 @@ class OpenAIServing:
 
             def render(i: int, c: CompletionOutput) -> list[dict]:
                 first = deltas[i].tokens_sent == 0
-                text, token_ids, logprobs = deltas[i].next(c)
+                text, token_ids, logprobs = deltas[i].next(c.text, c.token_ids, c.logprobs, c.finished)
                 if not (token_ids or c.finished):
                     return []
                 lp = fmt.chat(token_ids, logprobs, top_k) if logprobs is not None else None

@@ -18,11 +18,12 @@ import logging
 import uuid
 from typing import Any
 
+from oxserve.engine.output_text import TextDeltas
 from oxserve.outputs import CompletionOutput
 from oxserve.server.async_engine import EngineError, RequestGroup
 from oxserve.server.chat_turn import ChatTurn
 from oxserve.server.responses.store import ResponseRecord
-from oxserve.server.serving import Job, TextDeltas
+from oxserve.server.serving import Job
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +48,7 @@ class OutputItems:
 
     def push(self, c: CompletionOutput) -> None:
         self.last = c
-        text, _, _ = self.deltas.next(c)
+        text, _, _ = self.deltas.next(c.text, c.token_ids, c.logprobs, c.finished)
         self._apply((self.parser.push(text) if text else []) + (self.parser.finish() if c.finished else []))
 
     def flush(self) -> None:
