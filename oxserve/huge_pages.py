@@ -7,17 +7,18 @@ walk, and the hardware prefetchers stop at each page's end; on 2 MiB pages the s
 "madvise" for ranges so advised) when the pages are first touched; memory already in use is
 collapsed only later and slowly (khugepaged). So weights are copied once, after loading, into
 one fresh mapping advised before anything touches it, and caches are allocated in such
-mappings from the start, every huge page touched once there, as torch.zeros' memset commits
-its pages (left to their first write, a step's new cache rows each faulted in a 2 MiB page
-and the profile's first decode steps took twice as long).
+mappings from the start and zeroed there, committed as torch.zeros' memset commits them (left
+to their first write, a step's new cache rows each faulted in a 2 MiB page and the profile's
+first decode steps took twice as long).
 
-`OXSERVE_HUGE_PAGES=0` turns this off (an A/B: `python docs/bench/step_ab.py huge-pages BATCH`).
+`OXSERVE_HUGE_PAGES=0` (or false, off, no) turns this off (an A/B: `python
+docs/bench/step_ab.py huge-pages BATCH`).
 """
 
 from __future__ import annotations
 
 import functools
-import logging
+import math
 import mmap
 import os
 from pathlib import Path
@@ -25,8 +26,6 @@ from typing import Callable
 
 import torch
 from torch import nn
-
-log = logging.getLogger(__name__)
 
 HUGE_PAGE = 2 << 20
 THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
@@ -36,7 +35,7 @@ MIN_TENSOR_BYTES = 64 << 10  # smaller weights stay where they are (norms, biase
 @functools.cache
 def available() -> bool:
     """Whether THP can back an advised mapping here (and this process has not turned it off)."""
-    if os.environ.get("OXSERVE_HUGE_PAGES", "1") == "0" or not hasattr(mmap, "MADV_HUGEPAGE"):
+    if os.environ.get("OXSERVE_HUGE_PAGES", "1").lower() in ("0", "false", "off", "no") or not hasattr(mmap, "MADV_HUGEPAGE"):
         return False
     try:
         return "[never]" not in THP_SETTING.read_text()
@@ -46,9 +45,11 @@ def available() -> bool:
 
 def mapping(nbytes: int) -> torch.Tensor:
     """`nbytes` (uint8) of fresh anonymous memory starting on a huge-page boundary, advised for
-    huge pages before any of it is touched; zero until written. The tensor keeps the mapping
-    alive (torch.frombuffer holds the buffer)."""
-    region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    huge pages before any of it is touched; zero until written. The mapping holds whole huge
+    pages past the boundary (a last partial one would get 4 KiB pages); the tensor keeps it
+    alive (torch.frombuffer holds a reference)."""
+    whole_pages = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
+    region = mmap.mmap(-1, whole_pages + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     region.madvise(mmap.MADV_HUGEPAGE)
     whole = torch.frombuffer(region, dtype=torch.uint8)
     start = (-whole.data_ptr()) % HUGE_PAGE
@@ -57,16 +58,11 @@ def mapping(nbytes: int) -> torch.Tensor:
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
     """torch.zeros, on huge pages where that helps: CPU tensors of a huge page or more,
-    committed now (one byte written a huge page)."""
-    numel = 1
-    for n in shape:
-        numel *= n
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    committed now (written, as torch.zeros writes them)."""
+    nbytes = math.prod(shape) * dtype.itemsize
     if torch.device(device).type != "cpu" or nbytes < HUGE_PAGE or not available():
         return torch.zeros(shape, dtype=dtype, device=device)
-    memory = mapping(nbytes)
-    memory[::HUGE_PAGE] = 0
-    return memory.view(dtype).view(shape)
+    return mapping(nbytes).zero_().view(dtype).view(shape)
 
 
 # ---- moving a loaded model's weights ------------------------------------------------------------
@@ -74,9 +70,18 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
 Rebind = Callable[[torch.Tensor], None]
 
 
+def _replace_in_tuple(module: nn.Module, name: str, i: int) -> Rebind:
+    def rebind(new: torch.Tensor) -> None:
+        old = module.__dict__[name]
+        module.__dict__[name] = old[:i] + (new,) + old[i + 1 :]
+
+    return rebind
+
+
 def _references(model: nn.Module) -> list[tuple[torch.Tensor, Rebind]]:
     """Every tensor the model's modules hold: parameters, buffers, and plain attributes (a
-    tensor, or a tuple of them: packed panels), each with how to put another in its place."""
+    tensor, or a tuple of them: packed panels), each with how to put another in its place.
+    Tensors held elsewhere (W8A8's packed stacks, which keep raw pointers) stay where they are."""
     found: list[tuple[torch.Tensor, Rebind]] = []
     for module in model.modules():
         for param in module._parameters.values():
@@ -89,9 +94,7 @@ def _references(model: nn.Module) -> list[tuple[torch.Tensor, Rebind]]:
             if isinstance(value, torch.Tensor):
                 found.append((value, lambda new, m=module, n=name: m.__dict__.__setitem__(n, new)))
             elif isinstance(value, tuple) and value and all(isinstance(v, torch.Tensor) for v in value):
-                for i, v in enumerate(value):
-                    found.append((v, lambda new, m=module, n=name, i=i: m.__dict__.__setitem__(
-                        n, m.__dict__[n][:i] + (new,) + m.__dict__[n][i + 1 :])))
+                found += [(v, _replace_in_tuple(module, name, i)) for i, v in enumerate(value)]
     return found
 
 
@@ -103,27 +106,32 @@ def _movable(t: torch.Tensor) -> bool:
 def move_weights(model: nn.Module) -> int:
     """Copy the model's weights (storages of MIN_TENSOR_BYTES or more) into one huge-page
     mapping and point every module at the copies, views and shared storages kept as they were;
-    returns the bytes moved (0 where huge pages are not available). Call it before anything
-    else holds a weight's address (a captured step's recording would keep the old one)."""
+    returns the bytes moved (0 where huge pages are not available). One storage at a time, so
+    that each old one is freed before the next is copied (the caller gives the freed heap back:
+    `engine.memory.release_free_memory`). Call it before anything else holds a weight's address
+    (a captured step's recording would keep the old one)."""
     if not available():
         return 0
-    references = [(t, rebind) for t, rebind in _references(model) if _movable(t)]
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage() for t, _ in references}
-    offsets, total = {}, 0
-    for address, storage in storages.items():
-        offsets[address] = total
-        total += -(-storage.nbytes() // 64) * 64  # each storage 64-byte aligned, as torch's allocator gives it
+    by_storage: dict[int, list[tuple[torch.Tensor, Rebind]]] = {}
+    for t, rebind in _references(model):
+        if _movable(t):
+            by_storage.setdefault(t.untyped_storage().data_ptr(), []).append((t, rebind))
+    sizes = {address: -(-refs[0][0].untyped_storage().nbytes() // 64) * 64 for address, refs in by_storage.items()}
+    total = sum(sizes.values())  # each storage 64-byte aligned, as torch's allocator gives it
     if total == 0:
         return 0
     arena = mapping(total)
-    for address, storage in storages.items():
-        old = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),), (1,))
-        arena[offsets[address] : offsets[address] + storage.nbytes()].copy_(old)
     home = arena.untyped_storage()
-    base = arena.data_ptr() - home.data_ptr()  # the arena's offset in the mapping it views
+    offset = arena.data_ptr() - home.data_ptr()  # where the next storage goes, in the mapping
     with torch.no_grad():
-        for t, rebind in references:
-            size = t.element_size()
-            start = (base + offsets[t.untyped_storage().data_ptr()]) // size + t.storage_offset()
-            rebind(torch.empty(0, dtype=t.dtype).set_(home, start, t.shape, t.stride()))
+        for address, refs in by_storage.items():
+            storage = refs[0][0].untyped_storage()
+            old = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),), (1,))
+            torch.empty(0, dtype=torch.uint8).set_(home, offset, (storage.nbytes(),), (1,)).copy_(old)
+            del storage, old
+            for t, rebind in refs:
+                rebind(torch.empty(0, dtype=t.dtype).set_(home, offset // t.element_size() + t.storage_offset(),
+                                                          t.shape, t.stride()))  # fmt: skip
+            del refs[:]  # the last references to the old storage, but for the model's own
+            offset += sizes[address]
     return total

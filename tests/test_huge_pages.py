@@ -54,15 +54,16 @@ class Holder(nn.Module):
         self.norm = nn.Parameter(torch.randn(64, generator=g))
 
 
-def test_moved_weights_keep_their_values_views_and_parameters():
+def test_moved_weights_keep_their_values_views_and_parameters(monkeypatch):
+    """The move runs wherever the test does (huge pages asked for or not); where THP is on,
+    the copies lie on huge pages."""
+    thp = huge_pages.available()
+    monkeypatch.setattr(huge_pages, "available", lambda: True)
     holder = Holder()
     before = {name: t.clone() for name, t in holder.state_dict().items()}
     before["plain"], before["packed"] = holder.plain.clone(), tuple(t.clone() for t in holder.packed)
     a_param, norm_address = holder.a, holder.norm.data_ptr()
     moved = huge_pages.move_weights(holder)
-    if not huge_pages.available():
-        assert moved == 0 and holder.a is a_param and torch.equal(holder.a, before["a"])
-        return
     assert moved >= 512 * 300 * 4 + 70_000 * 2 + 40_000 * 4 + 256 * 256 * 4 + 128 * 512 * 2
     assert holder.a is a_param and isinstance(holder.b, nn.Parameter) and not holder.a.requires_grad
     for name, t in holder.state_dict().items():
@@ -73,7 +74,7 @@ def test_moved_weights_keep_their_values_views_and_parameters():
     holder.a.data[150, 10] = 7.0
     assert holder.b[50, 3] == 7.0
     assert holder.norm.data_ptr() == norm_address  # below MIN_TENSOR_BYTES: left where it was
-    assert all(on_huge_pages(t) for t in (holder.a, holder.panels, holder.plain, *holder.packed))
+    assert not thp or all(on_huge_pages(t) for t in (holder.a, holder.panels, holder.plain, *holder.packed))
 
 
 def test_an_engine_on_huge_pages_generates_what_one_on_small_pages_does(monkeypatch):
@@ -84,14 +85,14 @@ def test_an_engine_on_huge_pages_generates_what_one_on_small_pages_does(monkeypa
         monkeypatch.setenv("OXSERVE_HUGE_PAGES", setting)
         huge_pages.available.cache_clear()
         llm = LLM(dtype="bfloat16", threads=2)
+        huge_pages.available.cache_clear()  # (the next test reads the environment as it is then)
         try:
             runs.append([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, params)])
             runner = llm.engine.runner
             tensors = [*runner.model.parameters(), *runner.model.buffers()]
             largest = max(tensors, key=lambda t: t.untyped_storage().nbytes())  # the experts' panels, or the LM head
-            if setting == "1" and huge_pages.available():
+            if setting == "1" and huge_pages.available():  # (read again: the environment says "1")
                 assert on_huge_pages(largest) and on_huge_pages(runner.kda_caches[0].recurrent)
         finally:
             llm.close()
-    huge_pages.available.cache_clear()
     assert runs[0] == runs[1]
