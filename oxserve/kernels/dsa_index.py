@@ -56,7 +56,7 @@ def index_scores(q: torch.Tensor, head_weights: torch.Tensor, query_pos: torch.T
 def top_pools_torch(scores: torch.Tensor, k: int) -> torch.Tensor:
     """The k highest scores' pools of each row of scores [T, P] (k <= P; NaN above +inf, the
     lower pool first among equal scores), in ascending pool order: int64 [T, k]."""
-    best = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k]
+    best = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
     return best.sort(dim=-1).values
 
 

@@ -70,10 +70,10 @@ int dsa_index_scores(const void *q, const void *head_weights, int q_bf16, float 
  * the one holding the k-th score whole, and stops once that group is taken whole too; after
  * the last byte the group is the scores equal to the k-th, taken lowest pool first. */
 static inline uint32_t order_key(float x) {
-    if (x != x) return UINT32_MAX;
-    if (x == 0.0f) x = 0.0f; /* -0 -> +0 */
-    uint32_t u;
+    uint32_t u; /* bit tests, not float compares: the same keys whatever the denormal mode */
     memcpy(&u, &x, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return UINT32_MAX; /* NaN, either sign */
+    if ((u & 0x7fffffffu) == 0) u = 0;                      /* -0 -> +0 */
     return (u & 0x80000000u) ? ~u : u | 0x80000000u;
 }
 
