@@ -103,6 +103,21 @@ def _movable(t: torch.Tensor) -> bool:
             and t.untyped_storage().nbytes() >= MIN_TENSOR_BYTES)  # fmt: skip
 
 
+Place = tuple[Rebind, torch.dtype, int, torch.Size, tuple[int, ...]]  # where a tensor lies in its storage
+
+
+def _by_storage(model: nn.Module) -> dict[int, tuple[torch.UntypedStorage, list[Place]]]:
+    """The model's movable storages, each with where its tensors lie in it, taken before any
+    is moved (a parameter held twice, as tied weights are, is rebound once its storage moves)."""
+    groups: dict[int, tuple[torch.UntypedStorage, list[Place]]] = {}
+    for t, rebind in _references(model):
+        if _movable(t):
+            storage = t.untyped_storage()
+            groups.setdefault(storage.data_ptr(), (storage, []))[1].append(
+                (rebind, t.dtype, t.storage_offset(), t.shape, t.stride()))
+    return groups
+
+
 def move_weights(model: nn.Module) -> int:
     """Copy the model's weights (storages of MIN_TENSOR_BYTES or more) into one huge-page
     mapping and point every module at the copies, views and shared storages kept as they were;
@@ -112,26 +127,21 @@ def move_weights(model: nn.Module) -> int:
     (a captured step's recording would keep the old one)."""
     if not available():
         return 0
-    by_storage: dict[int, list[tuple[torch.Tensor, Rebind]]] = {}
-    for t, rebind in _references(model):
-        if _movable(t):
-            by_storage.setdefault(t.untyped_storage().data_ptr(), []).append((t, rebind))
-    sizes = {address: -(-refs[0][0].untyped_storage().nbytes() // 64) * 64 for address, refs in by_storage.items()}
-    total = sum(sizes.values())  # each storage 64-byte aligned, as torch's allocator gives it
+    groups = _by_storage(model)
+    total = sum(-(-storage.nbytes() // 64) * 64 for storage, _ in groups.values())  # 64-byte aligned, as torch's
     if total == 0:
         return 0
     arena = mapping(total)
     home = arena.untyped_storage()
     offset = arena.data_ptr() - home.data_ptr()  # where the next storage goes, in the mapping
     with torch.no_grad():
-        for address, refs in by_storage.items():
-            storage = refs[0][0].untyped_storage()
-            old = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),), (1,))
-            torch.empty(0, dtype=torch.uint8).set_(home, offset, (storage.nbytes(),), (1,)).copy_(old)
-            del storage, old
-            for t, rebind in refs:
-                rebind(torch.empty(0, dtype=t.dtype).set_(home, offset // t.element_size() + t.storage_offset(),
-                                                          t.shape, t.stride()))  # fmt: skip
-            del refs[:]  # the last references to the old storage, but for the model's own
-            offset += sizes[address]
+        for address in list(groups):
+            storage, places = groups.pop(address)
+            nbytes = storage.nbytes()
+            old = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (nbytes,), (1,))
+            torch.empty(0, dtype=torch.uint8).set_(home, offset, (nbytes,), (1,)).copy_(old)
+            del storage, old  # (the model's own references go as its tensors are rebound)
+            for rebind, dtype, start, shape, stride in places:
+                rebind(torch.empty(0, dtype=dtype).set_(home, offset // dtype.itemsize + start, shape, stride))
+            offset += -(-nbytes // 64) * 64
     return total

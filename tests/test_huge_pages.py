@@ -41,7 +41,8 @@ def test_zeros_come_on_huge_pages_and_small_ones_as_before():
 
 class Holder(nn.Module):
     """Weights held every way a model holds them: parameters (one a view of another's
-    storage), a buffer, a plain tensor attribute, a tuple of packed tensors, and a small one."""
+    storage, one held by a child module too, as tied weights are), a buffer, a plain tensor
+    attribute, a tuple of packed tensors, and a small one."""
 
     def __init__(self):
         super().__init__()
@@ -52,6 +53,9 @@ class Holder(nn.Module):
         self.plain = torch.randint(-100, 100, (40_000,), generator=g, dtype=torch.int32)
         self.packed = (torch.randn(256, 256, generator=g), torch.randn(128, 512, generator=g).bfloat16())
         self.norm = nn.Parameter(torch.randn(64, generator=g))
+        self.c = nn.Parameter(torch.randn(300, 200, generator=g), requires_grad=False)  # moved after a: not at offset 0
+        self.child = nn.Module()
+        self.child.tied = self.c
 
 
 def test_moved_weights_keep_their_values_views_and_parameters(monkeypatch):
@@ -62,10 +66,11 @@ def test_moved_weights_keep_their_values_views_and_parameters(monkeypatch):
     holder = Holder()
     before = {name: t.clone() for name, t in holder.state_dict().items()}
     before["plain"], before["packed"] = holder.plain.clone(), tuple(t.clone() for t in holder.packed)
-    a_param, norm_address = holder.a, holder.norm.data_ptr()
+    a_param, c_param, norm_address = holder.a, holder.c, holder.norm.data_ptr()
     moved = huge_pages.move_weights(holder)
-    assert moved >= 512 * 300 * 4 + 70_000 * 2 + 40_000 * 4 + 256 * 256 * 4 + 128 * 512 * 2
-    assert holder.a is a_param and isinstance(holder.b, nn.Parameter) and not holder.a.requires_grad
+    assert moved >= 512 * 300 * 4 + 300 * 200 * 4 + 70_000 * 2 + 40_000 * 4 + 256 * 256 * 4 + 128 * 512 * 2
+    assert holder.a is a_param and holder.child.tied is c_param is holder.c and isinstance(holder.b, nn.Parameter)
+    assert not holder.a.requires_grad
     for name, t in holder.state_dict().items():
         assert torch.equal(t, before[name]), name
     assert torch.equal(holder.plain, before["plain"]) and all(map(torch.equal, holder.packed, before["packed"]))
