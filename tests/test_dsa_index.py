@@ -70,11 +70,14 @@ def _scores_with_ties(gen: torch.Generator, tokens: int, n: int, kind: str) -> t
 @pytest.mark.parametrize("kind", ["random", "relu", "coarse", "special"])
 def test_top_pools_follow_their_rule(kind):
     """The native choice and its torch form each equal the rule written out by hand, on fresh
-    random rows of every size around the kernel's radix passes and thread split."""
+    random rows of every size around the kernel's radix passes and thread split, and a few as
+    long as 64k-token contexts' pools."""
     seed = random.randrange(2**63)
     gen = torch.Generator().manual_seed(seed)
-    for _ in range(60):
+    for trial in range(64):
         tokens, n = int(torch.randint(1, 40, (1,), generator=gen)), int(torch.randint(1, 600, (1,), generator=gen))
+        if trial % 16 == 0:
+            tokens, n = int(torch.randint(1, 4, (1,), generator=gen)), int(torch.randint(2000, 20000, (1,), generator=gen))
         k = int(torch.randint(0, n + 1, (1,), generator=gen))
         scores = _scores_with_ties(gen, tokens, n, kind)
         want = torch.tensor([_ranked_first(row, k) for row in scores.tolist()], dtype=torch.int64).view(tokens, k)

@@ -16,6 +16,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "scratch.h"
 #include "vmath.h"
 
 #define MAX_DIM 1024     /* index head dim; NATIVE_MAX_DIM in kernels/dsa_index.py */
@@ -66,9 +67,11 @@ int dsa_index_scores(const void *q, const void *head_weights, int q_bf16, float 
  * same rule in torch.
  *
  * Radix selection on keys that order as the scores do, 8 bits a pass from the top: each pass
- * counts the members of the group still undecided by their next byte, takes the groups above
- * the one holding the k-th score whole, and stops once that group is taken whole too; after
- * the last byte the group is the scores equal to the k-th, taken lowest pool first. */
+ * counts the members of the group still undecided by their next byte (after the first pass,
+ * from a list of their pools: the row is read whole only to make keys, count and list once),
+ * takes the groups above the one holding the k-th score whole, and stops once that group is
+ * taken whole too; after the last byte the group is the scores equal to the k-th, taken
+ * lowest pool first. */
 static inline uint32_t order_key(float x) {
     uint32_t u; /* bit tests, not float compares: the same keys whatever the denormal mode */
     memcpy(&u, &x, sizeof u);
@@ -77,32 +80,68 @@ static inline uint32_t order_key(float x) {
     return (u & 0x80000000u) ? ~u : u | 0x80000000u;
 }
 
-static void top_row(const float *row, int64_t n, int64_t k, int64_t *out) {
+/* The k best of one row into out, in pool order; keys and candidates: n each of scratch. */
+static void top_row(const float *row, int64_t n, int64_t k, int64_t *out, uint32_t *keys, int32_t *candidates) {
+    if (k == 0) return;
+    /* The first pass counts every key's top byte in four tables: consecutive keys of one
+     * byte (scores of one magnitude) would otherwise wait on each other's increment. */
+    int64_t counts[4][256] = {{0}};
+    int64_t i = 0;
+    for (; i < n; i++) keys[i] = order_key(row[i]);
+    for (i = 0; i + 4 <= n; i += 4)
+        for (int c = 0; c < 4; c++) counts[c][keys[i + c] >> 24]++;
+    for (; i < n; i++) counts[0][keys[i] >> 24]++;
     uint32_t prefix = 0, mask = 0;
-    int64_t wanted = k; /* how many of the group (key & mask) == prefix to take, lowest pools first */
-    for (int shift = 24; shift >= 0 && wanted > 0; shift -= 8) {
+    int64_t wanted = k;  /* how many of the group (key & mask) == prefix to take, lowest pools first */
+    int64_t members = n; /* the group's pools: all of them, then `candidates` */
+    for (int shift = 24;; shift -= 8) {
         int64_t count[256] = {0};
-        for (int64_t i = 0; i < n; i++) {
-            const uint32_t key = order_key(row[i]);
-            if ((key & mask) == prefix) count[key >> shift & 255]++;
+        if (shift == 24) {
+            for (int b = 0; b < 256; b++) count[b] = counts[0][b] + counts[1][b] + counts[2][b] + counts[3][b];
+        } else {
+            for (int64_t j = 0; j < members; j++) count[keys[candidates[j]] >> shift & 255]++;
         }
         int b = 255;
         for (; b > 0 && count[b] < wanted; b--) wanted -= count[b];
         prefix |= (uint32_t)b << shift;
         mask |= 255u << shift;
-        if (count[b] == wanted) break;
+        if (count[b] == wanted || shift == 0) break; /* the group taken whole, or the k-th's equals */
+        int64_t kept = 0; /* the group narrows to byte b: its pools, in pool order */
+        if (shift == 24) {
+            for (int64_t p = 0; p < n; p++)
+                if ((keys[p] >> 24) == (uint32_t)b) candidates[kept++] = (int32_t)p;
+        } else {
+            for (int64_t j = 0; j < members; j++)
+                if ((keys[candidates[j]] >> shift & 255) == (uint32_t)b) candidates[kept++] = candidates[j];
+        }
+        members = kept;
     }
     int64_t taken = 0, ties = 0;
-    for (int64_t i = 0; i < n && taken < k; i++) {
-        const uint32_t group = order_key(row[i]) & mask;
-        if (group > prefix || (group == prefix && ties++ < wanted)) out[taken++] = i;
+    for (int64_t p = 0; p < n && taken < k; p++) {
+        const uint32_t group = keys[p] & mask;
+        if (group > prefix || (group == prefix && ties++ < wanted)) out[taken++] = p;
     }
 }
 
-/* k <= n. Rows are spread over threads where there is enough of them to pay for it. */
-void dsa_top_pools(const float *scores, int64_t tokens, int64_t n, int64_t k, int64_t *chosen, int threads) {
-#pragma omp parallel for num_threads(threads) schedule(static) if (tokens > 1 && tokens * n >= 4096)
-    for (int64_t t = 0; t < tokens; t++) top_row(scores + t * n, n, k, chosen + t * k);
+/* k <= n < 2^31. Rows are spread over threads where there is enough of them to pay for it.
+ * Returns 0, or -1 without scratch memory. */
+int dsa_top_pools(const float *scores, int64_t tokens, int64_t n, int64_t k, int64_t *chosen, int threads) {
+    int failed = 0;
+#pragma omp parallel num_threads(threads) if (tokens > 1 && tokens * n >= 4096)
+    {
+        const size_t keys_bytes = (size_t)n * sizeof(uint32_t), candidates_bytes = (size_t)n * sizeof(int32_t);
+        if (scratch_reserve(scratch_padded(keys_bytes) + scratch_padded(candidates_bytes)) != 0) {
+#pragma omp atomic write
+            failed = 1;
+        } else {
+            uint32_t *keys = scratch_take(keys_bytes);
+            int32_t *candidates = scratch_take(candidates_bytes);
+#pragma omp for schedule(static)
+            for (int64_t t = 0; t < tokens; t++) top_row(scores + t * n, n, k, chosen + t * k, keys, candidates);
+            scratch_done();
+        }
+    }
+    return failed ? -1 : 0;
 }
 
 /* The positions a query attends to, from the pools top-k chose (chosen [T, k], pool ids):
