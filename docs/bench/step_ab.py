@@ -1,6 +1,8 @@
 """Two variants of a steady decode step, A and B, in one process: two engines of the default
 model (bf16, 2 threads), each with BATCH greedy requests of 576 prompt tokens decoding, stepped
-in alternating blocks of 25 steps (A first in even rounds, B first in odd ones). On a machine
+in alternating blocks of 25 steps (A first in even rounds, B first in odd ones). With
+--output-len N the requests end after N tokens and a new batch starts (its prefill steps
+included, in both arms alike), so that what a request pays when it ends is counted too. On a machine
 whose runs drift +-20% from minute to minute, pairs of blocks a few milliseconds apart see the
 same machine; `oxserve experiment run` compares whole runs (prefill and all) and cannot resolve
 a few percent there.
@@ -11,7 +13,7 @@ Variants:
   huge-pages   A: weights and caches on 4 KiB pages (OXSERVE_HUGE_PAGES=0); B: on huge pages
                   (both arms FINAL_ONLY, as the others' B)
 
-    python docs/bench/step_ab.py VARIANT BATCH [--rounds N]
+    python docs/bench/step_ab.py VARIANT BATCH [--rounds N] [--output-len N]
 
 Prints each engine's median step time and the A/B ratio of paired blocks: its median, and a
 95% interval of that median by bootstrap over the pairs.
@@ -44,14 +46,30 @@ VARIANTS = {
 }
 
 
-def step_block(llm: LLM, choose_pools, steps: int) -> float:
-    """Mean ms a step over `steps` steps; the pool choice set for this engine's steps (its
-    recordings are made with it, and a new shape may be recorded in any block)."""
-    indexer_module.top_pools = choose_pools
-    start = time.perf_counter()
-    for _ in range(steps):
-        llm.engine.step()
-    return (time.perf_counter() - start) / steps * 1e3
+class Arm:
+    """One variant's engine and the batches it runs."""
+
+    def __init__(self, choose_pools, kind: RequestOutputKind, huge: bool, batch: int, output_len: int):
+        os.environ["OXSERVE_HUGE_PAGES"] = "1" if huge else "0"  # read as the engine starts
+        huge_pages.available.cache_clear()
+        self.llm = LLM(dtype="bfloat16", threads=2)
+        huge_pages.available.cache_clear()
+        self.choose_pools, self.batch, self.batches = choose_pools, batch, 0
+        self.params = SamplingParams(temperature=0.0, max_tokens=output_len or 20_000, ignore_eos=True, output_kind=kind)
+
+    def steps(self, count: int) -> float:
+        """Mean ms a step over `count` steps; the pool choice set for this engine's steps (its
+        recordings are made with it, and a new shape may be recorded in any block)."""
+        indexer_module.top_pools = self.choose_pools
+        engine = self.llm.engine
+        start = time.perf_counter()
+        for _ in range(count):
+            if not engine.has_unfinished_requests():
+                for i in range(self.batch):
+                    engine.add_request(f"b{self.batches}-r{i}", list(range(40 + i, 40 + i + 576)), self.params)
+                self.batches += 1
+            engine.step()
+        return (time.perf_counter() - start) / count * 1e3
 
 
 def median_interval(ratios: list[float], draws: int = 2000) -> tuple[float, float]:
@@ -65,29 +83,24 @@ def main() -> None:
     parser.add_argument("variant", choices=sorted(VARIANTS))
     parser.add_argument("batch", type=int)
     parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--output-len", type=int, default=0, help="tokens a request generates (0: it never ends)")
     args = parser.parse_args()
-    arms = VARIANTS[args.variant]
-    engines = {}
-    for arm, (choose_pools, kind, huge) in arms.items():
-        os.environ["OXSERVE_HUGE_PAGES"] = "1" if huge else "0"  # read as the engine starts
-        huge_pages.available.cache_clear()
-        engines[arm] = llm = LLM(dtype="bfloat16", threads=2)
-        params = SamplingParams(temperature=0.0, max_tokens=20_000, ignore_eos=True, output_kind=kind)
-        for i in range(args.batch):
-            llm.engine.add_request(f"r{i}", list(range(40 + i, 40 + i + 576)), params)
-        step_block(llm, choose_pools, 40)  # prefill, then the decode shapes recorded
+    arms = {arm: Arm(*setting, args.batch, args.output_len) for arm, setting in VARIANTS[args.variant].items()}
+    for arm in arms.values():
+        arm.steps(40)  # prefill, then the decode shapes recorded
     times: dict[str, list[float]] = {"A": [], "B": []}
     for r in range(args.rounds):
-        for arm in ("A", "B") if r % 2 == 0 else ("B", "A"):
-            times[arm].append(step_block(engines[arm], arms[arm][0], 25))
+        for name in ("A", "B") if r % 2 == 0 else ("B", "A"):
+            times[name].append(arms[name].steps(25))
     ratios = [a / b for a, b in zip(times["A"], times["B"])]
     low, high = median_interval(ratios)
     for arm in ("A", "B"):
         print(f"{arm}: median step {statistics.median(times[arm]):.3f} ms")
-    print(f"{args.variant}, batch {args.batch}: A/B step time {statistics.median(ratios):.3f} (95% interval of the "
+    ends = f", requests of {args.output_len} tokens" if args.output_len else ""
+    print(f"{args.variant}, batch {args.batch}{ends}: A/B step time {statistics.median(ratios):.3f} (95% interval of the "
           f"median [{low:.3f}, {high:.3f}], {args.rounds} pairs of 25-step blocks)")
-    for llm in engines.values():
-        llm.close()
+    for arm in arms.values():
+        arm.llm.close()
 
 
 if __name__ == "__main__":
