@@ -4,7 +4,6 @@ the plain allocations they replace)."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 from torch import nn
 
