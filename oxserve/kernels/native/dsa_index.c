@@ -130,16 +130,19 @@ int dsa_top_pools(const float *scores, int64_t tokens, int64_t n, int64_t k, int
 #pragma omp parallel num_threads(threads) if (tokens > 1 && tokens * n >= 4096)
     {
         const size_t keys_bytes = (size_t)n * sizeof(uint32_t), candidates_bytes = (size_t)n * sizeof(int32_t);
-        if (scratch_reserve(scratch_padded(keys_bytes) + scratch_padded(candidates_bytes)) != 0) {
+        uint32_t *keys = NULL;
+        int32_t *candidates = NULL;
+        if (scratch_reserve(scratch_padded(keys_bytes) + scratch_padded(candidates_bytes)) == 0) {
+            keys = scratch_take(keys_bytes);
+            candidates = scratch_take(candidates_bytes);
+        } else {
 #pragma omp atomic write
             failed = 1;
-        } else {
-            uint32_t *keys = scratch_take(keys_bytes);
-            int32_t *candidates = scratch_take(candidates_bytes);
-#pragma omp for schedule(static)
-            for (int64_t t = 0; t < tokens; t++) top_row(scores + t * n, n, k, chosen + t * k, keys, candidates);
-            scratch_done();
         }
+#pragma omp for schedule(static) /* every thread meets it (its barrier), scratch or not */
+        for (int64_t t = 0; t < tokens; t++)
+            if (keys != NULL) top_row(scores + t * n, n, k, chosen + t * k, keys, candidates);
+        scratch_done();
     }
     return failed ? -1 : 0;
 }
