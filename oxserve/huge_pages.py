@@ -27,9 +27,12 @@ from typing import Callable
 import torch
 from torch import nn
 
+from oxserve.engine.memory import release_free_memory
+
 HUGE_PAGE = 2 << 20
 THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 MIN_TENSOR_BYTES = 64 << 10  # smaller weights stay where they are (norms, biases: a few pages all told)
+RELEASE_EVERY = 256 << 20  # freed weight copies given back to the OS this often during a move
 
 
 @functools.cache
@@ -121,10 +124,11 @@ def _by_storage(model: nn.Module) -> dict[int, tuple[torch.UntypedStorage, list[
 def move_weights(model: nn.Module) -> int:
     """Copy the model's weights (storages of MIN_TENSOR_BYTES or more) into one huge-page
     mapping and point every module at the copies, views and shared storages kept as they were;
-    returns the bytes moved (0 where huge pages are not available). One storage at a time, so
-    that each old one is freed before the next is copied (the caller gives the freed heap back:
-    `engine.memory.release_free_memory`). Call it before anything else holds a weight's address
-    (a captured step's recording would keep the old one)."""
+    returns the bytes moved (0 where huge pages are not available). One storage at a time, the
+    freed heap given back every RELEASE_EVERY bytes (the engine's malloc settings keep freed
+    memory, `engine.memory`): the move never holds much more than one copy of the weights.
+    Call it before anything else holds a weight's address (a captured step's recording would
+    keep the old one)."""
     if not available():
         return 0
     groups = _by_storage(model)
@@ -134,6 +138,7 @@ def move_weights(model: nn.Module) -> int:
     arena = mapping(total)
     home = arena.untyped_storage()
     offset = arena.data_ptr() - home.data_ptr()  # where the next storage goes, in the mapping
+    freed = 0
     with torch.no_grad():
         for address in list(groups):
             storage, places = groups.pop(address)
@@ -144,4 +149,9 @@ def move_weights(model: nn.Module) -> int:
             for rebind, dtype, start, shape, stride in places:
                 rebind(torch.empty(0, dtype=dtype).set_(home, offset // dtype.itemsize + start, shape, stride))
             offset += -(-nbytes // 64) * 64
+            freed += nbytes
+            if freed >= RELEASE_EVERY:
+                release_free_memory()
+                freed = 0
+    release_free_memory()
     return total

@@ -35,7 +35,6 @@ from oxserve.engine.interface import (
 )
 from oxserve.disagg.snapshot import CacheSnapshot, TensorCut, export_caches, import_caches, join_pieces, needed_part
 from oxserve.engine.capture import CapturedDecode, has_forward_hooks
-from oxserve.engine.memory import release_free_memory
 from oxserve.engine.mtp_drafter import MTPDrafter
 from oxserve.engine.padding import PADDING_TOKEN, DecodePadding
 from oxserve.engine.prompt_logprobs import score_prompt_tokens
@@ -84,7 +83,6 @@ class ModelRunner:
     ):
         self.model = model
         if torch.device(device).type == "cpu" and (moved := huge_pages.move_weights(model)):  # before a recording keeps an address
-            release_free_memory()  # the weights' old copies, freed to the heap
             log.info("oxserve: %.1f MB of weights on transparent huge pages", moved / 1e6)
         self.workers = workers  # tensor parallelism, on rank 0: the other ranks
         capturing = bool(capture_sizes) and workers is None  # (one process only: parallel ranks run eagerly)
