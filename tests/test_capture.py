@@ -37,6 +37,15 @@ def _record_every_size(monkeypatch) -> None:
     monkeypatch.setattr(CapturedDecode, "recording_s", property(lambda self: 0.0))
 
 
+def _steady_replays(monkeypatch) -> list[tuple]:
+    """The shapes of the replays whose inputs the runner wrote in place (`replay_steady`),
+    as they happen."""
+    shapes = []
+    replay = CapturedDecode.replay_steady
+    monkeypatch.setattr(CapturedDecode, "replay_steady", lambda self, r: shapes.append(r.decode_shape) or replay(self, r))
+    return shapes
+
+
 def _workload(seed: int, vocab: int, longest: int, requests: int = 6):
     """Prompts of random lengths and outputs of random lengths: the batch shrinks as requests
     finish, contexts cross blocks, indexer pools and the indexer's top-k."""
@@ -54,6 +63,7 @@ def test_replayed_decode_steps_equal_eager_ones(tiny_model_dir, dtype, monkeypat
     move with the addresses of their inputs even between two eager runs (vectorised reductions
     peel unaligned heads): the same tokens up to a near-tie, logprobs within fp32 rounding."""
     _record_every_size(monkeypatch)
+    steady = _steady_replays(monkeypatch)
     prompts, params = _workload(random.randrange(1 << 30), TINY_SHAPE["vocab_size"], 120)
     if dtype == "float32":
         params = [dataclasses.replace(p, temperature=0.0) for p in params]
@@ -62,6 +72,7 @@ def test_replayed_decode_steps_equal_eager_ones(tiny_model_dir, dtype, monkeypat
     assert none is None
     assert captured.refused == {}
     assert captured.captures >= 3 and captured.replays > 5 * captured.captures  # batch sizes and context bounds
+    assert len(steady) > captured.replays / 2 and len(set(steady)) >= 2  # (a first replay of a shape builds its plan)
     if dtype == "bfloat16":
         assert replayed == eager  # tokens and logprobs, exactly
         return
@@ -188,7 +199,7 @@ def test_decode_batches_run_padded_to_the_captured_sizes(tiny_model_dir, monkeyp
     from oxserve.engine import padding as padding_module
     from oxserve.engine.padding import DecodePadding
 
-    padded = []
+    padded, steady = [], _steady_replays(monkeypatch)
     rows = DecodePadding.rows
     monkeypatch.setattr(DecodePadding, "rows", lambda self, count: padded.append(count) or rows(self, count))
     monkeypatch.setattr(padding_module, "STEADY_WINDOW", 1000)  # no size runs steady
@@ -199,6 +210,7 @@ def test_decode_batches_run_padded_to_the_captured_sizes(tiny_model_dir, monkeyp
     assert replayed == eager
     assert {len(r.inputs[0]) for r in captured.recordings.values()} <= {1, 2, 3, 4, 6, 8} and captured.refused == {}
     assert sum(1 for n in padded if n) > 5 and captured.replays > 5 * captured.captures
+    assert len(steady) > captured.replays / 2 and any(shape[0] > 5 for shape in steady)  # (of 6 and 8: padded)
     if "compile_sizes" in options:
         assert max(padded) >= 5
 

@@ -1,14 +1,18 @@
 """Step metadata: the block table filled from the runner's per-request arrays equals the one
 built from the Python lists, each row a request's ids padded with `num_blocks`, and
-`BlockIds` keeps its array in step with its list."""
+`BlockIds` keeps its array in step with its list; a steady decode step written into a batch
+in place equals one made for it."""
 
 import random
 from pathlib import Path
 
+import numpy as np
+import pytest
 import torch
 
+from oxserve.cache.replay import ReplayBook
 from oxserve.default_model import default_model
-from oxserve.model.batch import BatchRequest, BlockIds, make_forward_batch
+from oxserve.model.batch import BatchRequest, BlockIds, make_forward_batch, refill_decodes, table_shape
 from oxserve.model.config import TextModelConfig
 
 
@@ -118,3 +122,61 @@ def test_plain_decode_steps_build_the_metadata_the_general_path_builds(monkeypat
         for name in ("member_rows", "pool_rows"):
             a, b = getattr(vector.pools, name), getattr(lists.pools, name)
             assert a.dtype == b.dtype and torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("rings", [False, True], ids=["write-back", "replay-rings"])
+def test_decodes_written_into_a_batch_of_their_shape_equal_a_batch_made_for_them(rings):
+    """`refill_decodes` (a steady captured step's inputs, written in place) against
+    `make_forward_batch` for the same plain decodes: every tensor, the host values, and the
+    ReplaySSM book advanced alike (random contexts, tables, slots, block sizes, batch sizes
+    on both sides of `VECTOR_DECODES`, block ids as lists or arrays)."""
+    cfg = TextModelConfig.from_file(Path(default_model()) / "config.json")
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
+    num_blocks, num_slots, compared = 3_000, 100, 0
+    while compared < 25:
+        block_size, n, bound = cfg.index_kpool * rng.choice([1, 2, 4, 16]), rng.randrange(1, 40), rng.choice([64, 256, 1024])
+
+        def decodes() -> list[BatchRequest]:
+            requests = []
+            for slot in rng.sample(range(num_slots), n):
+                context = rng.randrange(bound // 2, bound)  # (its sequence, context + 1, within the bound)
+                ids = rng.sample(range(num_blocks), context // block_size + 1)
+                requests.append(BatchRequest(context, 1, ids, slot, True,
+                                             block_array=np.array(ids, dtype=np.int64) if rng.random() < 0.5 else None))
+            return requests
+
+        earlier, step = decodes(), decodes()
+        if table_shape(earlier, block_size) != table_shape(step, block_size):
+            continue
+        compared += 1
+        counts = [rng.randrange(6) for _ in range(num_slots)]
+        books = [ReplayBook(num_slots, 5) for _ in range(3)] if rings else [None] * 3
+        for book in books if rings else ():
+            book.counts = list(counts)
+        made = make_forward_batch(step, cfg, block_size, num_blocks, "cpu", books[0])
+        written = make_forward_batch(earlier, cfg, block_size, num_blocks, "cpu", books[1])
+        refill_decodes(written, step, num_blocks, cfg.index_kpool, books[2])
+        where = f"(seed {seed}, {n} decodes, block size {block_size})"
+        for name in ("positions", "request_index", "cache_rows", "block_tables", "state_slots", "has_initial_state",
+                     "logits_indices"):
+            assert torch.equal(getattr(written, name), getattr(made, name)), f"{name} {where}"
+        for name in ("member_rows", "pool_rows"):
+            assert torch.equal(getattr(written.pools, name), getattr(made.pools, name)), f"{name} {where}"
+        assert written.context_lens == made.context_lens, where
+        if rings:
+            assert torch.equal(written.rings.decode_counts, made.rings.decode_counts), where
+            assert written.rings.decodes == made.rings.decodes and books[2].counts == books[0].counts, where
+
+
+def test_decodes_that_do_not_fit_the_batch_are_refused():
+    cfg = TextModelConfig.from_file(Path(default_model()) / "config.json")
+    requests = [BatchRequest(20 + i, 1, [i], i, True) for i in range(3)]
+    batch = make_forward_batch(requests, cfg, 64, 10, "cpu")
+    with pytest.raises(ValueError, match="do not fit"):
+        refill_decodes(batch, requests[:2], 10, cfg.index_kpool)
+    prefill = make_forward_batch([BatchRequest(0, 3, [0], 0, True)], cfg, 64, 10, "cpu")
+    with pytest.raises(ValueError, match="do not fit"):
+        refill_decodes(prefill, requests[:1], 10, cfg.index_kpool)
+    with pytest.raises(ValueError, match="rings"):
+        refill_decodes(batch, requests, 10, cfg.index_kpool, ReplayBook(3, 4))

@@ -12,6 +12,9 @@ Variants:
   output-kind  A: requests want every step's output (CUMULATIVE); B: only their last (FINAL_ONLY)
   huge-pages   A: weights and caches on 4 KiB pages (OXSERVE_HUGE_PAGES=0); B: on huge pages
                   (both arms FINAL_ONLY, as the others' B)
+  steady-inputs  A: every replayed step builds a ForwardBatch and copies it into its recording
+                  (as before the runner's steady path); B: a steady step of plain decodes is
+                  written into its recording in place (`refill_decodes`); both FINAL_ONLY
 
     python docs/bench/step_ab.py VARIANT BATCH [--rounds N] [--output-len N]
 
@@ -29,8 +32,14 @@ import time
 
 import oxserve.model.indexer as indexer_module
 from oxserve import LLM, RequestOutputKind, SamplingParams, huge_pages
+from oxserve.engine.runner import ModelRunner
 
 NATIVE_TOP_POOLS = indexer_module.top_pools
+STEADY_RECORDING = ModelRunner._steady_recording
+
+
+def no_steady_recording(self, size, shape, scheduled):
+    return None
 
 
 def torch_topk(scores, k):
@@ -38,29 +47,34 @@ def torch_topk(scores, k):
 
 
 CUMULATIVE, FINAL_ONLY = RequestOutputKind.CUMULATIVE, RequestOutputKind.FINAL_ONLY
-# variant -> {arm: (the indexer's pool choice, what requests ask for, huge pages)}
+# variant -> {arm: (the indexer's pool choice, what requests ask for, huge pages, the steady path)}
 VARIANTS = {
-    "topk": {"A": (torch_topk, CUMULATIVE, True), "B": (NATIVE_TOP_POOLS, CUMULATIVE, True)},
-    "output-kind": {"A": (NATIVE_TOP_POOLS, CUMULATIVE, True), "B": (NATIVE_TOP_POOLS, FINAL_ONLY, True)},
-    "huge-pages": {"A": (NATIVE_TOP_POOLS, FINAL_ONLY, False), "B": (NATIVE_TOP_POOLS, FINAL_ONLY, True)},
+    "topk": {"A": (torch_topk, CUMULATIVE, True, STEADY_RECORDING), "B": (NATIVE_TOP_POOLS, CUMULATIVE, True, STEADY_RECORDING)},
+    "output-kind": {"A": (NATIVE_TOP_POOLS, CUMULATIVE, True, STEADY_RECORDING),
+                    "B": (NATIVE_TOP_POOLS, FINAL_ONLY, True, STEADY_RECORDING)},
+    "huge-pages": {"A": (NATIVE_TOP_POOLS, FINAL_ONLY, False, STEADY_RECORDING),
+                   "B": (NATIVE_TOP_POOLS, FINAL_ONLY, True, STEADY_RECORDING)},
+    "steady-inputs": {"A": (NATIVE_TOP_POOLS, FINAL_ONLY, True, no_steady_recording),
+                      "B": (NATIVE_TOP_POOLS, FINAL_ONLY, True, STEADY_RECORDING)},
 }
 
 
 class Arm:
     """One variant's engine and the batches it runs."""
 
-    def __init__(self, choose_pools, kind: RequestOutputKind, huge: bool, batch: int, output_len: int):
+    def __init__(self, choose_pools, kind: RequestOutputKind, huge: bool, steady_recording, batch: int, output_len: int):
         os.environ["OXSERVE_HUGE_PAGES"] = "1" if huge else "0"  # read as the engine starts
         huge_pages.available.cache_clear()
         self.llm = LLM(dtype="bfloat16", threads=2)
         huge_pages.available.cache_clear()
-        self.choose_pools, self.batch, self.batches = choose_pools, batch, 0
+        self.choose_pools, self.steady_recording, self.batch, self.batches = choose_pools, steady_recording, batch, 0
         self.params = SamplingParams(temperature=0.0, max_tokens=output_len or 20_000, ignore_eos=True, output_kind=kind)
 
     def steps(self, count: int) -> float:
         """Mean ms a step over `count` steps; the pool choice set for this engine's steps (its
         recordings are made with it, and a new shape may be recorded in any block)."""
         indexer_module.top_pools = self.choose_pools
+        ModelRunner._steady_recording = self.steady_recording
         engine = self.llm.engine
         start = time.perf_counter()
         for _ in range(count):

@@ -34,14 +34,14 @@ from oxserve.engine.interface import (
     SchedulerOutput,
 )
 from oxserve.disagg.snapshot import CacheSnapshot, TensorCut, export_caches, import_caches, join_pieces, needed_part
-from oxserve.engine.capture import CapturedDecode, has_forward_hooks
+from oxserve.engine.capture import CapturedDecode, StepRecording, has_forward_hooks
 from oxserve.engine.mtp_drafter import MTPDrafter
 from oxserve.engine.padding import PADDING_TOKEN, DecodePadding
 from oxserve.engine.prompt_logprobs import score_prompt_tokens
 from oxserve.engine.sampler import SamplingRow, make_generator, sample
 from oxserve.engine.speculative import verify
 from oxserve.kernels.rows import argmax_fit, argmax_native
-from oxserve.model.batch import BatchRequest, BlockIds, host_tensor, make_forward_batch, table_shape
+from oxserve.model.batch import BatchRequest, BlockIds, host_tensor, make_forward_batch, refill_decodes, table_shape
 from oxserve.model.glm5_next import Glm5NextForCausalLM
 from oxserve.multimodal.embedder import MultiModalEmbedder, ReceivedEmbeddings, RowSpan, placeholder_rows
 from oxserve.multimodal.inputs import MultiModalItem
@@ -331,8 +331,11 @@ class ModelRunner:
                              self.requests[s.request_id].blocks.array())
                 for s in scheduled
             ]
-            size = self._decode_size(scheduled, requests)
+            size, shape = self._decode_size(scheduled, requests)
             padding = self.padding.rows(size - len(scheduled)) if size else []
+            steady = self._steady_recording(size, shape, scheduled)
+            if steady is not None:
+                return self._replay_steady(steady, scheduled, requests + padding)
             batch = make_forward_batch(requests + padding, self.model.config, self.layout.block_size, self.layout.num_blocks,
                                        self.device, self.rings)  # fmt: skip
             input_ids = host_tensor([t for s in scheduled for t in s.token_ids] + [PADDING_TOKEN] * len(padding), self.device)
@@ -340,16 +343,7 @@ class ModelRunner:
         batch.tracer = self.tracer
         with span(self.tracer, "forward", track="engine", **step_conditions(batch), padding_rows=len(padding)):
             if self._replayable(batch, scheduled, mm_embeds):
-                logits, staged, greedy, hidden = self.captured.run(input_ids, batch, recurs=size is not None)
-                self._observe_novelty(self.captured.novelty)
-                if self.drafter is not None:  # every row's (`_replayable`), padding rows last
-                    self._step_hidden = hidden
-                for cache, conv in zip(self.kda_caches, staged):  # a replay stages what its recording did
-                    cache.staged_conv = conv
-                if padding:  # (the padding rows are the last)
-                    logits, greedy = logits[: -len(padding)], None if greedy is None else greedy[: -len(padding)]
-                self._replay_greedy = (logits, greedy)
-                return logits, {}
+                return self._replayed(self.captured.run(input_ids, batch, recurs=size is not None), len(padding))
             if self.drafter is None:
                 hidden = self.model(input_ids, batch, self.caches, mm_embeds=mm_embeds)
             else:  # the drafter reads every row's hidden state after sampling
@@ -362,15 +356,52 @@ class ModelRunner:
         with span(self.tracer, "prompt_logprobs", track="engine"):
             return logits, self._score_prompts(scheduled, hidden[num_sampling_rows:])
 
-    def _decode_size(self, scheduled: list[ScheduledRequest], requests: list[BatchRequest]) -> int | None:
+    def _replayed(self, outputs: tuple, num_padding: int) -> tuple[torch.Tensor, dict[str, PromptLogprobs]]:
+        """`_forward`'s result from a replay's outputs (`decode_logits`), whose last
+        `num_padding` rows are padding."""
+        logits, staged, greedy, hidden = outputs
+        self._observe_novelty(self.captured.novelty)
+        if self.drafter is not None:  # every row's (`_replayable`), padding rows last
+            self._step_hidden = hidden
+        for cache, conv in zip(self.kda_caches, staged):  # a replay stages what its recording did
+            cache.staged_conv = conv
+        if num_padding:  # (the padding rows are the last)
+            logits, greedy = logits[:-num_padding], None if greedy is None else greedy[:-num_padding]
+        self._replay_greedy = (logits, greedy)
+        return logits, {}
+
+    def _steady_recording(self, size: int | None, shape: tuple[int, int] | None,
+                          scheduled: list[ScheduledRequest]) -> StepRecording | None:
+        """The recording a step of plain decodes replays with its inputs written in place
+        (`CapturedDecode.steady_decodes`), if it has one and is not traced (a traced step takes
+        `CapturedDecode.run`, which times spans). Every request must sample: a one-token prompt
+        chunk on a cached context is a decode that does not."""
+        if (size is None or self.tracer is not None or not all(s.samples for s in scheduled)
+                or self._mm_embeddings(scheduled) is not None):
+            return None  # fmt: skip
+        return self.captured.steady_decodes((size, *shape))
+
+    def _replay_steady(self, recording: StepRecording, scheduled: list[ScheduledRequest],
+                       requests: list[BatchRequest]) -> tuple[torch.Tensor, dict[str, PromptLogprobs]]:
+        """Replay a step of plain decodes (`requests`: the scheduled ones, then padding rows)
+        written straight into the recording's tensors."""
+        refill_decodes(recording.batch, requests, self.layout.num_blocks, self.model.config.index_kpool, self.rings)
+        token_ids = recording.inputs[0].numpy()
+        token_ids[: len(scheduled)] = [s.token_ids[0] for s in scheduled]
+        token_ids[len(scheduled) :] = PADDING_TOKEN
+        with span(self.tracer, "forward", track="engine"):
+            return self._replayed(self.captured.replay_steady(recording), len(requests) - len(scheduled))
+
+    def _decode_size(self, scheduled: list[ScheduledRequest],
+                     requests: list[BatchRequest]) -> tuple[int | None, tuple[int, int] | None]:
         """The batch size a step of plain decodes replays as (`DecodePadding.size_for`: padding
-        rows fill it up); None for other steps, in deterministic mode, and where a step of
-        decodes would not replay."""
+        rows fill it up) and its `table_shape`; (None, None) for other steps, in deterministic
+        mode, and where a step of decodes would not replay."""
         if (self.padding is None or self.deterministic or has_forward_hooks(self.model)
                 or not all(s.is_decode and not s.verifies and not s.prompt_logprob_positions for s in scheduled)):
-            return None  # fmt: skip (deterministic: every pass one request, whatever ran before)
+            return None, None  # fmt: skip (deterministic: every pass one request, whatever ran before)
         shape = table_shape(requests, self.layout.block_size)  # (padding rows leave it as it is)
-        return self.padding.size_for(len(scheduled), self.captured.decode_sizes(*shape), self.captured.recording_s)
+        return self.padding.size_for(len(scheduled), self.captured.decode_sizes(*shape), self.captured.recording_s), shape
 
     def _replayable(self, batch, scheduled: list[ScheduledRequest], mm_embeds) -> bool:
         """A step of decodes and verifies (`CapturedDecode.wants`) whose logits are its sampling

@@ -20,6 +20,7 @@ Block tables are padded with `num_blocks`, an id that no cache has: a stray read
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -219,10 +220,43 @@ def make_forward_batch(
         raise ValueError("verifying draft tokens needs ReplaySSM rings for the KDA layers (--kda-decode replay)")
     if cfg.full_indexer_layers:
         if plain_decodes:
-            batch.pools = _decode_pools(positions, tables, cfg.index_kpool, block_size, device)
+            member_rows, pool_rows = _decode_pool_rows(positions, tables, cfg.index_kpool, block_size)
+            batch.pools = PoolCompletions(member_rows=host_tensor(member_rows, device), pool_rows=host_tensor(pool_rows, device))
         else:
             batch.pools = _pool_completions(requests, cfg.index_kpool, block_size, device)
     return batch
+
+
+def refill_decodes(batch: ForwardBatch, requests: list[BatchRequest], num_blocks: int, kpool: int,
+                   rings: ReplayBook | None = None) -> None:
+    """Write the metadata of a step of plain decodes (one sampled token a request, each with
+    context) into `batch`, in place: a batch that `make_forward_batch` made for as many plain
+    decodes of the same `table_shape`, whose tensors a captured step reads. What such a step's
+    tensors hold beyond these (request rows, logits rows, KDA layouts) depends on the request
+    count alone. With ReplaySSM, `rings` is advanced past this step, as `make_forward_batch`
+    does. CPU tensors only: written through numpy views."""
+    if len(requests) != batch.num_requests or batch.num_decodes != batch.num_requests or batch.num_tokens != len(requests):
+        raise ValueError(f"{len(requests)} decodes do not fit a batch made for {batch.num_requests} requests "
+                         f"of {batch.num_tokens} tokens")  # fmt: skip
+    tables = batch.block_tables.numpy()
+    tables.fill(num_blocks)
+    for r, req in enumerate(requests):
+        tables[r, : len(req.block_ids)] = req.block_ids if req.block_array is None else req.block_array
+    positions, _, cache_rows, _ = _decode_rows(requests, tables, batch.block_size, num_blocks)
+    batch.positions.numpy()[:] = positions
+    batch.cache_rows.numpy()[:] = cache_rows
+    batch.state_slots.numpy()[:] = [req.state_slot for req in requests]
+    batch.context_lens = positions.tolist()
+    if batch.pools is not None:
+        member_rows, pool_rows = _decode_pool_rows(positions, tables, kpool, batch.block_size)
+        batch.pools.member_rows.numpy()[:] = member_rows
+        batch.pools.pool_rows.numpy()[:] = pool_rows
+    if (rings is None) != (batch.rings is None):
+        raise ValueError("ReplaySSM rings given for a batch made without them, or the reverse")
+    if rings is not None:
+        counts = rings.advance([req.state_slot for req in requests], [True] * len(requests), len(requests), "cpu")
+        batch.rings.decode_counts.copy_(counts.decode_counts)
+        batch.rings = dataclasses.replace(batch.rings, decodes=counts.decodes)
 
 
 # From this many plain decodes a step's rows and pools are built as array arithmetic: 146 -> 94 us
@@ -328,10 +362,10 @@ def _pool_completions(requests: list[BatchRequest], kpool, block_size, device) -
     )
 
 
-def _decode_pools(positions: np.ndarray, tables: np.ndarray, kpool: int, block_size: int, device) -> PoolCompletions:
-    """`_pool_completions` of a step of plain decodes, as array arithmetic: each decode's pool
-    is the one its token is in (complete or partial), whose members run from the pool's
-    first position to the token (the token's row repeated past it)."""
+def _decode_pool_rows(positions: np.ndarray, tables: np.ndarray, kpool: int, block_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """`_pool_completions` of a step of plain decodes, as array arithmetic (member rows, pool
+    rows): each decode's pool is the one its token is in (complete or partial), whose members
+    run from the pool's first position to the token (the token's row repeated past it)."""
     rows = np.arange(len(positions))
     first = positions - positions % kpool
     member_rows = tables[rows, first // block_size] * block_size + first % block_size
@@ -339,4 +373,4 @@ def _decode_pools(positions: np.ndarray, tables: np.ndarray, kpool: int, block_s
     pools_per_block = block_size // kpool
     pool = positions // kpool
     pool_rows = tables[rows, pool // pools_per_block] * pools_per_block + pool % pools_per_block
-    return PoolCompletions(member_rows=host_tensor(member_rows, device), pool_rows=host_tensor(pool_rows, device))
+    return member_rows, pool_rows
