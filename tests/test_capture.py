@@ -346,6 +346,35 @@ def test_a_replay_recomputes_torch_ops_and_native_calls_on_new_inputs():
     assert captured.captures == 1 and captured.replays == 2 and captured.refused == {}  # recorded when met again
 
 
+def test_a_steady_step_after_a_copied_batch_writes_its_rows_again():
+    """A steady step's rows are written into the recording (`steady_decodes`), which skips
+    table rows that still hold their request's blocks; a step replayed through `run` copies its
+    own batch in, so the steady step after it must write every row again."""
+    cfg = TextModelConfig.from_file(Path(default_model()) / "config.json")
+
+    def step(input_ids, batch):
+        return batch.block_tables.sum(1) * 1000 + batch.cache_rows * 10 + input_ids
+
+    def requests(first_block: int) -> list[BatchRequest]:
+        return [BatchRequest(c, 1, list(range(first_block + 8 * i, first_block + 8 * i + 8)), i, True)
+                for i, c in enumerate([3, 9])]  # fmt: skip
+
+    def batch_of(reqs):
+        return make_forward_batch(reqs, cfg, 16, 64, "cpu")
+
+    captured = CapturedDecode(step)
+    ids, steady = torch.tensor([5, 7]), requests(0)  # (the same block lists each step, as a request's own)
+    for _ in range(2):  # recorded, then a replay that builds its plan
+        captured.run(ids, batch_of(steady), recurs=True)
+    shape = (2, batch_of(steady).seq_len_bound, batch_of(steady).block_tables.shape[1])
+    for first_block in (0, 16, 0, 32):
+        recording = captured.steady_decodes(shape)
+        recording.decode_rows.write(steady, [5, 7], 64, cfg.index_kpool)
+        assert torch.equal(captured.replay_steady(recording), step(ids, batch_of(steady)))
+        other = batch_of(requests(first_block))  # through `run`: its batch copied in
+        assert torch.equal(captured.run(ids, other), step(ids, other))
+
+
 def test_a_traced_replay_times_the_spans_of_the_step_it_repeats():
     """The profiler sees replayed steps as served: each span of the recorded step is timed over
     the recorded calls made inside it (none: zero long), at the depth the step ran at."""

@@ -6,13 +6,12 @@ in place equals one made for it."""
 import random
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
 from oxserve.cache.replay import ReplayBook
 from oxserve.default_model import default_model
-from oxserve.model.batch import BatchRequest, BlockIds, make_forward_batch, refill_decodes, table_shape
+from oxserve.model.batch import BatchRequest, BlockIds, DecodeRows, make_forward_batch, table_shape
 from oxserve.model.config import TextModelConfig
 
 
@@ -126,57 +125,71 @@ def test_plain_decode_steps_build_the_metadata_the_general_path_builds(monkeypat
 
 @pytest.mark.parametrize("rings", [False, True], ids=["write-back", "replay-rings"])
 def test_decodes_written_into_a_batch_of_their_shape_equal_a_batch_made_for_them(rings):
-    """`refill_decodes` (a steady captured step's inputs, written in place) against
-    `make_forward_batch` for the same plain decodes: every tensor, the host values, and the
-    ReplaySSM book advanced alike (random contexts, tables, slots, block sizes, batch sizes
-    on both sides of `VECTOR_DECODES`, block ids as lists or arrays)."""
+    """`DecodeRows` (a steady captured step's inputs, written in place step after step)
+    against `make_forward_batch` for the same plain decodes: every tensor, the token ids, and
+    the ReplaySSM book advanced alike. Random contexts, tables, slots, block sizes and batch
+    sizes on both sides of `VECTOR_DECODES`; between steps requests advance a token, gain
+    blocks (their lists appended to, as `BlockIds` does), are replaced by others or swap rows."""
     cfg = TextModelConfig.from_file(Path(default_model()) / "config.json")
     seed = random.randrange(1 << 30)
     rng = random.Random(seed)
     num_blocks, num_slots, compared = 3_000, 100, 0
-    while compared < 25:
+    for trial in range(40):
         block_size, n, bound = cfg.index_kpool * rng.choice([1, 2, 4, 16]), rng.randrange(1, 40), rng.choice([64, 256, 1024])
 
-        def decodes() -> list[BatchRequest]:
-            requests = []
-            for slot in rng.sample(range(num_slots), n):
-                context = rng.randrange(bound // 2, bound)  # (its sequence, context + 1, within the bound)
-                ids = rng.sample(range(num_blocks), context // block_size + 1)
-                requests.append(BatchRequest(context, 1, ids, slot, True,
-                                             block_array=np.array(ids, dtype=np.int64) if rng.random() < 0.5 else None))
-            return requests
+        def decode(slot: int) -> BatchRequest:
+            context = rng.randrange(bound // 2, bound - 8)  # (its sequence, context + 1, within the bound a few steps on)
+            return BatchRequest(context, 1, rng.sample(range(num_blocks), context // block_size + 1), slot, True)
 
-        earlier, step = decodes(), decodes()
-        if table_shape(earlier, block_size) != table_shape(step, block_size):
-            continue
-        compared += 1
+        requests = [decode(slot) for slot in rng.sample(range(num_slots), n)]
+        books = [ReplayBook(num_slots, 5) for _ in range(2)] if rings else [None] * 2
         counts = [rng.randrange(6) for _ in range(num_slots)]
-        books = [ReplayBook(num_slots, 5) for _ in range(3)] if rings else [None] * 3
         for book in books if rings else ():
             book.counts = list(counts)
-        made = make_forward_batch(step, cfg, block_size, num_blocks, "cpu", books[0])
-        written = make_forward_batch(earlier, cfg, block_size, num_blocks, "cpu", books[1])
-        refill_decodes(written, step, num_blocks, cfg.index_kpool, books[2])
-        where = f"(seed {seed}, {n} decodes, block size {block_size})"
-        for name in ("positions", "request_index", "cache_rows", "block_tables", "state_slots", "has_initial_state",
-                     "logits_indices"):
-            assert torch.equal(getattr(written, name), getattr(made, name)), f"{name} {where}"
-        for name in ("member_rows", "pool_rows"):
-            assert torch.equal(getattr(written.pools, name), getattr(made.pools, name)), f"{name} {where}"
-        assert written.context_lens == made.context_lens, where
-        if rings:
-            assert torch.equal(written.rings.decode_counts, made.rings.decode_counts), where
-            assert written.rings.decodes == made.rings.decodes and books[2].counts == books[0].counts, where
+        first = make_forward_batch(requests, cfg, block_size, num_blocks, "cpu", ReplayBook(num_slots, 5) if rings else None)
+        token_ids = torch.zeros(n, dtype=torch.long)
+        rows = DecodeRows(first, token_ids)
+        for step in range(6):
+            if step:  # the next step's requests: one more token each; some gain a block, leave, or move
+                for r, req in enumerate(requests):
+                    ids = req.block_ids
+                    if (req.num_computed_tokens + 1) // block_size >= len(ids):
+                        ids.append(rng.randrange(num_blocks))  # (the same list, appended to)
+                    requests[r] = BatchRequest(req.num_computed_tokens + 1, 1, ids, req.state_slot, True)
+                if rng.random() < 0.3:
+                    requests[rng.randrange(n)] = decode(num_slots - 1 - step)
+                if rng.random() < 0.3:
+                    i, j = rng.randrange(n), rng.randrange(n)
+                    requests[i], requests[j] = requests[j], requests[i]
+                if table_shape(requests, block_size) != (first.seq_len_bound, first.block_tables.shape[1]):
+                    break
+            tokens = [rng.randrange(cfg.vocab_size) for _ in range(n)]
+            made = make_forward_batch(requests, cfg, block_size, num_blocks, "cpu", books[0])
+            rows.write(requests, tokens, num_blocks, cfg.index_kpool, books[1])
+            where = f"(seed {seed}, trial {trial}, step {step}, {n} decodes, block size {block_size})"
+            assert token_ids.tolist() == tokens, where
+            for name in ("positions", "request_index", "cache_rows", "block_tables", "state_slots", "has_initial_state",
+                         "logits_indices"):
+                assert torch.equal(getattr(first, name), getattr(made, name)), f"{name} {where}"
+            for name in ("member_rows", "pool_rows"):
+                assert torch.equal(getattr(first.pools, name), getattr(made.pools, name)), f"{name} {where}"
+            if rings:
+                assert torch.equal(first.rings.decode_counts, made.rings.decode_counts), where
+                assert books[1].counts == books[0].counts, where
+            compared += 1
+    assert compared > 100, f"seed {seed}: {compared} steps compared"
 
 
 def test_decodes_that_do_not_fit_the_batch_are_refused():
     cfg = TextModelConfig.from_file(Path(default_model()) / "config.json")
     requests = [BatchRequest(20 + i, 1, [i], i, True) for i in range(3)]
     batch = make_forward_batch(requests, cfg, 64, 10, "cpu")
+    rows = DecodeRows(batch, torch.zeros(3, dtype=torch.long))
     with pytest.raises(ValueError, match="do not fit"):
-        refill_decodes(batch, requests[:2], 10, cfg.index_kpool)
-    prefill = make_forward_batch([BatchRequest(0, 3, [0], 0, True)], cfg, 64, 10, "cpu")
-    with pytest.raises(ValueError, match="do not fit"):
-        refill_decodes(prefill, requests[:1], 10, cfg.index_kpool)
+        rows.write(requests[:2], [1, 2], 10, cfg.index_kpool)
     with pytest.raises(ValueError, match="rings"):
-        refill_decodes(batch, requests, 10, cfg.index_kpool, ReplayBook(3, 4))
+        rows.write(requests, [1, 2, 3], 10, cfg.index_kpool, ReplayBook(3, 4))
+    with pytest.raises(ValueError, match="past the blocks"):
+        rows.write([BatchRequest(70, 1, [0], 0, True)] + requests[1:], [1, 2, 3], 10, cfg.index_kpool)
+    with pytest.raises(ValueError, match="plain decodes"):
+        DecodeRows(make_forward_batch([BatchRequest(0, 3, [0], 0, True)], cfg, 64, 10, "cpu"), torch.zeros(3, dtype=torch.long))

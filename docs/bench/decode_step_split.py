@@ -21,10 +21,13 @@ import time
 
 from oxserve import LLM, SamplingParams
 from oxserve.engine import capture, engine, runner, scheduler
+from oxserve.model import batch as model_batch
 
 PARTS = [(scheduler.Scheduler, "schedule"), (scheduler.Scheduler, "update_from_output"),
-         (engine.LLMEngine, "_output_of"), (runner, "make_forward_batch"), (runner.ModelRunner, "_sample"),
-         (capture.CapturedDecode, "run")]  # fmt: skip
+         (scheduler.Scheduler, "observe_step"), (engine.LLMEngine, "_output_of"), (runner, "make_forward_batch"),
+         (model_batch.DecodeRows, "write"), (runner.ModelRunner, "_update_states"), (runner.ModelRunner, "_decode_size"),
+         (runner.ModelRunner, "_sample"), (runner.ModelRunner, "_forward"), (runner.ModelRunner, "execute"),
+         (capture.CapturedDecode, "run"), (capture.CapturedDecode, "replay_steady")]  # fmt: skip
 
 
 def timed(owner, name: str, totals: collections.Counter) -> None:

@@ -13,7 +13,7 @@ or allocation in between; each run of consecutive kernel calls is made from C in
 call (`kernels.call_list`: arguments converted once, at the first replay). Results are
 bit-identical to the eager step's (tested). A steady step of plain decodes skips even the
 `ForwardBatch`: the runner writes its metadata straight into the recording's tensors
-(`steady_decodes`, `model.batch.refill_decodes`).
+(`steady_decodes`, `model.batch.DecodeRows`).
 
 What makes a replay valid, and how it is kept so:
 - the shape key (`step_key`) holds everything host-side the model branches on: every
@@ -65,7 +65,7 @@ from oxserve.cache.replay import RingCounts
 from oxserve.engine.interface import NEW_SHAPE, SETTLING, STEADY
 from oxserve.kernels import native
 from oxserve.kernels.call_list import CallRun, callable_natively
-from oxserve.model.batch import ForwardBatch
+from oxserve.model.batch import DecodeRows, ForwardBatch
 from oxserve.telemetry import Span, Tracer, span
 
 log = logging.getLogger(__name__)
@@ -117,9 +117,10 @@ class StepRecording:
         self.refusal: str | None = None  # why a replay could not repeat this step (None: it can)
         self.spans: list[RecordedSpan] = []  # the model's op spans, as ranges of `calls`
         # A step of plain decodes: (requests, seq_len_bound, block table width), which make its key,
-        # and its batch (`refill_decodes` writes a step of that shape into its tensors)
+        # and its batch (a steady step of that shape is written into its tensors: `DecodeRows`)
         self.decode_shape: tuple[int, int, int] | None = None
         self.batch: ForwardBatch | None = None
+        self.decode_rows: DecodeRows | None = None  # (made at the first such step, forgotten when `run` copies a batch in)
         self.step_s = 0.0  # what a replay takes: the recording step's time until replays are timed
         self._plan = self._traced_plan = None  # `calls` as replays run them (built at the first)
 
@@ -410,6 +411,7 @@ class CapturedDecode:
                 mine.copy_(new)
             for mine, new in zip(recording.batch_tensors, tensors):
                 mine.copy_(new)
+            recording.decode_rows = None  # (what it remembers of the rows it wrote no longer holds)
             return self._replay(recording, batch.tracer, start)
         if key in self.refused:
             return self.forward(*inputs, batch)
@@ -431,13 +433,17 @@ class CapturedDecode:
     def steady_decodes(self, shape: tuple[int, int, int]) -> StepRecording | None:
         """The recording of plain decode steps of `shape` (requests, seq_len_bound, block table
         width: `model.batch.table_shape`) whose replays run a plan already made, if one is kept:
-        the caller writes its step into the recording's own tensors (`recording.inputs`,
-        `model.batch.refill_decodes` on `recording.batch`), then calls `replay_steady`. This
-        skips building a `ForwardBatch`, its key and a copy a tensor: 0.3 of a 2.4 ms batch-1
-        step on a first-generation EPYC, all of it host work on cold caches."""
+        the caller writes its step into the recording's own tensors (`recording.decode_rows`),
+        then calls `replay_steady`. This skips building a `ForwardBatch`, its key and a copy a
+        tensor: 0.3 of a 2.4 ms batch-1 step on a first-generation EPYC, all of it host work on
+        cold caches. CPU tensors only."""
         key = self._decode_keys.get(shape)
         recording = None if key is None else self.recordings.get(key)
-        return recording if recording is not None and recording.planned(traced=False) else None
+        if recording is None or not recording.planned(traced=False):
+            return None
+        if recording.decode_rows is None:
+            recording.decode_rows = DecodeRows(recording.batch, recording.inputs[0])
+        return recording
 
     def replay_steady(self, recording: StepRecording) -> Any:
         """Replay a recording of `steady_decodes`, its inputs written (no tracer: a traced

@@ -41,7 +41,7 @@ from oxserve.engine.prompt_logprobs import score_prompt_tokens
 from oxserve.engine.sampler import SamplingRow, make_generator, sample
 from oxserve.engine.speculative import verify
 from oxserve.kernels.rows import argmax_fit, argmax_native
-from oxserve.model.batch import BatchRequest, BlockIds, host_tensor, make_forward_batch, refill_decodes, table_shape
+from oxserve.model.batch import BatchRequest, BlockIds, host_tensor, make_forward_batch, table_shape
 from oxserve.model.glm5_next import Glm5NextForCausalLM
 from oxserve.multimodal.embedder import MultiModalEmbedder, ReceivedEmbeddings, RowSpan, placeholder_rows
 from oxserve.multimodal.inputs import MultiModalItem
@@ -376,8 +376,8 @@ class ModelRunner:
         (`CapturedDecode.steady_decodes`), if it has one and is not traced (a traced step takes
         `CapturedDecode.run`, which times spans). Every request must sample: a one-token prompt
         chunk on a cached context is a decode that does not."""
-        if (size is None or self.tracer is not None or not all(s.samples for s in scheduled)
-                or self._mm_embeddings(scheduled) is not None):
+        if (size is None or self.tracer is not None or torch.device(self.device).type != "cpu"
+                or not all(s.samples for s in scheduled) or self._mm_embeddings(scheduled) is not None):
             return None  # fmt: skip
         return self.captured.steady_decodes((size, *shape))
 
@@ -385,10 +385,8 @@ class ModelRunner:
                        requests: list[BatchRequest]) -> tuple[torch.Tensor, dict[str, PromptLogprobs]]:
         """Replay a step of plain decodes (`requests`: the scheduled ones, then padding rows)
         written straight into the recording's tensors."""
-        refill_decodes(recording.batch, requests, self.layout.num_blocks, self.model.config.index_kpool, self.rings)
-        token_ids = recording.inputs[0].numpy()
-        token_ids[: len(scheduled)] = [s.token_ids[0] for s in scheduled]
-        token_ids[len(scheduled) :] = PADDING_TOKEN
+        token_ids = [s.token_ids[0] for s in scheduled] + [PADDING_TOKEN] * (len(requests) - len(scheduled))
+        recording.decode_rows.write(requests, token_ids, self.layout.num_blocks, self.model.config.index_kpool, self.rings)
         with span(self.tracer, "forward", track="engine"):
             return self._replayed(self.captured.replay_steady(recording), len(requests) - len(scheduled))
 
