@@ -18,6 +18,7 @@
 
 #include "bf16.h"
 #include "bf16x16.h"
+#include "bf16x8.h"
 #include "scratch.h"
 
 #define LANES 8
@@ -285,6 +286,11 @@ static void block_norm(float *x, int64_t d, const void *weight, float eps, int i
             const __m512 normed = round16(_mm512_mul_ps(_mm512_loadu_ps(x + c), _mm512_set1_ps(inv)));
             _mm256_storeu_si256((__m256i *)(y + c), narrow16(_mm512_mul_ps(widen16(w + c), normed)));
         }
+#elif defined(__AVX2__)
+        for (; c + 8 <= d; c += 8) {
+            const __m256 normed = round8(_mm256_mul_ps(_mm256_loadu_ps(x + c), _mm256_set1_ps(inv)));
+            _mm_storeu_si128((__m128i *)(y + c), narrow8(_mm256_mul_ps(widen8(w + c), normed)));
+        }
 #endif
         for (; c < d; c++) y[c] = f32_to_bf16(bf16_to_f32(w[c]) * round_bf16(x[c] * inv));
     } else {
@@ -389,6 +395,26 @@ static inline __attribute__((always_inline)) void expand_bf16(const float *p, co
         }
     }
 }
+#elif defined(__AVX2__)
+/* The same on AVX2, 8 columns at a time (`bf16x8.h`'s roundings). */
+static inline __attribute__((always_inline)) void expand_bf16(const float *p, const float *c, const uint16_t *block,
+                                                              const uint16_t *streams, const int n, int64_t d,
+                                                              int64_t vector_end, uint16_t *out) {
+    __m256 weight[MAX_N * MAX_N], gate[MAX_N];
+    for (int i = 0; i < n; i++) gate[i] = _mm256_set1_ps(p[i]);
+    for (int k = 0; k < n * n; k++) weight[k] = _mm256_set1_ps(c[k]);
+    for (int64_t e = 0; e < vector_end; e += 8) {
+        __m256 s[MAX_N];
+        for (int j = 0; j < n; j++) s[j] = widen8(streams + j * d + e);
+        const __m256 b = widen8(block + e);
+        for (int i = 0; i < n; i++) {
+            __m256 o = _mm256_setzero_ps();
+            for (int j = 0; j < n; j++) o = _mm256_add_ps(o, _mm256_mul_ps(weight[j * n + i], s[j]));
+            const __m256 sum = _mm256_add_ps(round8(_mm256_mul_ps(gate[i], b)), round8(o));
+            _mm_storeu_si128((__m128i *)(out + i * d + e), narrow8(sum));
+        }
+    }
+}
 #endif
 
 int hc_expand(const float *post, const float *comb, const void *block, const void *streams, int is_bf16,
@@ -403,7 +429,7 @@ int hc_expand(const float *post, const float *comb, const void *block, const voi
         for (int i = 0; i < n; i++) p[i] = rounded(post[t * n + i], is_bf16);
         for (int k = 0; k < n * n; k++) c[k] = rounded(comb[t * n * n + k], is_bf16);
         int64_t vector_start = 0; /* columns before it are done */
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__) /* (vector_end: a multiple of their width, W) */
         if (is_bf16) {
             const uint16_t *s = (const uint16_t *)streams + t * n * d, *b = (const uint16_t *)block + t * d;
             uint16_t *o = (uint16_t *)out + t * n * d;
