@@ -19,7 +19,8 @@ import collections
 import functools
 import time
 
-from oxserve import LLM, SamplingParams
+from call_times import steady_engine  # (this script's folder is on the path)
+
 from oxserve.engine import capture, engine, runner, scheduler
 from oxserve.model import batch as model_batch
 
@@ -54,15 +55,8 @@ def main() -> None:
     timed(capture.StepRecording, "replay", totals)
     for owner, name in PARTS if args.parts else ():
         timed(owner, name, totals)
-    llm = LLM(dtype="bfloat16", threads=2, compile_sizes=args.compile_sizes)
+    llm = steady_engine(args.batch, {"compile_sizes": args.compile_sizes})
     eng = llm.engine
-    params = SamplingParams(temperature=0.0, max_tokens=600, ignore_eos=True)
-    for i in range(args.batch):
-        eng.add_request(f"r{i}", list(range(40 + i, 40 + i + 576)), params)
-    while not (eng.last_step.prefill_tokens == 0 and eng.last_step.decode_tokens == args.batch):
-        eng.step()
-    for _ in range(30):
-        eng.step()
     totals.clear()
     steps = 200
     start = time.perf_counter()
