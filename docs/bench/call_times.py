@@ -87,29 +87,35 @@ def main() -> None:
     parser.add_argument("--options", default="{}")
     args = parser.parse_args()
     llm = steady_engine(args.batch, json.loads(args.options))
-    recording = next(r for r in llm.engine.runner.captured.recordings.values()
-                     if r.decode_shape is not None and r.decode_shape[0] == args.batch)  # fmt: skip
+    # the last replayed recording of plain decodes: this batch's steps (padded to a captured size or not)
+    recording = [r for r in llm.engine.runner.captured.recordings.values() if r.decode_shape is not None][-1]
     names, total, count = call_names(recording), collections.Counter(), collections.Counter()
     for name in names:
         count[name] += 1
     if args.hot:
-        for name, call in dict(zip(names, recording.calls)).items():  # (the first call of each name)
+        first = {}
+        for name, call in zip(names, recording.calls):
+            first.setdefault(name, call)
+        for name, call in first.items():
             run = CallRun.build([call] * 200)
             run()
             start = time.perf_counter()
             run()
-            total[name] = (time.perf_counter() - start) / 200 * count[name] * args.steps
-        what = "hot, each call repeated 200 times"
+            total[name] = (time.perf_counter() - start) / 200 * count[name]
+        steps, what = 1, "hot, each call repeated 200 times"
     else:
-        (_, run, _, _), = recording._plan  # a replayed decode step: one run of native calls
+        runs = [function for _, function, _, _ in recording._plan]
+        if len(runs) != 1 or not isinstance(runs[0], CallRun):
+            raise SystemExit(f"this step replays as {len(runs)} plan steps, not one run of native calls")
         with tempfile.TemporaryDirectory() as folder:
             timed = timed_runner(Path(folder))
             times = (ctypes.c_uint64 * len(recording.calls))()
-            plain = CallRun.__call__
+            plain, replays = CallRun.__call__, [0]
 
             def timed_call(self) -> None:  # (a run returns None: the replay checks it)
-                if self is run:
+                if self is runs[0]:
                     timed.run_calls_timed(*self._args, times)
+                    replays[0] += 1
                 else:
                     plain(self)
 
@@ -119,10 +125,12 @@ def main() -> None:
             CallRun.__call__ = plain
         for name, ns in zip(names, times):
             total[name] += ns / 1e9
-        what = "in the step"
-    print(f"batch {args.batch}, {what}: {sum(total.values()) / args.steps * 1e6:.0f} us of calls a step")
+        steps = replays[0]  # (fewer than --steps where the context bound grew into another recording)
+        what = f"in the step, {steps} steps"
+    print(f"batch {args.batch} ({recording.decode_shape[0]} rows), {what}: "
+          f"{sum(total.values()) / steps * 1e6:.0f} us of calls a step")
     for name, seconds in total.most_common():
-        print(f"  {name:44s} x{count[name]:3d}  {seconds / args.steps / count[name] * 1e6:8.2f} us a call")
+        print(f"  {name:44s} x{count[name]:3d}  {seconds / steps / count[name] * 1e6:8.2f} us a call")
     llm.close()
 
 

@@ -14,7 +14,7 @@ Variants:
                   (both arms FINAL_ONLY, as the others' B)
   steady-inputs  A: every replayed step builds a ForwardBatch and copies it into its recording
                   (as before the runner's steady path); B: a steady step of plain decodes is
-                  written into its recording in place (`refill_decodes`); both FINAL_ONLY
+                  written into its recording in place (`model.batch.DecodeRows`); both FINAL_ONLY
 
     python docs/bench/step_ab.py VARIANT BATCH [--rounds N] [--output-len N]
 

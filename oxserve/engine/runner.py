@@ -324,6 +324,7 @@ class ModelRunner:
     def _forward(self, scheduled: list[ScheduledRequest]) -> tuple[torch.Tensor, dict[str, PromptLogprobs]]:
         """The logits of the sampling rows (as `_sample` takes them) and the prompt tokens
         this step scores."""
+        mm_embeds = self._mm_embeddings(scheduled)
         with span(self.tracer, "prepare_inputs", track="engine"):
             requests = [
                 BatchRequest(s.num_computed_tokens, s.num_new_tokens, self.requests[s.request_id].blocks.ids, s.state_slot,
@@ -333,13 +334,14 @@ class ModelRunner:
             ]
             size, shape = self._decode_size(scheduled, requests)
             padding = self.padding.rows(size - len(scheduled)) if size else []
-            steady = self._steady_recording(size, shape, scheduled)
-            if steady is not None:
-                return self._replay_steady(steady, scheduled, requests + padding)
-            batch = make_forward_batch(requests + padding, self.model.config, self.layout.block_size, self.layout.num_blocks,
-                                       self.device, self.rings)  # fmt: skip
-            input_ids = host_tensor([t for s in scheduled for t in s.token_ids] + [PADDING_TOKEN] * len(padding), self.device)
-        mm_embeds = self._mm_embeddings(scheduled)
+            steady = None if mm_embeds is not None else self._steady_recording(size, shape, scheduled)
+            if steady is None:
+                batch = make_forward_batch(requests + padding, self.model.config, self.layout.block_size,
+                                           self.layout.num_blocks, self.device, self.rings)  # fmt: skip
+                input_ids = host_tensor([t for s in scheduled for t in s.token_ids] + [PADDING_TOKEN] * len(padding),
+                                        self.device)  # fmt: skip
+        if steady is not None:
+            return self._replay_steady(steady, scheduled, requests + padding)
         batch.tracer = self.tracer
         with span(self.tracer, "forward", track="engine", **step_conditions(batch), padding_rows=len(padding)):
             if self._replayable(batch, scheduled, mm_embeds):
@@ -377,7 +379,7 @@ class ModelRunner:
         `CapturedDecode.run`, which times spans). Every request must sample: a one-token prompt
         chunk on a cached context is a decode that does not."""
         if (size is None or self.tracer is not None or torch.device(self.device).type != "cpu"
-                or not all(s.samples for s in scheduled) or self._mm_embeddings(scheduled) is not None):
+                or not all(s.samples for s in scheduled)):
             return None  # fmt: skip
         return self.captured.steady_decodes((size, *shape))
 
