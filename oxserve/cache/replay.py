@@ -48,11 +48,7 @@ class ReplayBook:
         whose next len(verify_lens) requests run that many tokens each as decode steps (a
         token and its drafts), and the book after it. A run that would overflow its ring
         folds it first."""
-        decodes, verifies, prefills = [], [], []
-        for slot in slots[:num_decodes]:
-            before = self.counts[slot]
-            decodes.append(before)
-            self.counts[slot] = (0 if before == self.length else before) + 1
+        decodes, verifies, prefills = self.advance_decodes(slots[:num_decodes]), [], []
         verify_slots = slots[num_decodes : num_decodes + len(verify_lens)]
         for slot, n in zip(verify_slots, verify_lens):
             if n > self.length:
@@ -65,6 +61,16 @@ class ReplayBook:
             prefills.append(self.counts[slot] if context else 0)
             self.counts[slot] = 0
         return ring_counts(decodes, prefills, verifies, verify_lens, device)
+
+    def advance_decodes(self, slots: list[int]) -> list[int]:
+        """The counts before a decode of one token in each of `slots`, in order (a full ring
+        folds first), and the book after them."""
+        decodes = []
+        for slot in slots:
+            before = self.counts[slot]
+            decodes.append(before)
+            self.counts[slot] = (0 if before == self.length else before) + 1
+        return decodes
 
     def rollback(self, slot: int, rejected: int) -> None:
         """Forget the last `rejected` entries of a slot's ring (rejected draft tokens)."""

@@ -117,10 +117,9 @@ class StepRecording:
         self.refusal: str | None = None  # why a replay could not repeat this step (None: it can)
         self.spans: list[RecordedSpan] = []  # the model's op spans, as ranges of `calls`
         # A step of plain decodes: (requests, seq_len_bound, block table width), which make its key,
-        # and its batch (a steady step of that shape is written into its tensors: `DecodeRows`)
+        # and on CPU the writer of a steady step of that shape into its tensors
         self.decode_shape: tuple[int, int, int] | None = None
-        self.batch: ForwardBatch | None = None
-        self.decode_rows: DecodeRows | None = None  # (made at the first such step, forgotten when `run` copies a batch in)
+        self.decode_rows: DecodeRows | None = None
         self.step_s = 0.0  # what a replay takes: the recording step's time until replays are timed
         self._plan = self._traced_plan = None  # `calls` as replays run them (built at the first)
 
@@ -411,7 +410,8 @@ class CapturedDecode:
                 mine.copy_(new)
             for mine, new in zip(recording.batch_tensors, tensors):
                 mine.copy_(new)
-            recording.decode_rows = None  # (what it remembers of the rows it wrote no longer holds)
+            if recording.decode_rows is not None:  # (what it remembers of the rows it wrote no longer holds)
+                recording.decode_rows.forget()
             return self._replay(recording, batch.tracer, start)
         if key in self.refused:
             return self.forward(*inputs, batch)
@@ -436,13 +436,11 @@ class CapturedDecode:
         the caller writes its step into the recording's own tensors (`recording.decode_rows`),
         then calls `replay_steady`. This skips building a `ForwardBatch`, its key and a copy a
         tensor: 0.3 of a 2.4 ms batch-1 step on a first-generation EPYC, all of it host work on
-        cold caches. CPU tensors only."""
+        cold caches. CPU tensors only (elsewhere None)."""
         key = self._decode_keys.get(shape)
         recording = None if key is None else self.recordings.get(key)
-        if recording is None or not recording.planned(traced=False):
+        if recording is None or recording.decode_rows is None or not recording.planned(traced=False):
             return None
-        if recording.decode_rows is None:
-            recording.decode_rows = DecodeRows(recording.batch, recording.inputs[0])
         return recording
 
     def replay_steady(self, recording: StepRecording) -> Any:
@@ -473,7 +471,8 @@ class CapturedDecode:
         self._kept_s += recording.step_s
         if batch.num_decodes == batch.num_requests and batch.logits_indices.shape[0] == batch.num_requests:
             recording.decode_shape = (batch.num_requests, batch.seq_len_bound, batch.block_tables.shape[1])
-            recording.batch = dataclasses.replace(batch, tracer=None)  # (its tensors are the recorded ones)
+            if batch.positions.device.type == "cpu":  # (the batch's tensors are the recorded ones)
+                recording.decode_rows = DecodeRows(batch, inputs[0])
             self._decode_keys[recording.decode_shape] = key
         self.recordings[key] = recording
         while len(self.recordings) > 1 and (len(self.recordings) > self.max_recordings or self.nbytes > self.max_bytes):

@@ -378,9 +378,8 @@ class ModelRunner:
         (`CapturedDecode.steady_decodes`), if it has one and is not traced (a traced step takes
         `CapturedDecode.run`, which times spans). Every request must sample: a one-token prompt
         chunk on a cached context is a decode that does not."""
-        if (size is None or self.tracer is not None or torch.device(self.device).type != "cpu"
-                or not all(s.samples for s in scheduled)):
-            return None  # fmt: skip
+        if size is None or self.tracer is not None or not all(s.samples for s in scheduled):
+            return None
         return self.captured.steady_decodes((size, *shape))
 
     def _replay_steady(self, recording: StepRecording, scheduled: list[ScheduledRequest],

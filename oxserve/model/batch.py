@@ -239,8 +239,7 @@ class DecodeRows:
     def __init__(self, batch: ForwardBatch, token_ids: torch.Tensor):
         if batch.num_decodes != batch.num_requests or batch.num_tokens != batch.num_requests:
             raise ValueError(f"a batch of {batch.num_requests} requests and {batch.num_tokens} tokens is not one of plain decodes")
-        self.batch = batch
-        self.size = batch.num_requests
+        self.size, self.block_size = batch.num_requests, batch.block_size
         self._tokens, self._positions, self._cache_rows, self._slots = (
             _ints(t) for t in (token_ids, batch.positions, batch.cache_rows, batch.state_slots))
         self._members = self._pools = self._counts = None
@@ -251,6 +250,11 @@ class DecodeRows:
         self._table = batch.block_tables.numpy()
         self._table_rows: list[tuple[list[int], int] | None] = [None] * self.size  # (the ids each row holds, how many)
 
+    def forget(self) -> None:
+        """Its tensors were written by someone else (a whole batch copied in): every table row
+        is rewritten at the next `write`."""
+        self._table_rows = [None] * self.size
+
     def write(self, requests: list[BatchRequest], token_ids: list[int], num_blocks: int, kpool: int,
               rings: ReplayBook | None = None) -> None:
         """This step's `requests` and their `token_ids` (one each); `num_blocks` pads the table
@@ -259,7 +263,7 @@ class DecodeRows:
             raise ValueError(f"{len(requests)} decodes do not fit a batch made for {self.size}")
         if (rings is None) != (self._counts is None):
             raise ValueError("ReplaySSM rings given for a batch made without them, or the reverse")
-        block_size = self.batch.block_size
+        block_size = self.block_size
         pools_per_block = block_size // kpool
         try:
             for r, req in enumerate(requests):
@@ -277,8 +281,7 @@ class DecodeRows:
         except IndexError:
             raise ValueError("a decode's position lies past the blocks its request holds") from None
         if rings is not None:
-            counts = rings.advance([req.state_slot for req in requests], [True] * self.size, self.size, "cpu")
-            for r, count in enumerate(counts.decodes):
+            for r, count in enumerate(rings.advance_decodes([req.state_slot for req in requests])):
                 self._counts[r] = count
 
     def _table_row(self, r: int, ids: list[int], num_blocks: int) -> None:
