@@ -1,5 +1,5 @@
 """`native/rows.c` (RMSNorm in bf16, the greedy argmax, row copies, the final norm over the
-streams) against their torch forms, in every
+streams, the MTP layer's input norms and residual adds) against their torch forms, in every
 build: the widest vector path this CPU has and plain C."""
 
 import pytest
@@ -7,7 +7,7 @@ import torch
 
 from oxserve.engine.sampler import greedy_tokens
 from oxserve.kernels import native, rows
-from oxserve.kernels.norm import mean_rms_norm, rms_norm, rms_norm_torch
+from oxserve.kernels.norm import mean_rms_norm, mtp_input_norms, rms_norm, rms_norm_torch
 
 BUILDS = {"native": rows.BUILD_FLAGS, "plain": ("-O3", "-fopenmp", "-mno-avx2", "-mno-avx512f")}
 
@@ -97,3 +97,45 @@ def test_final_norm_over_streams_rounds_as_the_reference(kernel, tokens, streams
     with pytest.raises(IndexError):
         mean_rms_norm(x, torch.tensor([tokens]), weight, 1e-6)
     assert not rows.mean_rms_norm_fit(x.float(), weight)
+
+
+@pytest.mark.parametrize("tokens,dim", [(1, 256), (3, 64), (12, 100)])
+def test_mtp_input_is_the_masked_embedding_and_the_hidden_state_normed_side_by_side(kernel, tokens, dim):
+    """One pass for the MTP layer's masked_fill, two RMSNorms and cat: each half is the
+    kernel's RMSNorm of its rows (bit for bit), an embedding at position 0 a zero row's; and
+    the eager ops' value but where the fp32 sums' order moves a rounding (by an ulp)."""
+    embeds, hidden = (torch.randn(tokens, dim) * 3).bfloat16(), torch.randn(tokens, dim).bfloat16()
+    we, wh = (torch.randn(dim) * 0.5 + 1).bfloat16(), -(torch.rand(dim) + 0.5).bfloat16()  # negative: -0 for zeros
+    positions = torch.randint(0, 3, (tokens,))
+    positions[0] = 0
+    got = mtp_input_norms(embeds, positions, we, 1e-6, hidden, wh, 1e-5)
+    masked = embeds.masked_fill((positions == 0).unsqueeze(-1), 0.0)
+    assert got.shape == (tokens, 2 * dim) and got.dtype == torch.bfloat16
+    assert torch.equal(got, torch.cat([rms_norm(masked, we, 1e-6), rms_norm(hidden, wh, 1e-5)], -1))
+    eager = torch.cat([rms_norm_torch(masked, we, 1e-6), rms_norm_torch(hidden, wh, 1e-5)], -1)
+    differ = got != eager
+    assert differ.float().mean() <= 0.01
+    torch.testing.assert_close(got[differ].float(), eager[differ].float(), rtol=2**-6, atol=0)
+    assert torch.equal(got[0, :dim].view(torch.int16), (we * 0.0).view(torch.int16))  # a zero row normed: signed zeros
+    with pytest.raises(ValueError):
+        rows.mtp_input_norms_native(embeds, positions[:-1], we, 1e-6, hidden, wh, 1e-5)
+
+
+@pytest.mark.parametrize("wanted", [None, [0], [4, 1, 4], []])
+def test_residual_adds_of_the_rows_wanted_round_as_torch(kernel, wanted):
+    """(a + b)[rows] in bf16 (the fp32 sum rounded to nearest even), bit for bit, infinities
+    and NaN included; a row out of range is an error, as torch's index."""
+    a, b = (torch.randn(6, 40) * 100).bfloat16(), (torch.randn(6, 40) * 100).bfloat16()
+    a[1, :3] = torch.tensor([float("inf"), float("nan"), 1e38]).bfloat16()
+    b[1, :3] = torch.tensor([-float("inf"), 1.0, 1e38]).bfloat16()
+    rows_wanted = None if wanted is None else torch.tensor(wanted, dtype=torch.int64)
+    assert rows.add_rows_fit(a, b)
+    got = rows.add_rows(a, b, rows_wanted)
+    want = a + b if rows_wanted is None else (a + b)[rows_wanted]
+    assert got.shape == want.shape and torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got.nan_to_num(), want.nan_to_num())
+    for bad in ([6], [-1]):
+        with pytest.raises(IndexError):
+            rows.add_rows(a, b, torch.tensor(bad))
+    fa, fb = torch.randn(6, 40), torch.randn(6, 40)  # (fp32: the torch form)
+    assert not rows.add_rows_fit(fa, fb) and torch.equal(rows.add_rows(fa, fb, torch.tensor([2, 2])), (fa + fb)[[2, 2]])

@@ -26,6 +26,9 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.gather_rows.argtypes = [p, i64, p, i64, i64, i64, p]
     lib.scatter_rows.argtypes = [p, i64, p, i64, i64, p]
     lib.mean_rms_norm_bf16.argtypes = [p, i64, i64, p, i64, i64, p, ctypes.c_float, p]
+    lib.mtp_input_norms.argtypes = [p, p, p, i64, i64, p, ctypes.c_float, p, ctypes.c_float, p, ctypes.c_int]
+    lib.mtp_input_norms.restype = None
+    lib.add_rows_bf16.argtypes = [p, p, i64, p, i64, i64, p]
     return lib
 
 
@@ -103,6 +106,44 @@ def scatter_rows_native(table: torch.Tensor, rows: torch.Tensor, values: torch.T
         raise ValueError(f"scatter_rows: {tuple(values.shape)} values for {rows.numel()} rows of {tuple(table.shape[1:])}")
     _checked(_kernel().scatter_rows(native.pointer(table), len(table), native.pointer(rows), rows.numel(), row_bytes,
                                     native.pointer(values)), "scatter_rows")  # fmt: skip
+
+
+def add_rows_fit(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.device.type == "cpu" and a.dtype == b.dtype == torch.bfloat16 and a.dim() == 2 and a.shape == b.shape
+            and b.device.type == "cpu" and _kernel() is not None)  # fmt: skip
+
+
+def add_rows_native(a: torch.Tensor, b: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """(a + b)[rows] (all rows without `rows`) for a, b [N, D] bf16: the sum of the rows wanted only."""
+    a, b = a.contiguous(), b.contiguous()
+    ids = None if rows is None else rows.to(torch.int64).contiguous()
+    n = len(a) if ids is None else ids.numel()
+    out = a.new_empty(n, a.shape[1])
+    _checked(_kernel().add_rows_bf16(native.pointer(a), native.pointer(b), len(a), None if ids is None else native.pointer(ids),
+                                     n, a.shape[1], native.pointer(out)), "add_rows")  # fmt: skip
+    return out
+
+
+def add_rows(a: torch.Tensor, b: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """(a + b)[rows] (a + b without `rows`): natively for bf16 rows on CPU."""
+    if add_rows_fit(a, b):
+        return add_rows_native(a, b, rows)
+    total = a + b
+    return total if rows is None else total[rows]
+
+
+def mtp_input_norms_native(embeds: torch.Tensor, positions: torch.Tensor, embed_weight: torch.Tensor, embed_eps: float,
+                           hidden: torch.Tensor, hidden_weight: torch.Tensor, hidden_eps: float) -> torch.Tensor:
+    """[rms_norm(embeds, zeroed at position 0) ; rms_norm(hidden)] -> [T, 2D], all bf16 (`rms_norm_fit` each)."""
+    embeds, hidden, positions = embeds.contiguous(), hidden.contiguous(), positions.to(torch.int64).contiguous()
+    rows, dim = embeds.shape
+    if hidden.shape != embeds.shape or positions.shape != (rows,):
+        raise ValueError(f"MTP input: embeds {tuple(embeds.shape)}, hidden {tuple(hidden.shape)}, positions {tuple(positions.shape)}")
+    out = embeds.new_empty(rows, 2 * dim)
+    _kernel().mtp_input_norms(native.pointer(embeds), native.pointer(hidden), native.pointer(positions), rows, dim,
+                              native.pointer(embed_weight.contiguous()), embed_eps, native.pointer(hidden_weight.contiguous()),
+                              hidden_eps, native.pointer(out), torch.get_num_threads())  # fmt: skip
+    return out
 
 
 MEAN_NORM_MAX_DIM = 1 << 16  # the kernel keeps a row's mean on its stack

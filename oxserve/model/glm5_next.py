@@ -153,8 +153,8 @@ class Glm5NextForCausalLM(nn.Module):
         return x.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if self.tp.size == 1:
-            return F.embedding(input_ids, self.embed_tokens)
+        if self.tp.size == 1:  # (a native row gather on CPU: a torch op in a captured step runs cold)
+            return repeated_embedding(self.embed_tokens, input_ids, 1).squeeze(-2)
         rows = self.embed_tokens.shape[0]
         local = input_ids - self.tp.rank * rows
         mine = (local >= 0) & (local < rows)

@@ -22,6 +22,8 @@ from torch import nn
 from oxserve.cache.layers import MLACache
 from oxserve.cache.precision import LayerCachePrecision
 from oxserve.cache.spec import MLACacheSpec
+from oxserve.kernels.norm import mtp_input_norms
+from oxserve.kernels.rows import add_rows
 from oxserve.model.batch import ForwardBatch
 from oxserve.model.common import RMSNorm
 from oxserve.model.config import TextModelConfig
@@ -51,10 +53,10 @@ class MTPLayer(nn.Module):
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch, cache: MLACache) -> torch.Tensor:
         """embeds [T, D] of the next tokens, hidden [T, D] of the target (or of the previous
         draft) -> normed hidden [S, D] of the rows in batch.logits_indices, for the lm head."""
-        embeds = embeds.masked_fill((batch.positions == 0).unsqueeze(-1), 0.0)
-        x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden)], dim=-1))
+        e, h = self.enorm, self.hnorm  # [enorm(embeds, zero at position 0) ; hnorm(hidden)]
+        x = self.eh_proj(mtp_input_norms(embeds, batch.positions, e.weight, e.eps, hidden, h.weight, h.eps))
         attn, _ = self.self_attn(self.input_layernorm(x), batch, cache, None)
         # Only the drafting rows go on: the others were run for the cache entries attention wrote.
-        y = (x + self.tp.reduce(attn))[batch.logits_indices]
-        z = y + self.tp.reduce(self.mlp(self.post_attention_layernorm(y), batch.tracer))
+        y = add_rows(x, self.tp.reduce(attn), batch.logits_indices)
+        z = add_rows(y, self.tp.reduce(self.mlp(self.post_attention_layernorm(y), batch.tracer)))
         return self.shared_head_norm(z)
