@@ -12,7 +12,7 @@ from oxserve.config import SchedulerConfig
 from oxserve.engine.interface import STEADY, ModelRunnerOutput, SchedulerOutput
 from oxserve.engine.request import Request, RequestStatus
 from oxserve.engine.scheduler import Scheduler
-from oxserve.sampling_params import SamplingParams
+from oxserve.sampling_params import RequestOutputKind, SamplingParams
 
 
 def test_id_pool_allocates_distinct_ids_and_takes_them_back():
@@ -275,6 +275,27 @@ def test_the_pacer_learns_the_decode_cost_from_a_batch_sizes_first_steps_too():
     scheduler.add(_request(1, 1000, 200))
     assert scheduler.schedule().num_tokens < 1001  # the prompt is paced beside the decode
 
+
+
+@pytest.mark.parametrize("kinds,paced", [(["FINAL_ONLY"], False), (["FINAL_ONLY", "DELTA"], True), (["CUMULATIVE"], True)])
+def test_the_pacer_bounds_prefill_only_beside_decodes_whose_tokens_are_streamed(kinds, paced):
+    """Decodes that want their output only when they finish (FINAL_ONLY: `LLM.generate`,
+    offline batches) have no inter-token gaps anyone sees: beside them alone a prompt takes the
+    whole token budget; one streamed decode among them and the prompt is paced."""
+    cache = CacheManager(num_blocks=512, block_size=16, num_slots=8)
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=2048, max_stall=2.0), cache)
+    for i, kind in enumerate(kinds):
+        scheduler.add(_request(i, 500, 200, output_kind=RequestOutputKind[kind]))
+    out = scheduler.schedule()
+    for _ in range(4):  # the prefill, then decode steps: both costs measured
+        scheduler.observe_step(out, _step_seconds(out))
+        scheduler.update_from_output(out, _sample_all(out))
+        out = scheduler.schedule()
+    assert scheduler.pacer.decode_step_s is not None and scheduler.pacer.prefill_token_s is not None
+    scheduler.add(_request(9, 1000, 200))
+    out = scheduler.schedule()
+    assert out.num_decode_tokens == len(kinds)
+    assert (out.num_tokens - out.num_decode_tokens < 1000) == paced
 
 def test_stall_free_pacing_bounds_the_prefill_that_rides_with_decodes():
     """Measured costs, prompts arriving one at a time (no backlog the bound could not clear

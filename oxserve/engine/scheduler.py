@@ -7,8 +7,9 @@ cache cannot hold a request's next tokens, the last running request is preempted
 arrived, or under the priority policy the least urgent):
 its blocks and slot are freed and it goes back to the front of the queue, to be recomputed
 from scratch later. Waiting requests are admitted while budget, `max_num_seqs` and cache
-allow, oldest first. While decodes run, the prefill tokens of a step are bounded so that
-the step costs at most `max_stall` decode steps (stall-free batching, see `pacing`).
+allow, oldest first. While decodes whose tokens are streamed run, the prefill tokens of a
+step are bounded so that the step costs at most `max_stall` decode steps (stall-free
+batching, see `pacing`).
 
 When a step raises, its requests are recomputed from scratch, each alone in its steps until
 it is past the failed step's tokens again (`quarantine`): a request that fails alone is the
@@ -38,6 +39,7 @@ from oxserve.engine.pacing import StepPacer
 from oxserve.engine.request import Request, RequestStatus
 from oxserve.engine.spec_guard import KEEP_FLOOR, PROBE_INTERVAL, DraftCost, draft_depth, record_verify
 from oxserve.engine.stop import token_stop
+from oxserve.sampling_params import RequestOutputKind
 
 
 # A request in this many failed steps that never failed alone runs alone from then on: the
@@ -130,8 +132,7 @@ class Scheduler:
         # Deterministic mode feeds every request token by token: the same computation for a
         # token whatever the chunking or preemption history.
         step_cap = 1 if self.config.deterministic else budget
-        decodes = sum(1 for r in self.running if r.num_uncomputed == 1)
-        paced = None if self.config.deterministic else self.pacer.prefill_budget(decodes, self._prefill_backlog())
+        paced = None if self.config.deterministic else self.pacer.prefill_budget(self._watched_decodes(), self._prefill_backlog())
         prefill_left = budget if paced is None else paced
         chosen: list[tuple[Request, int]] = []
         preempted = False
@@ -201,6 +202,14 @@ class Scheduler:
             budget -= n
             prefill_left -= n
         return chosen, preempted
+
+    def _watched_decodes(self) -> int:
+        """Running decodes whose tokens someone sees as they come: the pacer bounds prefill for
+        these. A request that wants its output only when it finishes (FINAL_ONLY: `LLM.generate`,
+        offline batches) has no inter-token gaps to smooth, and holding prompts back for it only
+        staggers the batch (requests start and finish one after another) and costs throughput."""
+        return sum(1 for r in self.running
+                   if r.num_uncomputed == 1 and r.params.output_kind is not RequestOutputKind.FINAL_ONLY)  # fmt: skip
 
     def _prefill_backlog(self) -> int:
         """Prompt tokens still to compute: of running prompts and of the waiting queue (whose
