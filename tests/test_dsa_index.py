@@ -44,6 +44,40 @@ def test_native_index_scores_match_torch(dtype, query_dtype, tokens, heads, dim)
     assert torch.equal(hidden[seen], got[seen]) and (hidden[~seen] == float("-inf")).all()
 
 
+
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_native_index_scores_of_long_rows_are_the_same_on_any_number_of_threads(tokens):
+    """A decode query's row of thousands of pools is scored in pieces spread over threads, a
+    piece starting mid-block (6 pools a block here): the torch form's scores, and the same
+    bits on one thread as on two."""
+    gen = torch.Generator().manual_seed(tokens)
+    kpool, block, requests, blocks_per, dim, heads = 4, 24, 2, 500, 32, 2
+    ppb = block // kpool
+    blocks = torch.randperm(requests * blocks_per + 3, generator=gen)[: requests * blocks_per].view(requests, blocks_per)
+    pool_keys = torch.randn((requests * blocks_per + 3) * ppb, dim, generator=gen).bfloat16()
+    request = torch.randint(0, requests, (tokens,), generator=gen)
+    query_pos = torch.randint(0, blocks_per * block, (tokens,), generator=gen)
+    query_pos[0] = blocks_per * block - 1  # every pool visible
+    num_pools, visible = 4096, (query_pos + 1) // kpool
+    q, weights = torch.randn(tokens, heads, dim, generator=gen).bfloat16(), torch.randn(tokens, heads, generator=gen).bfloat16()
+    args = (q, weights, query_pos, kpool, request, blocks, ppb, pool_keys, num_pools, dim**-0.5, heads**-0.5, float("-inf"))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        got = index_scores(*args)
+        torch.set_num_threads(1)
+        alone = index_scores(*args)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(got, alone)
+    pools = torch.arange(num_pools)
+    seen = pools[None] < visible[:, None]
+    rows = blocks[request[:, None], (pools // ppb).clamp(max=blocks_per - 1)] * ppb + pools % ppb
+    scores = F.relu(torch.matmul(q.float(), pool_keys[rows].float().transpose(1, 2)) * dim**-0.5)
+    want = ((weights.float() * heads**-0.5).unsqueeze(1) @ scores).squeeze(1)
+    torch.testing.assert_close(got[seen], want[seen], rtol=1e-5, atol=1e-5)
+    assert (got[~seen] == float("-inf")).all() and int(seen.sum()) > 2 * 512
+
 def _ranked_first(row: list[float], k: int) -> list[int]:
     """The rule by hand: highest score first (every NaN above +inf, -0 = +0), the lower pool
     among equal scores; the first k, in pool order."""
