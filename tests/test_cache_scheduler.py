@@ -276,12 +276,12 @@ def test_the_pacer_learns_the_decode_cost_from_a_batch_sizes_first_steps_too():
     assert scheduler.schedule().num_tokens < 1001  # the prompt is paced beside the decode
 
 
-
 @pytest.mark.parametrize("kinds,paced", [(["FINAL_ONLY"], False), (["FINAL_ONLY", "DELTA"], True), (["CUMULATIVE"], True)])
-def test_the_pacer_bounds_prefill_only_beside_decodes_whose_tokens_are_streamed(kinds, paced):
+def test_the_pacer_bounds_prefill_only_beside_decodes_whose_output_is_wanted_as_it_comes(kinds, paced):
     """Decodes that want their output only when they finish (FINAL_ONLY: `LLM.generate`,
-    offline batches) have no inter-token gaps anyone sees: beside them alone a prompt takes the
-    whole token budget; one streamed decode among them and the prompt is paced."""
+    offline batches) have no inter-token gaps anyone sees: beside them alone a prompt goes in
+    whole (within the token budget); one decode of another output kind among them and the
+    prompt is paced."""
     cache = CacheManager(num_blocks=512, block_size=16, num_slots=8)
     scheduler = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=2048, max_stall=2.0), cache)
     for i, kind in enumerate(kinds):
@@ -296,6 +296,7 @@ def test_the_pacer_bounds_prefill_only_beside_decodes_whose_tokens_are_streamed(
     out = scheduler.schedule()
     assert out.num_decode_tokens == len(kinds)
     assert (out.num_tokens - out.num_decode_tokens < 1000) == paced
+
 
 def test_stall_free_pacing_bounds_the_prefill_that_rides_with_decodes():
     """Measured costs, prompts arriving one at a time (no backlog the bound could not clear

@@ -166,7 +166,6 @@ def test_the_default_model_replays_its_decode_steps_exactly():
     assert torch_ops == set() and all(len(plan) == 1 for plan in plans), torch_ops
 
 
-
 def test_mtp_passes_of_the_default_model_replay_as_one_run_of_native_calls(monkeypatch):
     """The MTP layer's embedding, input norms and residual adds are native calls: a captured
     MTP pass is one run of them (its torch ops ran on cold code: ~0.6 ms a pass at batch 1 on

@@ -104,9 +104,11 @@ def test_mtp_input_is_the_masked_embedding_and_the_hidden_state_normed_side_by_s
     """One pass for the MTP layer's masked_fill, two RMSNorms and cat: each half is the
     kernel's RMSNorm of its rows (bit for bit), an embedding at position 0 a zero row's; and
     the eager ops' value but where the fp32 sums' order moves a rounding (by an ulp)."""
-    embeds, hidden = (torch.randn(tokens, dim) * 3).bfloat16(), torch.randn(tokens, dim).bfloat16()
-    we, wh = (torch.randn(dim) * 0.5 + 1).bfloat16(), -(torch.rand(dim) + 0.5).bfloat16()  # negative: -0 for zeros
-    positions = torch.randint(0, 3, (tokens,))
+    gen = torch.Generator().manual_seed(tokens * 1000 + dim)
+    embeds, hidden = (torch.randn(tokens, dim, generator=gen) * 3).bfloat16(), torch.randn(tokens, dim, generator=gen).bfloat16()
+    we = -(torch.rand(dim, generator=gen) + 0.5).bfloat16()  # negative: a zero row normed is -0
+    wh = (torch.randn(dim, generator=gen) * 0.5 + 1).bfloat16()
+    positions = torch.randint(0, 3, (tokens,), generator=gen)
     positions[0] = 0
     got = mtp_input_norms(embeds, positions, we, 1e-6, hidden, wh, 1e-5)
     masked = embeds.masked_fill((positions == 0).unsqueeze(-1), 0.0)
@@ -119,23 +121,32 @@ def test_mtp_input_is_the_masked_embedding_and_the_hidden_state_normed_side_by_s
     assert torch.equal(got[0, :dim].view(torch.int16), (we * 0.0).view(torch.int16))  # a zero row normed: signed zeros
     with pytest.raises(ValueError):
         rows.mtp_input_norms_native(embeds, positions[:-1], we, 1e-6, hidden, wh, 1e-5)
+    with pytest.raises(ValueError):
+        rows.mtp_input_norms_native(embeds, positions, we[:-1], 1e-6, hidden, wh, 1e-5)
 
 
 @pytest.mark.parametrize("wanted", [None, [0], [4, 1, 4], []])
 def test_residual_adds_of_the_rows_wanted_round_as_torch(kernel, wanted):
-    """(a + b)[rows] in bf16 (the fp32 sum rounded to nearest even), bit for bit, infinities
-    and NaN included; a row out of range is an error, as torch's index."""
-    a, b = (torch.randn(6, 40) * 100).bfloat16(), (torch.randn(6, 40) * 100).bfloat16()
-    a[1, :3] = torch.tensor([float("inf"), float("nan"), 1e38]).bfloat16()
-    b[1, :3] = torch.tensor([-float("inf"), 1.0, 1e38]).bfloat16()
+    """(a + b)[rows] in bf16 (the fp32 sum rounded to nearest even), bit for bit, infinities,
+    NaN and sums past bf16's range included; a row past the end is an error, as torch's index,
+    and so is a negative one (which torch's index would count from the end); other index forms
+    (a mask, 2-D rows) take the torch form."""
+    gen = torch.Generator().manual_seed(len(wanted or []) * 10 + (wanted or [0])[0])
+    a, b = (torch.randn(6, 40, generator=gen) * 100).bfloat16(), (torch.randn(6, 40, generator=gen) * 100).bfloat16()
+    a[1, :4] = torch.tensor([float("inf"), float("nan"), 3e38, -0.0]).bfloat16()
+    b[1, :4] = torch.tensor([-float("inf"), 1.0, 3e38, -0.0]).bfloat16()
     rows_wanted = None if wanted is None else torch.tensor(wanted, dtype=torch.int64)
-    assert rows.add_rows_fit(a, b)
+    assert rows.add_rows_fit(a, b, rows_wanted)
     got = rows.add_rows(a, b, rows_wanted)
     want = a + b if rows_wanted is None else (a + b)[rows_wanted]
-    assert got.shape == want.shape and torch.equal(got.isnan(), want.isnan())
-    assert torch.equal(got.nan_to_num(), want.nan_to_num())
+    nan = want.isnan()
+    assert got.shape == want.shape and torch.equal(got.isnan(), nan)
+    assert torch.equal(got.view(torch.int16)[~nan], want.view(torch.int16)[~nan])  # signed zeros, infinities
     for bad in ([6], [-1]):
         with pytest.raises(IndexError):
             rows.add_rows(a, b, torch.tensor(bad))
-    fa, fb = torch.randn(6, 40), torch.randn(6, 40)  # (fp32: the torch form)
+    mask = torch.tensor([True, False, True, False, False, True])
+    assert not rows.add_rows_fit(a, b, mask) and torch.equal(rows.add_rows(a, b, mask), (a + b)[mask])
+    assert not rows.add_rows_fit(a, b, torch.tensor([[0, 1]]))
+    fa, fb = torch.randn(6, 40, generator=gen), torch.randn(6, 40, generator=gen)  # (fp32: the torch form)
     assert not rows.add_rows_fit(fa, fb) and torch.equal(rows.add_rows(fa, fb, torch.tensor([2, 2])), (fa + fb)[[2, 2]])

@@ -23,7 +23,8 @@ take 1 / `CLEAR_STEPS` of the backlog: at low load the stall bound decides, unde
 the backlog does (a backlog B then drains at a share of itself a step, then at the bound).
 
 The budget is rounded down to whole `MIN_CHUNK`s and never falls below one, so a prompt
-always advances. Until both costs are known, and in steps without decodes, only
+always advances. Until both costs are known, and in steps without watched decodes (the
+scheduler counts those whose output is wanted as it comes: not `FINAL_ONLY` requests), only
 `max_num_batched_tokens` bounds the prefill.
 """
 
@@ -53,8 +54,8 @@ class StepPacer:
             self.decode_step_s = _mix(self.decode_step_s, max(seconds - prefill_part, 0.0))
 
     def prefill_budget(self, decodes: int, backlog: int = 0) -> int | None:
-        """Most prefill tokens for a step with `decodes` decode requests while `backlog` prompt
-        tokens wait to be computed (None: no bound)."""
+        """Most prefill tokens for a step beside `decodes` watched decode requests while
+        `backlog` prompt tokens wait to be computed (None: no bound)."""
         if not decodes or self.decode_step_s is None or not self.prefill_token_s:
             return None
         tokens = max((self.max_stall - 1) * self.decode_step_s / self.prefill_token_s, backlog / CLEAR_STEPS)

@@ -7,9 +7,10 @@ cache cannot hold a request's next tokens, the last running request is preempted
 arrived, or under the priority policy the least urgent):
 its blocks and slot are freed and it goes back to the front of the queue, to be recomputed
 from scratch later. Waiting requests are admitted while budget, `max_num_seqs` and cache
-allow, oldest first. While decodes whose tokens are streamed run, the prefill tokens of a
-step are bounded so that the step costs at most `max_stall` decode steps (stall-free
-batching, see `pacing`).
+allow, oldest first. While decodes whose output is wanted as it comes run (any output kind
+but FINAL_ONLY: every server request, streamed or not), the prefill tokens of a step are
+bounded so that the step costs at most `max_stall` decode steps (stall-free batching, see
+`pacing`).
 
 When a step raises, its requests are recomputed from scratch, each alone in its steps until
 it is past the failed step's tokens again (`quarantine`): a request that fails alone is the
@@ -204,8 +205,8 @@ class Scheduler:
         return chosen, preempted
 
     def _watched_decodes(self) -> int:
-        """Running decodes whose tokens someone sees as they come: the pacer bounds prefill for
-        these. A request that wants its output only when it finishes (FINAL_ONLY: `LLM.generate`,
+        """Running decodes whose output is wanted as it comes (any output kind but FINAL_ONLY;
+        the server never asks for FINAL_ONLY): the pacer bounds prefill for these. A request that wants its output only when it finishes (FINAL_ONLY: `LLM.generate`,
         offline batches) has no inter-token gaps to smooth, and holding prompts back for it only
         staggers the batch (requests start and finish one after another) and costs throughput."""
         return sum(1 for r in self.running

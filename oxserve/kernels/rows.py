@@ -1,8 +1,9 @@
 """Row-wise decode ops in one native pass each (`native/rows.c`): RMSNorm in bf16, the
-greedy argmax, row gathers and scatters of any dtype (embedding lookups, cache stores) and
-the final norm over the hyper-connection streams. Each has its torch form
-(`oxserve.kernels.norm.rms_norm_torch`, `torch.Tensor.max`, `F.embedding`, `index_copy_`,
-`mean` then RMSNorm), which runs where the kernel does not fit and is what it is tested against."""
+greedy argmax, row gathers and scatters of any dtype (embedding lookups, cache stores), the
+final norm over the hyper-connection streams, and the MTP layer's input norms and residual
+adds. Each has its torch form (`oxserve.kernels.norm.rms_norm_torch`, `torch.Tensor.max`,
+`F.embedding`, `index_copy_`, `mean` then RMSNorm, masked_fill and cat, an add then an index),
+which runs where the kernel does not fit and is what it is tested against."""
 
 from __future__ import annotations
 
@@ -108,13 +109,17 @@ def scatter_rows_native(table: torch.Tensor, rows: torch.Tensor, values: torch.T
                                     native.pointer(values)), "scatter_rows")  # fmt: skip
 
 
-def add_rows_fit(a: torch.Tensor, b: torch.Tensor) -> bool:
+def add_rows_fit(a: torch.Tensor, b: torch.Tensor, rows: torch.Tensor | None = None) -> bool:
+    """bf16 rows on CPU, and `rows` (if any) a 1-D tensor of integer row numbers."""
     return (a.device.type == "cpu" and a.dtype == b.dtype == torch.bfloat16 and a.dim() == 2 and a.shape == b.shape
-            and b.device.type == "cpu" and _kernel() is not None)  # fmt: skip
+            and b.device.type == "cpu" and _kernel() is not None
+            and (rows is None or (rows.dim() == 1 and not rows.dtype.is_floating_point and rows.dtype != torch.bool)))  # fmt: skip
 
 
 def add_rows_native(a: torch.Tensor, b: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
-    """(a + b)[rows] (all rows without `rows`) for a, b [N, D] bf16: the sum of the rows wanted only."""
+    """(a + b)[rows] (all rows without `rows`) for a, b [N, D] bf16: the sum of the rows wanted
+    only. Rows are numbers in [0, N): a negative one is an error (torch's index would count it
+    from the end)."""
     a, b = a.contiguous(), b.contiguous()
     ids = None if rows is None else rows.to(torch.int64).contiguous()
     n = len(a) if ids is None else ids.numel()
@@ -125,8 +130,8 @@ def add_rows_native(a: torch.Tensor, b: torch.Tensor, rows: torch.Tensor | None 
 
 
 def add_rows(a: torch.Tensor, b: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
-    """(a + b)[rows] (a + b without `rows`): natively for bf16 rows on CPU."""
-    if add_rows_fit(a, b):
+    """(a + b)[rows] (a + b without `rows`): natively for bf16 rows on CPU (`add_rows_native`)."""
+    if add_rows_fit(a, b, rows):
         return add_rows_native(a, b, rows)
     total = a + b
     return total if rows is None else total[rows]
@@ -137,8 +142,9 @@ def mtp_input_norms_native(embeds: torch.Tensor, positions: torch.Tensor, embed_
     """[rms_norm(embeds, zeroed at position 0) ; rms_norm(hidden)] -> [T, 2D], all bf16 (`rms_norm_fit` each)."""
     embeds, hidden, positions = embeds.contiguous(), hidden.contiguous(), positions.to(torch.int64).contiguous()
     rows, dim = embeds.shape
-    if hidden.shape != embeds.shape or positions.shape != (rows,):
-        raise ValueError(f"MTP input: embeds {tuple(embeds.shape)}, hidden {tuple(hidden.shape)}, positions {tuple(positions.shape)}")
+    if hidden.shape != embeds.shape or positions.shape != (rows,) or embed_weight.numel() != dim or hidden_weight.numel() != dim:
+        raise ValueError(f"MTP input: embeds {tuple(embeds.shape)}, hidden {tuple(hidden.shape)}, positions "
+                         f"{tuple(positions.shape)}, norm weights {embed_weight.numel()} and {hidden_weight.numel()}")
     out = embeds.new_empty(rows, 2 * dim)
     _kernel().mtp_input_norms(native.pointer(embeds), native.pointer(hidden), native.pointer(positions), rows, dim,
                               native.pointer(embed_weight.contiguous()), embed_eps, native.pointer(hidden_weight.contiguous()),

@@ -10,11 +10,14 @@
  * q and w bf16 when `q_bf16`, else fp32 (as the projections give them; widened here); scores
  * fp32; keys bf16 when `bf16`, else fp32. `hidden`: 0, or -inf for a top-k to skip.
  *
- * Tasks are (query, POOL_CHUNK pools), spread over threads: one decode query's row of a long
- * context is thousands of pools, which one thread scored alone. A pool costs little
- * arithmetic; its key waits on memory (a block's pools lie together, blocks anywhere in the
- * cache, so no hardware prefetcher follows them: ~60 ns a pool at 16k tokens of context on
- * a Zen 3 EPYC): the keys of the block AHEAD_BLOCKS on are asked for at each block's start.
+ * Tasks are (POOL_CHUNK pools, query), chunk by chunk, handed out round robin: one decode
+ * query's row of a long context is thousands of pools, which one thread scored alone, and
+ * numbered chunk-major every thread gets its share of each chunk however many rows there are
+ * (a row's visible pools come first). A pool costs little arithmetic; its key waits on
+ * memory (a block's pools lie together, blocks anywhere in the cache, so no hardware
+ * prefetcher follows them: ~60 ns a pool at 16k tokens of context on a Zen 3 EPYC): at each
+ * block's start the keys of the block AHEAD_BLOCKS - 1 on are asked for, so that AHEAD_BLOCKS
+ * blocks are in flight.
  */
 #include <math.h>
 #include <stdint.h>
@@ -28,7 +31,7 @@
 #define MAX_QUERY 16384  /* heads x head dim; NATIVE_MAX_QUERY in kernels/dsa_index.py */
 #define MAX_HEADS 256    /* NATIVE_MAX_HEADS in kernels/dsa_index.py */
 #define POOL_CHUNK 512   /* pools a task scores */
-#define AHEAD_BLOCKS 4   /* blocks of pool keys asked for ahead of the one being scored */
+#define AHEAD_BLOCKS 4   /* blocks of pool keys in flight, the one being scored included */
 
 /* Ask for the keys of `pools` pool rows (`row_bytes` each) from pool row `table_row` on. */
 static inline void prefetch_block(const char *pool_keys, int64_t table_row, int64_t pools, int64_t row_bytes) {
@@ -40,11 +43,11 @@ int dsa_index_scores(const void *q, const void *head_weights, int q_bf16, float 
                      int64_t kpool, const int64_t *request, const int64_t *block_tables, int64_t max_blocks,
                      int64_t pools_per_block, const void *pool_keys, int bf16, int64_t tokens, int heads, int64_t dim,
                      int64_t num_pools, float scale, float hidden, float *out, int threads) {
-    if (dim > MAX_DIM || heads > MAX_HEADS || heads * dim > MAX_QUERY) return -1;
+    if (dim > MAX_DIM || heads > MAX_HEADS || heads * dim > MAX_QUERY || pools_per_block < 1) return -1;
     const int64_t chunks = (num_pools + POOL_CHUNK - 1) / POOL_CHUNK, row_bytes = dim * (bf16 ? 2 : 4);
-#pragma omp parallel for num_threads(threads) schedule(static, 1) if (tokens * chunks > 1) /* round robin: a row's visible pools come first */
+#pragma omp parallel for num_threads(threads) schedule(static, 1) if (tokens * chunks > 1)
     for (int64_t task = 0; task < tokens * chunks; task++) {
-        const int64_t t = task / chunks, first = task % chunks * POOL_CHUNK;
+        const int64_t t = task % tokens, first = task / tokens * POOL_CHUNK;
         const int64_t end = first + POOL_CHUNK < num_pools ? first + POOL_CHUNK : num_pools;
         const int64_t *table = block_tables + request[t] * max_blocks;
         const int64_t visible = (pos[t] + 1) / kpool;

@@ -12,9 +12,10 @@
  *                  between a decode step's large kernels) in one call;
  *   mtp_input_norms, add_rows_bf16: the MTP layer's input (a masked embedding and a hidden
  *                  state, each normed, side by side) and its residual adds of the rows wanted.
- *                  Eager, they were the only torch ops of a captured MTP pass, and a torch op
- *                  between a step's kernels runs its code cold: at batch 1 on an AVX2 EPYC an
- *                  MTP pass took ~0.6 ms in the step against ~0.16 ms of kernels.
+ *                  Eager, they and the embedding (now gather_rows) were the torch ops of a
+ *                  captured MTP pass, and a torch op between a step's kernels runs its code
+ *                  cold: at batch 1 on an AVX2 EPYC an MTP pass took ~0.6 ms in the step
+ *                  against ~0.16 ms of kernels.
  *
  * Rows are split across OpenMP threads. */
 #include <immintrin.h>
@@ -133,10 +134,13 @@ void mtp_input_norms(const uint16_t *embeds, const uint16_t *hidden, const int64
                      uint16_t *out, int nthreads) {
     #pragma omp parallel for num_threads(nthreads) schedule(static) if (rows > 8)
     for (int64_t r = 0; r < rows; r++) {
-        uint16_t zeros[positions[r] == 0 ? dim : 1];
-        const uint16_t *e = embeds + r * dim;
-        if (positions[r] == 0) e = memset(zeros, 0, (size_t)dim * sizeof(uint16_t));
-        rms_norm_row(e, dim, embed_weight, embed_eps, out + r * 2 * dim);
+        if (positions[r] == 0) { /* rms_norm_row of a zero row: its sum of squares is 0 */
+            const float inv = 1.0f / sqrtf(0.0f / (float)dim + embed_eps);
+            for (int64_t c = 0; c < dim; c++)
+                out[r * 2 * dim + c] = f32_to_bf16(bf16_to_f32(embed_weight[c]) * round_bf16(0.0f * inv));
+        } else {
+            rms_norm_row(embeds + r * dim, dim, embed_weight, embed_eps, out + r * 2 * dim);
+        }
         rms_norm_row(hidden + r * dim, dim, hidden_weight, hidden_eps, out + r * 2 * dim + dim);
     }
 }
