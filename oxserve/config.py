@@ -178,8 +178,8 @@ class SchedulerConfig:
     )
     max_stall: float = opt(
         2.0,
-        "stall-free batching: a step that carries prefill next to decodes whose tokens are streamed may cost at "
-        "most this many times a decode-only step (its prefill tokens are bounded from measured step costs), unless "
+        "stall-free batching: a step that carries prefill next to decodes whose output is wanted as it comes (any "
+        "output kind but FINAL_ONLY: every server request) may cost at most this many times a decode-only step (its prefill tokens are bounded from measured step costs), unless "
         "prompts queue up faster than that lets them through (then each step takes 1/16 of the backlog); beside "
         "decodes that want their output only at the end (FINAL_ONLY: LLM.generate) prefill is not bounded; 0 turns it off",
     )
