@@ -107,6 +107,32 @@ static inline void rows4_by_lanes(const float *a, int64_t a_stride, const float 
     vec_store(out + 2 * out_stride, s2);
     vec_store(out + 3 * out_stride, s3);
 }
+
+/* rows4_by_lanes for 2 x LANES columns: 8 sums in flight. Four kept each multiply-add waiting
+ * on the one before it in its sum (4 cycles' latency, 2 units: half the units idle); the
+ * same sums, in the same order. */
+static inline void rows4_by_2lanes(const float *a, int64_t a_stride, const float *b, int64_t b_stride, int64_t count,
+                                   float *out, int64_t out_stride) {
+    vec s0 = vec_zero(), s1 = s0, s2 = s0, s3 = s0, t0 = s0, t1 = s0, t2 = s0, t3 = s0;
+    for (int64_t i = 0; i < count; i++) {
+        const vec row = vec_load(b + i * b_stride), next = vec_load(b + i * b_stride + LANES);
+        const vec a0 = vec_set1(a[i]), a1 = vec_set1(a[a_stride + i]);
+        const vec a2 = vec_set1(a[2 * a_stride + i]), a3 = vec_set1(a[3 * a_stride + i]);
+        s0 = vec_fmadd(a0, row, s0);
+        t0 = vec_fmadd(a0, next, t0);
+        s1 = vec_fmadd(a1, row, s1);
+        t1 = vec_fmadd(a1, next, t1);
+        s2 = vec_fmadd(a2, row, s2);
+        t2 = vec_fmadd(a2, next, t2);
+        s3 = vec_fmadd(a3, row, s3);
+        t3 = vec_fmadd(a3, next, t3);
+    }
+    const vec s[4] = {s0, s1, s2, s3}, t[4] = {t0, t1, t2, t3};
+    for (int h = 0; h < 4; h++) {
+        vec_store(out + h * out_stride, s[h]);
+        vec_store(out + h * out_stride + LANES, t[h]);
+    }
+}
 #endif
 
 #if defined(__AVX512F__)
@@ -180,9 +206,13 @@ static void transpose(const float *lat, int64_t n, int64_t dim, float *lat_t) {
 static void head_products(const float *a, int heads, int64_t count, const float *b, int64_t cols, float *out) {
     int h0 = 0;
 #if BLOCK_HEADS
-    for (; h0 + BLOCK_HEADS <= heads; h0 += BLOCK_HEADS)
-        for (int64_t j0 = 0; j0 + LANES <= cols; j0 += LANES)
+    for (; h0 + BLOCK_HEADS <= heads; h0 += BLOCK_HEADS) {
+        int64_t j0 = 0;
+        for (; j0 + 2 * LANES <= cols; j0 += 2 * LANES)
+            rows4_by_2lanes(a + h0 * count, count, b + j0, cols, count, out + h0 * cols + j0, cols);
+        for (; j0 + LANES <= cols; j0 += LANES)
             rows4_by_lanes(a + h0 * count, count, b + j0, cols, count, out + h0 * cols + j0, cols);
+    }
 #endif
     for (int h = 0; h < heads; h++)
         for (int64_t j = h < h0 ? cols / LANES * LANES : 0; j < cols; j++) {
