@@ -107,7 +107,9 @@ def _scores_with_ties(gen: torch.Generator, tokens: int, n: int, kind: str) -> t
 def test_top_pools_follow_their_rule(kind):
     """The native choice and its torch form each equal the rule written out by hand, on fresh
     random rows of every size around the kernel's radix passes and thread split, and a few as
-    long as 64k-token contexts' pools."""
+    long as 64k-token contexts' pools; and so does the native choice told where each row's
+    hidden pools (-inf from its query's position on) begin, with fewer visible pools than k,
+    none, or a row's worth."""
     seed = random.randrange(2**63)
     gen = torch.Generator().manual_seed(seed)
     for trial in range(64):
@@ -119,6 +121,12 @@ def test_top_pools_follow_their_rule(kind):
         want = torch.tensor([_ranked_first(row, k) for row in scores.tolist()], dtype=torch.int64).view(tokens, k)
         assert torch.equal(top_pools(scores, k), want), (seed, tokens, n, k)
         assert torch.equal(top_pools_torch(scores, k), want), (seed, tokens, n, k)
+        visible = torch.randint(0, n + 3, (tokens,), generator=gen)
+        visible[0] = min(int(visible[0]), max(k - 1, 0))  # fewer than k (or none)
+        pos = visible * KPOOL - 1 + torch.randint(0, KPOOL, (tokens,), generator=gen)  # (pos + 1) // KPOOL = visible
+        hidden = scores.masked_fill(torch.arange(n)[None] >= visible[:, None], float("-inf"))
+        want = torch.tensor([_ranked_first(row, k) for row in hidden.tolist()], dtype=torch.int64).view(tokens, k)
+        assert torch.equal(top_pools(hidden, k, hidden_from=(pos, KPOOL)), want), (seed, tokens, n, k, visible.tolist())
 
 
 def test_top_pools_refuse_more_than_the_row():

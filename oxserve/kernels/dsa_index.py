@@ -60,18 +60,23 @@ def top_pools_torch(scores: torch.Tensor, k: int) -> torch.Tensor:
     return best.sort(dim=-1).values
 
 
-def top_pools(scores: torch.Tensor, k: int) -> torch.Tensor:
+def top_pools(scores: torch.Tensor, k: int, hidden_from: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
     """`top_pools_torch` in one native pass on CPU (fp32 scores): a replayed decode step calls
     it with its other kernels, where torch.topk's cold code cost 130-150 us a call at batch 32
-    (docs/performance.md, "The indexer's pools chosen natively")."""
+    (docs/performance.md, "The indexer's pools chosen natively"). `hidden_from`: (query
+    positions [T], kpool) where row t's pools at and past (pos + 1) // kpool score -inf (as
+    `index_scores` hides them): the same choice, without reading those pools."""
     if not 0 <= k <= scores.shape[-1] < 2**31:
         raise ValueError(f"top_pools: {k} of {scores.shape[-1]} pools")
     if scores.device.type != "cpu" or scores.dtype != torch.float32 or scores.dim() != 2 or _kernel() is None:
         return top_pools_torch(scores, k)
     scores = scores.contiguous()
     chosen = torch.empty(scores.shape[0], k, dtype=torch.int64)
-    if _kernel().dsa_top_pools(scores.data_ptr(), scores.shape[0], scores.shape[1], k, chosen.data_ptr(),
-                               torch.get_num_threads()) != 0:
+    pos, kpool = (None, 0) if hidden_from is None else (hidden_from[0].to(torch.int64).contiguous(), hidden_from[1])
+    if pos is not None and pos.shape != (scores.shape[0],):
+        raise ValueError(f"top_pools: {tuple(pos.shape)} query positions for {scores.shape[0]} rows")
+    if _kernel().dsa_top_pools(scores.data_ptr(), scores.shape[0], scores.shape[1], k,
+                               None if pos is None else pos.data_ptr(), kpool, chosen.data_ptr(), torch.get_num_threads()) != 0:
         raise MemoryError(f"dsa_top_pools: no scratch memory for rows of {scores.shape[1]} pools")
     return chosen
 
@@ -164,6 +169,6 @@ def _kernel() -> ctypes.CDLL | None:
     lib.dsa_index_scores.argtypes = [p, p, i32, f32, p, i64, p, p, i64, i64, p, i32, i64, i32, i64, i64, f32, f32, p, i32]
     lib.dsa_expand_selection.argtypes = [p, i64, i64, p, p, i64, i32, p]
     lib.dsa_expand_selection.restype = None
-    lib.dsa_top_pools.argtypes = [p, i64, i64, i64, p, i32]
+    lib.dsa_top_pools.argtypes = [p, i64, i64, i64, p, i64, p, i32]
     lib.dsa_store_keys.argtypes = [p, p, p, p, ctypes.c_float, p, i64, i64, p, p, i64, p, p, i64, i64, p, p, i64, i32]
     return lib

@@ -135,7 +135,8 @@ class Indexer(nn.Module):
             pool_scores = self.tp.reduce(index_scores(q, head_weights, query_pos, self.kpool, request, batch.block_tables,
                                                       batch.block_size // self.kpool, cache.pool_keys, num_pools, scale,
                                                       self.head_weight_scale, hidden=float("-inf")))  # fmt: skip
-            return expand_selection(top_pools(pool_scores, k), None, query_pos, self.kpool, self.with_tail)
+            chosen = top_pools(pool_scores, k, hidden_from=(query_pos, self.kpool))
+            return expand_selection(chosen, None, query_pos, self.kpool, self.with_tail)
         q, head_weights = q.float(), head_weights.float() * self.head_weight_scale
         visible_pools = (query_pos + 1) // self.kpool
         pool_ids = torch.arange(num_pools, device=q.device)
