@@ -3,15 +3,15 @@
 `oxserve profile` times a replay's op spans from Python, between runs of calls; this times
 every call where the replay makes it (`kernels.call_list` runs them from C through libffi):
 a copy of its loop with a clock read around each call, built here with the kernels' compiler.
-BATCH greedy requests of 576 prompt tokens decode (bf16, 2 threads, the engine options in
---options as JSON); after 30 steady steps the next --steps are timed. Per op span and kernel:
+BATCH greedy requests of --context prompt tokens (576 by default) decode (bf16, 2 threads, the
+engine options in --options as JSON); after 30 steady steps the next --steps are timed. Per op span and kernel:
 its calls a step and mean microseconds a call, and the step's total.
 
 --hot instead repeats each distinct call 200 times in a row (one `CallRun`), its code, weights
 and activations in cache: what the call costs when nothing else ran before it. The in-step
 times against these say what the step's sweep of memory costs each call.
 
-    python docs/bench/call_times.py BATCH [--hot] [--steps N] [--options '{"quantization": "w8a8"}']
+    python docs/bench/call_times.py BATCH [--hot] [--steps N] [--context N] [--options '{"quantization": "w8a8"}']
 
 Single runs, not an A/B (the machines here drift +-20%): alternate the builds compared.
 """
@@ -57,12 +57,12 @@ def timed_runner(folder: Path) -> ctypes.CDLL:
     return ctypes.CDLL(str(library))
 
 
-def steady_engine(batch: int, options: dict) -> LLM:
+def steady_engine(batch: int, options: dict, context: int = 576) -> LLM:
     llm = LLM(dtype="bfloat16", threads=2, **options)
     engine = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=100_000, ignore_eos=True)
     for i in range(batch):
-        engine.add_request(f"r{i}", list(range(40 + i, 40 + i + 576)), params)
+        engine.add_request(f"r{i}", [40 + (i + j) % 4000 for j in range(context)], params)
     while not (engine.last_step.prefill_tokens == 0 and engine.last_step.decode_tokens == batch):
         engine.step()
     for _ in range(30):
@@ -84,9 +84,10 @@ def main() -> None:
     parser.add_argument("batch", type=int)
     parser.add_argument("--hot", action="store_true")
     parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--context", type=int, default=576, help="prompt tokens a request (default: %(default)s)")
     parser.add_argument("--options", default="{}")
     args = parser.parse_args()
-    llm = steady_engine(args.batch, json.loads(args.options))
+    llm = steady_engine(args.batch, json.loads(args.options), args.context)
     # the last replayed recording of plain decodes: this batch's steps (padded to a captured size or not)
     recording = [r for r in llm.engine.runner.captured.recordings.values() if r.decode_shape is not None][-1]
     names, total, count = call_names(recording), collections.Counter(), collections.Counter()
