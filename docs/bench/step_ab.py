@@ -42,7 +42,7 @@ def no_steady_recording(self, size, shape, scheduled):
     return None
 
 
-def torch_topk(scores, k):
+def torch_topk(scores, k, hidden_from=None):
     return scores.topk(k, dim=-1).indices
 
 
