@@ -123,10 +123,14 @@ def test_top_pools_follow_their_rule(kind):
         assert torch.equal(top_pools_torch(scores, k), want), (seed, tokens, n, k)
         visible = torch.randint(0, n + 3, (tokens,), generator=gen)
         visible[0] = min(int(visible[0]), max(k - 1, 0))  # fewer than k (or none)
+        visible[-1] = (0, n + 2)[trial % 2] if tokens > 1 else visible[-1]  # none, or past the row
         pos = visible * KPOOL - 1 + torch.randint(0, KPOOL, (tokens,), generator=gen)  # (pos + 1) // KPOOL = visible
-        hidden = scores.masked_fill(torch.arange(n)[None] >= visible[:, None], float("-inf"))
+        tail = torch.arange(n)[None] >= visible[:, None]
+        hidden = scores.masked_fill(tail, float("-inf"))
         want = torch.tensor([_ranked_first(row, k) for row in hidden.tolist()], dtype=torch.int64).view(tokens, k)
         assert torch.equal(top_pools(hidden, k, hidden_from=(pos, KPOOL)), want), (seed, tokens, n, k, visible.tolist())
+        # the hidden tails are not read: NaN there (the highest rank) changes nothing
+        assert torch.equal(top_pools(scores.masked_fill(tail, float("nan")), k, hidden_from=(pos, KPOOL)), want)
 
 
 def test_top_pools_refuse_more_than_the_row():

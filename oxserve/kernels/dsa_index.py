@@ -73,8 +73,8 @@ def top_pools(scores: torch.Tensor, k: int, hidden_from: tuple[torch.Tensor, int
     scores = scores.contiguous()
     chosen = torch.empty(scores.shape[0], k, dtype=torch.int64)
     pos, kpool = (None, 0) if hidden_from is None else (hidden_from[0].to(torch.int64).contiguous(), hidden_from[1])
-    if pos is not None and pos.shape != (scores.shape[0],):
-        raise ValueError(f"top_pools: {tuple(pos.shape)} query positions for {scores.shape[0]} rows")
+    if pos is not None and (pos.shape != (scores.shape[0],) or kpool < 1):
+        raise ValueError(f"top_pools: {tuple(pos.shape)} query positions for {scores.shape[0]} rows, kpool {kpool}")
     if _kernel().dsa_top_pools(scores.data_ptr(), scores.shape[0], scores.shape[1], k,
                                None if pos is None else pos.data_ptr(), kpool, chosen.data_ptr(), torch.get_num_threads()) != 0:
         raise MemoryError(f"dsa_top_pools: no scratch memory for rows of {scores.shape[1]} pools")
