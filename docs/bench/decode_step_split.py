@@ -7,7 +7,7 @@ steady steps, 200 more are timed: the whole `LLMEngine.step`, the replay inside 
 `--compile-sizes` as the engine takes it (a batch of 17 with "17,24" runs unpadded, with the
 default sizes padded to 24).
 
-    python docs/bench/decode_step_split.py BATCH [--compile-sizes SIZES] [--parts]
+    python docs/bench/decode_step_split.py BATCH [--compile-sizes SIZES] [--parts] [--options JSON]
 
 Single runs, not an A/B (`oxserve experiment run` is).
 """
@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import collections
 import functools
+import json
 import time
 
 from call_times import steady_engine  # (this script's folder is on the path)
@@ -50,12 +51,13 @@ def main() -> None:
     parser.add_argument("batch", type=int)
     parser.add_argument("--compile-sizes")
     parser.add_argument("--parts", action="store_true")
+    parser.add_argument("--options", default="{}", help="more engine options as JSON, e.g. {\"quantization\": \"w8a8\"}")
     args = parser.parse_args()
     totals: collections.Counter = collections.Counter()
     timed(capture.StepRecording, "replay", totals)
     for owner, name in PARTS if args.parts else ():
         timed(owner, name, totals)
-    llm = steady_engine(args.batch, {"compile_sizes": args.compile_sizes})
+    llm = steady_engine(args.batch, {"compile_sizes": args.compile_sizes, **json.loads(args.options)})
     eng = llm.engine
     totals.clear()
     steps = 200

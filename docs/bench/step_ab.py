@@ -15,6 +15,7 @@ Variants:
   steady-inputs  A: every replayed step builds a ForwardBatch and copies it into its recording
                   (as before the runner's steady path); B: a steady step of plain decodes is
                   written into its recording in place (`model.batch.DecodeRows`); both FINAL_ONLY
+  w8a8         A: bf16 weights; B: `--quantization w8a8`; both FINAL_ONLY
 
     python docs/bench/step_ab.py VARIANT BATCH [--rounds N] [--output-len N]
 
@@ -47,7 +48,7 @@ def torch_topk(scores, k, hidden_from=None):
 
 
 CUMULATIVE, FINAL_ONLY = RequestOutputKind.CUMULATIVE, RequestOutputKind.FINAL_ONLY
-# variant -> {arm: (the indexer's pool choice, what requests ask for, huge pages, the steady path)}
+# variant -> {arm: (the indexer's pool choice, what requests ask for, huge pages, the steady path[, engine options])}
 VARIANTS = {
     "topk": {"A": (torch_topk, CUMULATIVE, True, STEADY_RECORDING), "B": (NATIVE_TOP_POOLS, CUMULATIVE, True, STEADY_RECORDING)},
     "output-kind": {"A": (NATIVE_TOP_POOLS, CUMULATIVE, True, STEADY_RECORDING),
@@ -56,16 +57,19 @@ VARIANTS = {
                    "B": (NATIVE_TOP_POOLS, FINAL_ONLY, True, STEADY_RECORDING)},
     "steady-inputs": {"A": (NATIVE_TOP_POOLS, FINAL_ONLY, True, no_steady_recording),
                       "B": (NATIVE_TOP_POOLS, FINAL_ONLY, True, STEADY_RECORDING)},
+    "w8a8": {"A": (NATIVE_TOP_POOLS, FINAL_ONLY, True, STEADY_RECORDING),
+             "B": (NATIVE_TOP_POOLS, FINAL_ONLY, True, STEADY_RECORDING, {"quantization": "w8a8"})},
 }
 
 
 class Arm:
     """One variant's engine and the batches it runs."""
 
-    def __init__(self, choose_pools, kind: RequestOutputKind, huge: bool, steady_recording, batch: int, output_len: int):
+    def __init__(self, choose_pools, kind: RequestOutputKind, huge: bool, steady_recording, options: dict, batch: int,
+                 output_len: int):  # fmt: skip
         os.environ["OXSERVE_HUGE_PAGES"] = "1" if huge else "0"  # read as the engine starts
         huge_pages.available.cache_clear()
-        self.llm = LLM(dtype="bfloat16", threads=2)
+        self.llm = LLM(dtype="bfloat16", threads=2, **options)
         huge_pages.available.cache_clear()
         self.choose_pools, self.steady_recording, self.batch, self.batches = choose_pools, steady_recording, batch, 0
         self.params = SamplingParams(temperature=0.0, max_tokens=output_len or 20_000, ignore_eos=True, output_kind=kind)
@@ -99,7 +103,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--output-len", type=int, default=0, help="tokens a request generates (0: it never ends)")
     args = parser.parse_args()
-    arms = {arm: Arm(*setting, args.batch, args.output_len) for arm, setting in VARIANTS[args.variant].items()}
+    arms = {arm: Arm(*setting[:4], setting[4] if len(setting) > 4 else {}, args.batch, args.output_len)
+            for arm, setting in VARIANTS[args.variant].items()}  # fmt: skip
     for arm in arms.values():
         arm.steps(40)  # prefill, then the decode shapes recorded
     times: dict[str, list[float]] = {"A": [], "B": []}
