@@ -35,6 +35,7 @@ Call = tuple[Any, tuple, Any]  # (ctypes function, its arguments, the result it 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     try:
+        native.team()  # (first: a run's calls put their regions on it)
         lib = native.load("call_list", ("-O2",), libraries=("ffi",))
     except RuntimeError as e:  # no libffi header: the calls stay with ctypes
         log.warning("oxserve: native call runs unavailable (%s); replays call each kernel through ctypes", e)

@@ -37,8 +37,16 @@ log = logging.getLogger(__name__)
 FLAGS = ("-O2", "-fPIC", "-shared", "-std=c11", "-fno-trapping-math", "-ffp-contract=off")
 # Kernels that need vector instructions are built for the CPU they run on.
 NATIVE_ISA = ("-march=native",)
-# OpenMP: libgomp's soname is the one torch loads first, so kernels share torch's threads.
+# OpenMP: the kernels' regions run on `team.c`'s spinning threads (see `_team`), their calls of
+# these entry points bound to its __wrap_ versions; libgomp (torch's: its soname is loaded
+# first) gives them omp_get_max_threads.
 OPENMP = ("-fopenmp",)
+TEAM_ENTRY_POINTS = ("GOMP_parallel", "GOMP_barrier", "GOMP_loop_end", "GOMP_loop_end_nowait",
+                     "GOMP_loop_dynamic_start", "GOMP_loop_dynamic_next", "GOMP_loop_nonmonotonic_dynamic_start",
+                     "GOMP_loop_nonmonotonic_dynamic_next", "GOMP_loop_runtime_start", "GOMP_loop_runtime_next",
+                     "GOMP_loop_maybe_nonmonotonic_runtime_start", "GOMP_loop_maybe_nonmonotonic_runtime_next",
+                     "omp_get_thread_num", "omp_get_num_threads", "omp_set_schedule")  # fmt: skip
+TEAM_LINKS = ("-Wl," + ",".join(f"--wrap={name}" for name in TEAM_ENTRY_POINTS),)
 
 
 def cache_dir() -> Path:
@@ -62,15 +70,18 @@ def cpu_identity() -> bytes:
 @functools.cache
 def load(name: str, extra_flags: tuple[str, ...] = (), libraries: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     """The compiled kernel library `name` (from `name.c`) built with FLAGS + extra_flags and
-    linked with `libraries` ("ffi": -lffi), or None without a C compiler."""
+    linked with `libraries` ("ffi": -lffi; linker options as they are), or None without a C
+    compiler."""
     cc = compiler()
     if cc is None:
         log.warning("no C compiler (cc / $CC): native kernel %s unavailable, using the torch version", name)
         return None
+    if "-fopenmp" in extra_flags and name != "team" and team() is not None:
+        libraries = (*libraries, *TEAM_LINKS)
     source = Path(__file__).with_name(f"{name}.c")
     headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))  # what sources may include
     flags = (*FLAGS, *extra_flags)
-    links = tuple(f"-l{library}" for library in (*libraries, "m"))
+    links = tuple(library if library.startswith("-") else f"-l{library}" for library in (*libraries, "m"))
     machine = cpu_identity() if "-march=native" in flags else b""
     digest = hashlib.sha256(source.read_bytes() + headers + " ".join(flags + links).encode() + machine).hexdigest()[:16]
     target = cache_dir() / f"{name}-{digest}.so"
@@ -84,6 +95,19 @@ def load(name: str, extra_flags: tuple[str, ...] = (), libraries: tuple[str, ...
             os.replace(built, target)  # atomic: a concurrent build just replaces an identical file
     library = NativeLibrary(str(target))
     _LIBRARIES.append(library)
+    return library
+
+
+@functools.cache
+def team() -> ctypes.CDLL | None:
+    """`team.c`, loaded with RTLD_GLOBAL before any OpenMP kernel and `call_list` (whose runs
+    put the kernels' regions on its spinning threads, without libgomp's syscalls; its header
+    says what it keeps of OpenMP); None with OXSERVE_OMP_TEAM=0 (the kernels stay on libgomp)
+    or without a C compiler."""
+    if os.environ.get("OXSERVE_OMP_TEAM", "1") == "0" or (built := load("team", ("-pthread", "-fopenmp"))) is None:
+        return None
+    library = ctypes.CDLL(built._name, mode=ctypes.RTLD_GLOBAL)
+    library.team_regions.restype = ctypes.c_uint
     return library
 
 

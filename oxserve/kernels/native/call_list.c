@@ -39,18 +39,25 @@ fail:
     return NULL;
 }
 
+/* `team.c`'s, where it is loaded (OXSERVE_OMP_TEAM=0 leaves the kernels on libgomp). */
+void team_begin(void) __attribute__((weak));
+void team_end(void) __attribute__((weak));
+
 /* Calls i = 0 .. n-1: functions[i] through cifs[i] with the argument slots values[i] (an
- * array of pointers to them). Returns -1, or the first call whose int result differs from
- * expected[i] where checks[i] (its result in *got). */
+ * array of pointers to them), their OpenMP regions on the spinning team. Returns -1, or the
+ * first call whose int result differs from expected[i] where checks[i] (its result in *got). */
 int64_t run_calls(int64_t n, void **functions, void **cifs, void ***values, const int64_t *expected,
                   const uint8_t *checks, int64_t *got) {
-    for (int64_t i = 0; i < n; i++) {
+    if (team_begin) team_begin();
+    int64_t failed = -1;
+    for (int64_t i = 0; i < n && failed < 0; i++) {
         ffi_sarg result = 0;
         ffi_call((ffi_cif *)cifs[i], FFI_FN(functions[i]), &result, values[i]);
         if (checks[i] && (int64_t)(int)result != expected[i]) {
             *got = (int)result;
-            return i;
+            failed = i;
         }
     }
-    return -1;
+    if (team_end) team_end();
+    return failed;
 }

@@ -1,0 +1,394 @@
+/* Captured steps' OpenMP regions on a team of spinning threads, without syscalls.
+ *
+ * GCC lowers `#pragma omp parallel` to GOMP_parallel(fn, data, n, flags) and a work-shared
+ * loop to GOMP_loop_* calls. libgomp's fork and join cost ~1.2-1.6 us a region on the 2-core
+ * VMs of this project, with two futex syscalls each (its barriers wake waiters whether or not
+ * any sleep), and a replayed batch-1 decode step opens ~90 regions. The kernels are linked with
+ * `--wrap=NAME` for each entry point they use (`native.TEAM_LINKS`), so their calls come here
+ * (this library is loaded with RTLD_GLOBAL before them):
+ *
+ *   - between team_begin() and team_end() (a `CallRun`: a captured step's native calls, no
+ *     torch op among them), a region runs on this team: a fork is a word the workers spin on,
+ *     a join a count the caller spins on (~0.45 us a region);
+ *   - elsewhere (eager steps, whose torch ops run on torch's libgomp) it is libgomp's region,
+ *     as without this library: two spinning teams would take turns on the same cores (a
+ *     prefill ran at 0.7x).
+ *
+ * After team_end() the workers spin LINGER_NS for the next step's run, then sleep on a futex
+ * (team_begin() wakes them, a syscall only then); a kernel region outside a run sends them to
+ * sleep at once (an eager step is running: libgomp's threads need the cores).
+ *
+ * Semantics kept on the team: exactly the threads asked for (a false `if` clause arrives as
+ * 1); omp_get_thread_num / omp_get_num_threads; barriers; static loops (GCC inlines them);
+ * dynamic and runtime-scheduled loops (omp_set_schedule: static or dynamic, any chunk, dealt
+ * as libgomp deals them). A region opened inside a region, or while another thread's region
+ * runs, runs on its calling thread alone, as libgomp runs a nested region. A forked child
+ * starts new workers. */
+#define _GNU_SOURCE
+#include <immintrin.h>
+#include <linux/futex.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#define MAX_TEAM 64
+#define MAX_LOOPS 32                    /* work-shared loops a region (the kernels have at most 3) */
+#define LINGER_NS 2000000u              /* how long workers spin after a run for the next one */
+#define EXPORT __attribute__((visibility("default")))
+#define WRAP(name) __wrap_##name /* what `ld --wrap=name` binds the kernels' calls of name to */
+#define SIZE_BITS 8                     /* `start`: a region's number << SIZE_BITS | its size */
+
+typedef void (*region_fn)(void *);
+
+/* libgomp's entry points, for regions outside a run (this library is not linked with --wrap) */
+int omp_get_max_threads(void);
+int omp_get_thread_num(void);
+int omp_get_num_threads(void);
+void omp_set_schedule(int kind, int chunk);
+void GOMP_parallel(region_fn fn, void *data, unsigned num_threads, unsigned flags);
+void GOMP_barrier(void);
+bool GOMP_loop_nonmonotonic_dynamic_start(long, long, long, long, long *, long *);
+bool GOMP_loop_nonmonotonic_dynamic_next(long *, long *);
+bool GOMP_loop_dynamic_start(long, long, long, long, long *, long *);
+bool GOMP_loop_dynamic_next(long *, long *);
+bool GOMP_loop_maybe_nonmonotonic_runtime_start(long, long, long, long *, long *);
+bool GOMP_loop_maybe_nonmonotonic_runtime_next(long *, long *);
+bool GOMP_loop_runtime_start(long, long, long, long *, long *);
+bool GOMP_loop_runtime_next(long *, long *);
+void GOMP_loop_end(void);
+void GOMP_loop_end_nowait(void);
+
+static struct {
+    _Alignas(64) atomic_uint start;   /* changed to start a region: its number and size */
+    _Alignas(64) atomic_int finished; /* workers done with the current region */
+    _Alignas(64) atomic_int owner;    /* 1 while a region runs (one at a time) */
+    _Alignas(64) atomic_int runs;     /* team_begin() - team_end(): regions run here while > 0 */
+    atomic_int dismissed;             /* a region ran on libgomp since the last run: sleep now */
+    _Atomic uint64_t ended_ns;        /* when the last run ended */
+    _Alignas(64) atomic_int barrier_count;
+    _Alignas(64) atomic_int barrier_sense;
+    region_fn fn;
+    void *data;
+    int workers;                 /* worker threads started: ids 1 .. workers */
+    int sched_kind, sched_chunk; /* omp_set_schedule's (1: static) */
+} team = {.sched_kind = 1};
+
+static struct sleeper {
+    _Alignas(64) atomic_uint bell; /* the futex word a sleeping worker waits on */
+    atomic_int asleep;
+    unsigned first_seen; /* `start` when the worker was made */
+} sleepers[MAX_TEAM];
+
+/* A dynamic loop of the current region, set up by the first thread that meets it. */
+static struct loop {
+    _Alignas(64) atomic_int state; /* 0: not set up, 1: being set up, 2: ready */
+    atomic_long next;
+    long end, incr, chunk;
+} loops[MAX_LOOPS];
+
+/* This thread's place: its id and team size (0 and 1 outside a region), the barrier sense it
+ * waits for, the work-shared loops it has met in this region, and its static runtime loop. */
+static __thread int my_id, my_size = 1, my_sense, my_loops;
+static __thread bool my_libgomp; /* in a region that libgomp runs */
+static __thread bool my_loop_static;
+static __thread long my_next, my_end, my_incr, my_chunk;
+
+static uint64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (uint64_t)t.tv_sec * 1000000000u + (uint64_t)t.tv_nsec;
+}
+
+static void enter(int id, int size) {
+    my_id = id;
+    my_size = size;
+    my_loops = 0;
+    my_sense = atomic_load_explicit(&team.barrier_sense, memory_order_acquire);
+}
+
+/* Between runs, once they lingered long enough or a region went to libgomp. */
+static bool idle(void) {
+    return atomic_load(&team.runs) == 0 &&
+           (atomic_load(&team.dismissed) || now_ns() - atomic_load(&team.ended_ns) > LINGER_NS);
+}
+
+/* Sleep until rung (team_begin, or a region that needs this worker) or a spurious wake-up. */
+static void doze(struct sleeper *self, unsigned seen) {
+    atomic_store(&self->asleep, 1); /* (seq_cst: before the reads below, as the waker's writes
+                                       of `runs` and `start` are before its read of `asleep`) */
+    const unsigned bell = atomic_load(&self->bell);
+    if (atomic_load(&team.start) == seen && idle())
+        syscall(SYS_futex, &self->bell, FUTEX_WAIT_PRIVATE, bell, NULL, NULL, 0);
+    atomic_store(&self->asleep, 0);
+}
+
+static void ring(int id) {
+    if (atomic_load(&sleepers[id].asleep)) {
+        atomic_fetch_add(&sleepers[id].bell, 1);
+        syscall(SYS_futex, &sleepers[id].bell, FUTEX_WAKE_PRIVATE, 1, NULL, NULL, 0);
+    }
+}
+
+static void *worker(void *arg) {
+    const int id = (int)(intptr_t)arg;
+    struct sleeper *self = &sleepers[id];
+    unsigned seen = self->first_seen;
+    for (unsigned spins = 1;; spins++) {
+        const unsigned word = atomic_load_explicit(&team.start, memory_order_acquire);
+        if (word == seen) {
+            _mm_pause();
+            if (spins % 1024 == 0 && idle()) doze(self, seen);
+            continue;
+        }
+        seen = word;
+        const int size = (int)(word & ((1u << SIZE_BITS) - 1));
+        if (id >= size) continue; /* not in this region: nothing of it is read */
+        enter(id, size);
+        team.fn(team.data);
+        my_size = 1;
+        atomic_fetch_add_explicit(&team.finished, 1, memory_order_release);
+    }
+    return NULL;
+}
+
+static void forked_child(void) {
+    team.workers = 0; /* the parent's threads are not in the child */
+    atomic_store(&team.owner, 0);
+}
+
+/* Workers 1 .. size - 1 running (the caller holds the team); false if one cannot start. */
+static bool grown(int size) {
+    static bool forks_handled;
+    if (!forks_handled) forks_handled = pthread_atfork(NULL, NULL, forked_child) == 0;
+    while (team.workers < size - 1) {
+        const int id = team.workers + 1;
+        atomic_store(&sleepers[id].asleep, 0);
+        sleepers[id].first_seen = atomic_load(&team.start); /* (pthread_create orders it before the thread) */
+        pthread_t thread;
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        const int failed = pthread_create(&thread, &attr, worker, (void *)(intptr_t)id);
+        pthread_attr_destroy(&attr);
+        if (failed) return false;
+        team.workers = id;
+    }
+    return true;
+}
+
+/* The run calls (`call_list.c`): their regions run on the team. */
+EXPORT void team_begin(void) {
+    atomic_store(&team.dismissed, 0);
+    atomic_fetch_add(&team.runs, 1); /* (seq_cst: before the reads of `asleep`, see doze) */
+    for (int id = 1; id <= team.workers; id++) ring(id);
+}
+
+EXPORT void team_end(void) {
+    atomic_store(&team.ended_ns, now_ns());
+    atomic_fetch_sub(&team.runs, 1);
+}
+
+struct forwarded {
+    region_fn fn;
+    void *data;
+};
+
+/* A region on libgomp: its threads say so to the entry points below. */
+static void on_libgomp(void *arg) {
+    const struct forwarded *region = arg;
+    const bool was = my_libgomp;
+    my_libgomp = true;
+    region->fn(region->data);
+    my_libgomp = was;
+}
+
+/* fn on the calling thread alone (its place in an enclosing region kept). */
+static void alone(region_fn fn, void *data) {
+    const int id = my_id, size = my_size, sense = my_sense, met = my_loops;
+    my_id = 0;
+    my_size = 1;
+    fn(data);
+    my_id = id, my_size = size, my_sense = sense, my_loops = met;
+}
+
+EXPORT void WRAP(GOMP_parallel)(region_fn fn, void *data, unsigned num_threads, unsigned flags) {
+    if (my_libgomp || atomic_load_explicit(&team.runs, memory_order_relaxed) == 0) {
+        if (!atomic_load_explicit(&team.dismissed, memory_order_relaxed)) atomic_store(&team.dismissed, 1);
+        struct forwarded region = {fn, data};
+        GOMP_parallel(on_libgomp, &region, num_threads, flags);
+        return;
+    }
+    (void)flags; /* (proc_bind: the OS places the threads) */
+    const int asked = num_threads ? (int)num_threads : omp_get_max_threads(); /* (0: no num_threads clause) */
+    const int size = asked > MAX_TEAM ? MAX_TEAM : asked;
+    int unowned = 0;
+    if (size <= 1 || my_size > 1 || my_id != 0 || !atomic_compare_exchange_strong(&team.owner, &unowned, 1)) {
+        alone(fn, data); /* one thread, a nested region, or another thread's region is running */
+        return;
+    }
+    if (!grown(size)) {
+        atomic_store(&team.owner, 0);
+        alone(fn, data);
+        return;
+    }
+    for (int i = 0; i < MAX_LOOPS; i++) atomic_store_explicit(&loops[i].state, 0, memory_order_relaxed);
+    team.fn = fn, team.data = data;
+    atomic_store_explicit(&team.finished, 0, memory_order_relaxed);
+    const unsigned number = atomic_load_explicit(&team.start, memory_order_relaxed) >> SIZE_BITS;
+    atomic_store(&team.start, (number + 1) << SIZE_BITS | (unsigned)size); /* (seq_cst: see doze) */
+    for (int id = 1; id < size; id++) ring(id);
+    enter(0, size);
+    fn(data);
+    while (atomic_load_explicit(&team.finished, memory_order_acquire) < size - 1) _mm_pause();
+    my_size = 1;
+    atomic_store_explicit(&team.owner, 0, memory_order_release);
+}
+
+EXPORT int WRAP(omp_get_thread_num)(void) { return my_libgomp ? omp_get_thread_num() : my_id; }
+
+EXPORT int WRAP(omp_get_num_threads)(void) { return my_libgomp ? omp_get_num_threads() : my_size; }
+
+/* Sense-reversing: the last thread in resets the count and flips the sense the others wait on. */
+EXPORT void WRAP(GOMP_barrier)(void) {
+    if (my_libgomp) {
+        GOMP_barrier();
+        return;
+    }
+    if (my_size == 1) return;
+    const int sense = !my_sense;
+    my_sense = sense;
+    if (atomic_fetch_add_explicit(&team.barrier_count, 1, memory_order_acq_rel) == my_size - 1) {
+        atomic_store_explicit(&team.barrier_count, 0, memory_order_relaxed);
+        atomic_store_explicit(&team.barrier_sense, sense, memory_order_release);
+    } else {
+        while (atomic_load_explicit(&team.barrier_sense, memory_order_acquire) != sense) _mm_pause();
+    }
+}
+
+/* ---- work-shared loops: [start, end) by incr, each call handing out [*istart, *iend) ------ */
+
+static bool past(long i, long end, long incr) { return incr > 0 ? i >= end : i <= end; }
+
+static bool handed(long i, long end, long incr, long chunk, long *istart, long *iend) {
+    if (past(i, end, incr)) return false;
+    const long stop = i + chunk * incr;
+    *istart = i;
+    *iend = past(stop, end, incr) ? end : stop;
+    return true;
+}
+
+static bool dynamic_next(long *istart, long *iend) {
+    struct loop *loop = &loops[(my_loops - 1) % MAX_LOOPS];
+    const long i = atomic_fetch_add_explicit(&loop->next, loop->chunk * loop->incr, memory_order_relaxed);
+    return handed(i, loop->end, loop->incr, loop->chunk, istart, iend);
+}
+
+static bool dynamic_start(long start, long end, long incr, long chunk, long *istart, long *iend) {
+    struct loop *loop = &loops[my_loops++ % MAX_LOOPS];
+    int fresh = 0;
+    if (atomic_compare_exchange_strong(&loop->state, &fresh, 1)) {
+        loop->end = end, loop->incr = incr, loop->chunk = chunk > 0 ? chunk : 1;
+        atomic_store_explicit(&loop->next, start, memory_order_relaxed);
+        atomic_store_explicit(&loop->state, 2, memory_order_release);
+    } else {
+        while (atomic_load_explicit(&loop->state, memory_order_acquire) != 2) _mm_pause();
+    }
+    return dynamic_next(istart, iend);
+}
+
+/* Chunks dealt round robin from the thread's id; without a chunk, one block a thread, the
+ * first count % size blocks one longer (libgomp's static schedule). */
+static bool static_next(long *istart, long *iend) {
+    const long i = my_next;
+    my_next += my_size * my_chunk * my_incr;
+    return handed(i, my_end, my_incr, my_chunk, istart, iend);
+}
+
+static bool static_start(long start, long end, long incr, long chunk, long *istart, long *iend) {
+    my_loops++; /* (a slot, as every thread counts the loops it meets alike) */
+    if (chunk > 0) {
+        my_next = start + my_id * chunk * incr, my_end = end, my_incr = incr, my_chunk = chunk;
+        return static_next(istart, iend);
+    }
+    const long count = past(start, end, incr) ? 0 : (end - start + incr - (incr > 0 ? 1 : -1)) / incr;
+    const long base = count / my_size, extra = count % my_size;
+    const long length = base + (my_id < extra);
+    if (length == 0) return false;
+    my_next = start + (my_id * base + (my_id < extra ? my_id : extra)) * incr;
+    my_end = my_next + length * incr, my_incr = incr, my_chunk = length;
+    return static_next(istart, iend);
+}
+
+/* A loop's first chunk: dynamic, or static (a runtime schedule's static, or a team of one). */
+static bool loop_start(long start, long end, long incr, long chunk, bool dynamic, long *istart, long *iend) {
+    my_loop_static = !dynamic || my_size == 1;
+    if (my_size == 1) chunk = 0; /* (a region of one thread: the whole loop, no shared slot) */
+    return my_loop_static ? static_start(start, end, incr, chunk, istart, iend)
+                          : dynamic_start(start, end, incr, chunk, istart, iend);
+}
+
+static bool loop_next(long *istart, long *iend) {
+    return my_loop_static ? static_next(istart, iend) : dynamic_next(istart, iend);
+}
+
+/* Each loop entry point: libgomp's in its regions, this team's in its own. */
+EXPORT bool WRAP(GOMP_loop_nonmonotonic_dynamic_start)(long start, long end, long incr, long chunk, long *istart,
+                                                       long *iend) {
+    if (my_libgomp) return GOMP_loop_nonmonotonic_dynamic_start(start, end, incr, chunk, istart, iend);
+    return loop_start(start, end, incr, chunk, true, istart, iend);
+}
+
+EXPORT bool WRAP(GOMP_loop_nonmonotonic_dynamic_next)(long *istart, long *iend) {
+    return my_libgomp ? GOMP_loop_nonmonotonic_dynamic_next(istart, iend) : loop_next(istart, iend);
+}
+
+EXPORT bool WRAP(GOMP_loop_dynamic_start)(long start, long end, long incr, long chunk, long *istart, long *iend) {
+    if (my_libgomp) return GOMP_loop_dynamic_start(start, end, incr, chunk, istart, iend);
+    return loop_start(start, end, incr, chunk, true, istart, iend);
+}
+
+EXPORT bool WRAP(GOMP_loop_dynamic_next)(long *istart, long *iend) {
+    return my_libgomp ? GOMP_loop_dynamic_next(istart, iend) : loop_next(istart, iend);
+}
+
+EXPORT bool WRAP(GOMP_loop_maybe_nonmonotonic_runtime_start)(long start, long end, long incr, long *istart, long *iend) {
+    if (my_libgomp) return GOMP_loop_maybe_nonmonotonic_runtime_start(start, end, incr, istart, iend);
+    return loop_start(start, end, incr, team.sched_chunk, team.sched_kind != 1, istart, iend);
+}
+
+EXPORT bool WRAP(GOMP_loop_maybe_nonmonotonic_runtime_next)(long *istart, long *iend) {
+    return my_libgomp ? GOMP_loop_maybe_nonmonotonic_runtime_next(istart, iend) : loop_next(istart, iend);
+}
+
+EXPORT bool WRAP(GOMP_loop_runtime_start)(long start, long end, long incr, long *istart, long *iend) {
+    if (my_libgomp) return GOMP_loop_runtime_start(start, end, incr, istart, iend);
+    return loop_start(start, end, incr, team.sched_chunk, team.sched_kind != 1, istart, iend);
+}
+
+EXPORT bool WRAP(GOMP_loop_runtime_next)(long *istart, long *iend) {
+    return my_libgomp ? GOMP_loop_runtime_next(istart, iend) : loop_next(istart, iend);
+}
+
+EXPORT void WRAP(GOMP_loop_end)(void) {
+    if (my_libgomp) GOMP_loop_end();
+    else WRAP(GOMP_barrier)();
+}
+
+EXPORT void WRAP(GOMP_loop_end_nowait)(void) {
+    if (my_libgomp) GOMP_loop_end_nowait();
+}
+
+/* Both schedules: the next region may run on either (omp_sched_t: 1 static; 2 dynamic, and
+ * guided and auto run as it here; the monotonic flag ignored). */
+EXPORT void WRAP(omp_set_schedule)(int kind, int chunk) {
+    omp_set_schedule(kind, chunk);
+    team.sched_kind = (kind & 0x7fffffff) == 1 ? 1 : 2;
+    team.sched_chunk = chunk;
+}
+
+/* Regions this team has run on more than one thread (tests: the kernels' regions ran here). */
+EXPORT unsigned team_regions(void) { return atomic_load(&team.start) >> SIZE_BITS; }
