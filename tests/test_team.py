@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes
 import subprocess
+import time
 
 import numpy as np
 import pytest
@@ -74,6 +75,13 @@ def kernels(tmp_path_factory):
     return team, lib
 
 
+def begin_on_team(team) -> None:
+    """A run that forks on the team: none starts within ~15 ms of a region on libgomp (whose
+    workers spin that long after one)."""
+    time.sleep(0.02)
+    assert team.team_begin() == 1
+
+
 def ints(n: int) -> np.ndarray:
     return np.full(n, -1, dtype=np.int32)
 
@@ -89,7 +97,7 @@ def place(request, kernels):
 
     def call(function, *args):
         if request.param == "team":
-            team.team_begin()
+            begin_on_team(team)
             try:
                 function(*args)
             finally:
@@ -127,7 +135,7 @@ def test_static_loops_deal_as_libgomp(kernels, threads, n):
     for on_team in (True, False):
         static, owner, a, b, c = (ints(n) for _ in range(5))
         if on_team:
-            team.team_begin()
+            begin_on_team(team)
         lib.static_loop(n, threads, ptr(static))
         lib.runtime_loops(n, threads, 1, 1, ptr(owner), ptr(a), ptr(b), ptr(c))  # static, chunk 1: round robin
         block = ints(n)
@@ -167,12 +175,28 @@ def test_nested_regions_run_alone(kernels, place):
     np.testing.assert_array_equal(sizes, [1, 1])
 
 
+def test_runs_near_a_libgomp_region_stay_on_libgomp(kernels):
+    """Its workers still spin: two spinning teams would take turns on the cores."""
+    team, lib = kernels
+    owner, size = ints(64), ints(64)
+    lib.dynamic_loop.argtypes = [ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
+    lib.dynamic_loop(64, 2, 1, ptr(owner), ptr(size))  # on libgomp (no run)
+    before = team.team_regions()
+    assert team.team_begin() == 0  # (and so no team_end)
+    lib.dynamic_loop(64, 2, 1, ptr(owner), ptr(size))
+    assert team.team_regions() == before and (size == 2).all()
+    begin_on_team(team)
+    lib.dynamic_loop(64, 2, 1, ptr(owner), ptr(size))
+    team.team_end()
+    assert team.team_regions() == before + 1 and (size == 2).all()
+
+
 def test_a_replayed_step_runs_its_regions_on_the_team(kernels):
     """Captured decode steps (runs of native calls) fork on the team; their tokens are the
     eager engine's."""
     team, _ = kernels
     prompts = [[40 + (7 * i + j) % 500 for j in range(60 + 9 * i)] for i in range(3)]
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)  # (runs past libgomp's spin)
     outputs = {}
     for eager in (True, False):
         llm = LLM(threads=2, enforce_eager=eager)

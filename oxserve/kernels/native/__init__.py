@@ -10,6 +10,9 @@ and callers run their torch version (which is also what the kernels are tested a
 Inside `recording(record)`, every call of every loaded kernel also reaches `record(function,
 args, result)` after it runs: how a decode step is captured for replay (`oxserve.engine.capture`).
 Outside one, calls go straight to ctypes at no extra cost.
+
+The kernels' OpenMP regions go to `team.c` (see `team`): inside a replay's run of native calls
+they fork and join on spinning threads; elsewhere on libgomp, with torch's ops.
 """
 
 from __future__ import annotations

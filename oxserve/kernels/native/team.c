@@ -12,7 +12,9 @@
  *     a join a count the caller spins on (~0.45 us a region);
  *   - elsewhere (eager steps, whose torch ops run on torch's libgomp) it is libgomp's region,
  *     as without this library: two spinning teams would take turns on the same cores (a
- *     prefill ran at 0.7x).
+ *     prefill ran at 0.7x). For the same reason a run stays on libgomp within LIBGOMP_SPIN_NS
+ *     of a region that went there: libgomp's workers spin that long after one (~9 ms here,
+ *     GOMP_SPINCOUNT's 300,000 pauses), so runs between eager steps are as they were.
  *
  * After team_end() the workers spin LINGER_NS for the next step's run, then sleep on a futex
  * (team_begin() wakes them, a syscall only then); a kernel region outside a run sends them to
@@ -38,6 +40,7 @@
 #define MAX_TEAM 64
 #define MAX_LOOPS 32                    /* work-shared loops a region (the kernels have at most 3) */
 #define LINGER_NS 2000000u              /* how long workers spin after a run for the next one */
+#define LIBGOMP_SPIN_NS 15000000u       /* how long libgomp's workers may spin after a region */
 #define EXPORT __attribute__((visibility("default")))
 #define WRAP(name) __wrap_##name /* what `ld --wrap=name` binds the kernels' calls of name to */
 #define SIZE_BITS 8                     /* `start`: a region's number << SIZE_BITS | its size */
@@ -69,6 +72,7 @@ static struct {
     _Alignas(64) atomic_int runs;     /* team_begin() - team_end(): regions run here while > 0 */
     atomic_int dismissed;             /* a region ran on libgomp since the last run: sleep now */
     _Atomic uint64_t ended_ns;        /* when the last run ended */
+    _Atomic uint64_t libgomp_ns;      /* when the last region on libgomp ended */
     _Alignas(64) atomic_int barrier_count;
     _Alignas(64) atomic_int barrier_sense;
     region_fn fn;
@@ -180,11 +184,14 @@ static bool grown(int size) {
     return true;
 }
 
-/* The run calls (`call_list.c`): their regions run on the team. */
-EXPORT void team_begin(void) {
+/* A run of calls begins (`call_list.c`): their regions run on the team, unless libgomp's
+ * workers may still spin (then 0 is returned, and the run does not call team_end). */
+EXPORT int team_begin(void) {
+    if (now_ns() - atomic_load_explicit(&team.libgomp_ns, memory_order_relaxed) < LIBGOMP_SPIN_NS) return 0;
     atomic_store(&team.dismissed, 0);
     atomic_fetch_add(&team.runs, 1); /* (seq_cst: before the reads of `asleep`, see doze) */
     for (int id = 1; id <= team.workers; id++) ring(id);
+    return 1;
 }
 
 EXPORT void team_end(void) {
@@ -220,6 +227,7 @@ EXPORT void WRAP(GOMP_parallel)(region_fn fn, void *data, unsigned num_threads, 
         if (!atomic_load_explicit(&team.dismissed, memory_order_relaxed)) atomic_store(&team.dismissed, 1);
         struct forwarded region = {fn, data};
         GOMP_parallel(on_libgomp, &region, num_threads, flags);
+        if (num_threads != 1) atomic_store_explicit(&team.libgomp_ns, now_ns(), memory_order_relaxed);
         return;
     }
     (void)flags; /* (proc_bind: the OS places the threads) */
