@@ -40,7 +40,7 @@ fail:
 }
 
 /* `team.c`'s, where it is loaded (OXSERVE_OMP_TEAM=0 leaves the kernels on libgomp). */
-int team_begin(void) __attribute__((weak));
+void team_begin(void) __attribute__((weak));
 void team_end(void) __attribute__((weak));
 
 /* Calls i = 0 .. n-1: functions[i] through cifs[i] with the argument slots values[i] (an
@@ -48,7 +48,7 @@ void team_end(void) __attribute__((weak));
  * first call whose int result differs from expected[i] where checks[i] (its result in *got). */
 int64_t run_calls(int64_t n, void **functions, void **cifs, void ***values, const int64_t *expected,
                   const uint8_t *checks, int64_t *got) {
-    const int on_team = team_begin && team_begin();
+    if (team_begin) team_begin();
     int64_t failed = -1;
     for (int64_t i = 0; i < n && failed < 0; i++) {
         ffi_sarg result = 0;
@@ -58,6 +58,6 @@ int64_t run_calls(int64_t n, void **functions, void **cifs, void ***values, cons
             failed = i;
         }
     }
-    if (on_team) team_end();
+    if (team_end) team_end();
     return failed;
 }

@@ -13,8 +13,10 @@
  *   - elsewhere (eager steps, whose torch ops run on torch's libgomp) it is libgomp's region,
  *     as without this library: two spinning teams would take turns on the same cores (a
  *     prefill ran at 0.7x). For the same reason a run stays on libgomp within LIBGOMP_SPIN_NS
- *     of a region that went there: libgomp's workers spin that long after one (~9 ms here,
- *     GOMP_SPINCOUNT's 300,000 pauses), so runs between eager steps are as they were.
+ *     of a region that went there outside a run: libgomp's workers spin that long after one
+ *     (~9 ms here, GOMP_SPINCOUNT's 300,000 pauses), so runs between eager steps are as they
+ *     were. (The regions of a run that stays on libgomp do not count: else runs would keep
+ *     each other there. The first run on the team after them shares the cores for ~9 ms.)
  *
  * After team_end() the workers spin LINGER_NS for the next step's run, then sleep on a futex
  * (team_begin() wakes them, a syscall only then); a kernel region outside a run sends them to
@@ -72,7 +74,7 @@ static struct {
     _Alignas(64) atomic_int runs;     /* team_begin() - team_end(): regions run here while > 0 */
     atomic_int dismissed;             /* a region ran on libgomp since the last run: sleep now */
     _Atomic uint64_t ended_ns;        /* when the last run ended */
-    _Atomic uint64_t libgomp_ns;      /* when the last region on libgomp ended */
+    _Atomic uint64_t libgomp_ns;      /* when the last region on libgomp outside a run ended */
     _Alignas(64) atomic_int barrier_count;
     _Alignas(64) atomic_int barrier_sense;
     region_fn fn;
@@ -98,6 +100,7 @@ static struct loop {
  * waits for, the work-shared loops it has met in this region, and its static runtime loop. */
 static __thread int my_id, my_size = 1, my_sense, my_loops;
 static __thread bool my_libgomp; /* in a region that libgomp runs */
+static __thread bool my_in_run, my_run_on_team; /* between team_begin and team_end; on the team */
 static __thread bool my_loop_static;
 static __thread long my_next, my_end, my_incr, my_chunk;
 
@@ -184,10 +187,12 @@ static bool grown(int size) {
     return true;
 }
 
-/* A run of calls begins (`call_list.c`): their regions run on the team, unless libgomp's
- * workers may still spin (then 0 is returned, and the run does not call team_end). */
+/* A run of calls begins (`call_list.c`; team_end ends it): their regions run on the team
+ * (1), or on libgomp where its workers may still spin (0). */
 EXPORT int team_begin(void) {
-    if (now_ns() - atomic_load_explicit(&team.libgomp_ns, memory_order_relaxed) < LIBGOMP_SPIN_NS) return 0;
+    my_in_run = true;
+    my_run_on_team = now_ns() - atomic_load_explicit(&team.libgomp_ns, memory_order_relaxed) >= LIBGOMP_SPIN_NS;
+    if (!my_run_on_team) return 0;
     atomic_store(&team.dismissed, 0);
     atomic_fetch_add(&team.runs, 1); /* (seq_cst: before the reads of `asleep`, see doze) */
     for (int id = 1; id <= team.workers; id++) ring(id);
@@ -195,6 +200,9 @@ EXPORT int team_begin(void) {
 }
 
 EXPORT void team_end(void) {
+    my_in_run = false;
+    if (!my_run_on_team) return;
+    my_run_on_team = false;
     atomic_store(&team.ended_ns, now_ns());
     atomic_fetch_sub(&team.runs, 1);
 }
@@ -224,10 +232,11 @@ static void alone(region_fn fn, void *data) {
 
 EXPORT void WRAP(GOMP_parallel)(region_fn fn, void *data, unsigned num_threads, unsigned flags) {
     if (my_libgomp || atomic_load_explicit(&team.runs, memory_order_relaxed) == 0) {
+        const bool in_run = my_in_run;
         if (!atomic_load_explicit(&team.dismissed, memory_order_relaxed)) atomic_store(&team.dismissed, 1);
         struct forwarded region = {fn, data};
         GOMP_parallel(on_libgomp, &region, num_threads, flags);
-        if (num_threads != 1) atomic_store_explicit(&team.libgomp_ns, now_ns(), memory_order_relaxed);
+        if (num_threads != 1 && !in_run) atomic_store_explicit(&team.libgomp_ns, now_ns(), memory_order_relaxed);
         return;
     }
     (void)flags; /* (proc_bind: the OS places the threads) */
