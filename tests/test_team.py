@@ -181,6 +181,7 @@ def test_runs_near_a_libgomp_region_stay_on_libgomp(kernels):
     team, lib = kernels
     owner, size = ints(64), ints(64)
     lib.dynamic_loop.argtypes = [ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
+    team.team_set_libgomp_spin(15_000_000)  # (libgomp's default spin; oxserve may have set a shorter one)
     lib.dynamic_loop(64, 2, 1, ptr(owner), ptr(size))  # on libgomp (no run)
     eager_end = time.perf_counter()
     before = team.team_regions()
@@ -195,6 +196,20 @@ def test_runs_near_a_libgomp_region_stay_on_libgomp(kernels):
     lib.dynamic_loop(64, 2, 1, ptr(owner), ptr(size))
     team.team_end()
     assert team.team_regions() == before + 1 and (size == 2).all()
+    team.team_set_libgomp_spin(native.libgomp_spin_ns())
+
+
+@pytest.mark.parametrize("env,expected", [({}, 300_000 * native.PAUSE_NS + 500_000),
+                                          ({"GOMP_SPINCOUNT": "20000"}, 20_000 * native.PAUSE_NS + 500_000),
+                                          ({"GOMP_SPINCOUNT": "infinity"}, 2**63),
+                                          ({"OMP_WAIT_POLICY": "ACTIVE"}, 2**63),
+                                          ({"OMP_WAIT_POLICY": "passive", "GOMP_SPINCOUNT": "5"}, 0)])
+def test_libgomp_spin_from_its_settings(monkeypatch, env, expected):
+    for name in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert native.libgomp_spin_ns() == expected
 
 
 def test_a_replayed_step_runs_its_regions_on_the_team(kernels):

@@ -111,7 +111,28 @@ def team() -> ctypes.CDLL | None:
         return None
     library = ctypes.CDLL(built._name, mode=ctypes.RTLD_GLOBAL)
     library.team_regions.restype = ctypes.c_uint
+    library.team_set_libgomp_spin.argtypes = [ctypes.c_uint64]
+    library.team_set_libgomp_spin(libgomp_spin_ns())
     return library
+
+
+PAUSE_NS = 50  # an upper bound of one spin of libgomp's (a `pause`: ~30 ns on Zen 4, ~40 on Intel since Skylake)
+
+
+def libgomp_spin_ns() -> int:
+    """How long torch's libgomp threads may spin after a parallel region, from the settings
+    libgomp read (oxserve/__init__.py sets GOMP_SPINCOUNT where torch is not loaded yet)."""
+    policy = os.environ.get("OMP_WAIT_POLICY", "").lower()
+    if policy == "passive":
+        return 0
+    count = os.environ.get("GOMP_SPINCOUNT", "").lower()
+    if policy == "active" or count.startswith("infinit"):
+        return 2**63  # (they never sleep: runs stay on libgomp after an eager region)
+    try:
+        spins = int(count) if count else 300_000
+    except ValueError:
+        spins = 300_000
+    return spins * PAUSE_NS + 500_000
 
 
 Record = Callable[[Any, tuple, Any], None]  # (ctypes function, its arguments, what it returned)

@@ -12,10 +12,10 @@
  *     a join a count the caller spins on (~0.45 us a region);
  *   - elsewhere (eager steps, whose torch ops run on torch's libgomp) it is libgomp's region,
  *     as without this library: two spinning teams would take turns on the same cores (a
- *     prefill ran at 0.7x). For the same reason a run stays on libgomp within LIBGOMP_SPIN_NS
+ *     prefill ran at 0.7x). For the same reason a run stays on libgomp within libgomp_spin_ns
  *     of a region that went there outside a run: libgomp's workers spin that long after one
- *     (~9 ms here, GOMP_SPINCOUNT's 300,000 pauses), so runs between eager steps are as they
- *     were. (The regions of a run that stays on libgomp do not count: else runs would keep
+ *     (~9 ms here at GOMP_SPINCOUNT's default 300,000 pauses; oxserve sets 20,000 where it
+ *     can, see oxserve/__init__.py), so runs between eager steps are as they were. (The regions of a run that stays on libgomp do not count: else runs would keep
  *     each other there. The first run on the team after them shares the cores for ~9 ms.)
  *
  * After team_end() the workers spin LINGER_NS for the next step's run, then sleep on a futex
@@ -42,7 +42,7 @@
 #define MAX_TEAM 64
 #define MAX_LOOPS 32                    /* work-shared loops a region (the kernels have at most 3) */
 #define LINGER_NS 2000000u              /* how long workers spin after a run for the next one */
-#define LIBGOMP_SPIN_NS 15000000u       /* how long libgomp's workers may spin after a region */
+static uint64_t libgomp_spin_ns = 15000000u; /* how long libgomp's workers may spin after a region */
 #define EXPORT __attribute__((visibility("default")))
 #define WRAP(name) __wrap_##name /* what `ld --wrap=name` binds the kernels' calls of name to */
 #define SIZE_BITS 8                     /* `start`: a region's number << SIZE_BITS | its size */
@@ -191,13 +191,16 @@ static bool grown(int size) {
  * (1), or on libgomp where its workers may still spin (0). */
 EXPORT int team_begin(void) {
     my_in_run = true;
-    my_run_on_team = now_ns() - atomic_load_explicit(&team.libgomp_ns, memory_order_relaxed) >= LIBGOMP_SPIN_NS;
+    my_run_on_team = now_ns() - atomic_load_explicit(&team.libgomp_ns, memory_order_relaxed) >= libgomp_spin_ns;
     if (!my_run_on_team) return 0;
     atomic_store(&team.dismissed, 0);
     atomic_fetch_add(&team.runs, 1); /* (seq_cst: before the reads of `asleep`, see doze) */
     for (int id = 1; id <= team.workers; id++) ring(id);
     return 1;
 }
+
+/* How long libgomp's workers spin after a region (`native.team` reads its settings). */
+EXPORT void team_set_libgomp_spin(uint64_t ns) { libgomp_spin_ns = ns; }
 
 EXPORT void team_end(void) {
     my_in_run = false;
