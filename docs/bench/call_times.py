@@ -36,7 +36,7 @@ TIMED_RUN = r"""
 #include <stdint.h>
 #include <time.h>
 static uint64_t now_ns(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return (uint64_t)t.tv_sec * 1000000000u + t.tv_nsec; }
-void team_begin(void) __attribute__((weak));
+int team_begin(void) __attribute__((weak));
 void team_end(void) __attribute__((weak));
 /* call_list.c's run_calls, each call's nanoseconds added to times[i] (results not checked) */
 int64_t run_calls_timed(int64_t n, void **functions, void **cifs, void ***values, const int64_t *expected,

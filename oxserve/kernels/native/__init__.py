@@ -95,10 +95,24 @@ def load(name: str, extra_flags: tuple[str, ...] = (), libraries: tuple[str, ...
             result = subprocess.run([cc, *flags, "-o", str(built), str(source), *links], capture_output=True, text=True)
             if result.returncode != 0:
                 raise RuntimeError(f"compiling native kernel {name} failed:\n{result.stderr}")
+            if TEAM_LINKS[0] in links and (stray := unwrapped_openmp_calls(built)):
+                raise RuntimeError(f"native kernel {name} calls OpenMP entry points team.c does not wrap: {stray}")
             os.replace(built, target)  # atomic: a concurrent build just replaces an identical file
     library = NativeLibrary(str(target))
     _LIBRARIES.append(library)
     return library
+
+
+def unwrapped_openmp_calls(library: Path) -> list[str]:
+    """The libgomp entry points a kernel built with TEAM_LINKS still calls by their own name
+    (GCC lowers some pragmas to others, e.g. GOMP_parallel_loop_* for a combined loop with
+    constant bounds): those would run outside the team's bookkeeping. Needs binutils' nm."""
+    nm = shutil.which("nm")
+    if nm is None:
+        return []
+    listed = subprocess.run([nm, "-D", "--undefined-only", str(library)], capture_output=True, text=True).stdout
+    names = {line.split()[-1].split("@")[0] for line in listed.splitlines() if line.strip()}
+    return sorted(n for n in names if n.startswith(("GOMP_", "omp_")) and n != "omp_get_max_threads")
 
 
 @functools.cache
@@ -107,7 +121,14 @@ def team() -> ctypes.CDLL | None:
     put the kernels' regions on its spinning threads, without libgomp's syscalls; its header
     says what it keeps of OpenMP); None with OXSERVE_OMP_TEAM=0 (the kernels stay on libgomp)
     or without a C compiler."""
-    if os.environ.get("OXSERVE_OMP_TEAM", "1") == "0" or (built := load("team", ("-pthread", "-fopenmp"))) is None:
+    if os.environ.get("OXSERVE_OMP_TEAM", "1") == "0":
+        return None
+    try:
+        built = load("team", ("-pthread", "-fopenmp"))
+    except RuntimeError as e:  # the kernels still build, on libgomp
+        log.warning("oxserve: the kernels' thread team is unavailable (%s); their regions stay on libgomp", e)
+        return None
+    if built is None:
         return None
     library = ctypes.CDLL(built._name, mode=ctypes.RTLD_GLOBAL)
     library.team_regions.restype = ctypes.c_uint
@@ -116,23 +137,25 @@ def team() -> ctypes.CDLL | None:
     return library
 
 
-PAUSE_NS = 50  # an upper bound of one spin of libgomp's (a `pause`: ~30 ns on Zen 4, ~40 on Intel since Skylake)
+PAUSE_NS = 100  # a bound on one spin of libgomp's (a `pause`: ~30 ns on Zen 4, 140 cycles on Intel since Skylake)
+SPIN_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
 
 
 def libgomp_spin_ns() -> int:
     """How long torch's libgomp threads may spin after a parallel region, from the settings
-    libgomp read (oxserve/__init__.py sets GOMP_SPINCOUNT where torch is not loaded yet)."""
-    policy = os.environ.get("OMP_WAIT_POLICY", "").lower()
-    if policy == "passive":
-        return 0
-    count = os.environ.get("GOMP_SPINCOUNT", "").lower()
-    if policy == "active" or count.startswith("infinit"):
+    libgomp read (oxserve/__init__.py sets GOMP_SPINCOUNT where torch is not loaded yet): a
+    GOMP_SPINCOUNT (libgomp's suffixes k, M, G, T) over OMP_WAIT_POLICY, else 300,000 spins."""
+    count = os.environ.get("GOMP_SPINCOUNT", "").strip().lower()
+    policy = os.environ.get("OMP_WAIT_POLICY", "").strip().lower()
+    if not count:
+        count = {"passive": "0", "active": "infinity"}.get(policy, "300000")
+    if count.startswith("infinit"):
         return 2**63  # (they never sleep: runs stay on libgomp after an eager region)
     try:
-        spins = int(count) if count else 300_000
+        spins = int(count[:-1]) * SPIN_SUFFIXES[count[-1]] if count[-1:] in SPIN_SUFFIXES else int(count)
     except ValueError:
         spins = 300_000
-    return spins * PAUSE_NS + 500_000
+    return spins * PAUSE_NS + 500_000 if spins else 0
 
 
 Record = Callable[[Any, tuple, Any], None]  # (ctypes function, its arguments, what it returned)

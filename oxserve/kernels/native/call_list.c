@@ -40,7 +40,7 @@ fail:
 }
 
 /* `team.c`'s, where it is loaded (OXSERVE_OMP_TEAM=0 leaves the kernels on libgomp). */
-void team_begin(void) __attribute__((weak));
+int team_begin(void) __attribute__((weak));
 void team_end(void) __attribute__((weak));
 
 /* Calls i = 0 .. n-1: functions[i] through cifs[i] with the argument slots values[i] (an

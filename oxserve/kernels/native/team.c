@@ -29,7 +29,12 @@
  * runs, runs on its calling thread alone, as libgomp runs a nested region. A forked child
  * starts new workers. */
 #define _GNU_SOURCE
+#if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
+#endif
+#include <sched.h>
+#include <stdio.h>
+#include <stdlib.h>
 #include <linux/futex.h>
 #include <pthread.h>
 #include <stdatomic.h>
@@ -40,7 +45,7 @@
 #include <unistd.h>
 
 #define MAX_TEAM 64
-#define MAX_LOOPS 32                    /* work-shared loops a region (the kernels have at most 3) */
+#define MAX_LOOPS 64                    /* dynamic loops a region (the routed W8A8 experts have 4) */
 #define LINGER_NS 2000000u              /* how long workers spin after a run for the next one */
 static uint64_t libgomp_spin_ns = 15000000u; /* how long libgomp's workers may spin after a region */
 #define EXPORT __attribute__((visibility("default")))
@@ -80,8 +85,8 @@ static struct {
     region_fn fn;
     void *data;
     int workers;                 /* worker threads started: ids 1 .. workers */
-    int sched_kind, sched_chunk; /* omp_set_schedule's (1: static) */
-} team = {.sched_kind = 1};
+    int sched_kind, sched_chunk; /* the region's runtime schedule: its caller's */
+} team;
 
 static struct sleeper {
     _Alignas(64) atomic_uint bell; /* the futex word a sleeping worker waits on */
@@ -96,13 +101,20 @@ static struct loop {
     long end, incr, chunk;
 } loops[MAX_LOOPS];
 
-/* This thread's place: its id and team size (0 and 1 outside a region), the barrier sense it
- * waits for, the work-shared loops it has met in this region, and its static runtime loop. */
-static __thread int my_id, my_size = 1, my_sense, my_loops;
+/* This thread's place in its region: its id and team size (0 and 1 outside one), the barrier
+ * sense it waits for, the dynamic loops it has met, the region's runtime schedule, and its
+ * static loop's next chunk. */
+struct place {
+    int id, size, sense, loops;
+    int sched_kind, sched_chunk;
+    bool loop_static;
+    long next, end, incr, chunk;
+};
+static __thread struct place my = {.size = 1};
 static __thread bool my_libgomp; /* in a region that libgomp runs */
 static __thread bool my_in_run, my_run_on_team; /* between team_begin and team_end; on the team */
-static __thread bool my_loop_static;
-static __thread long my_next, my_end, my_incr, my_chunk;
+/* This thread's runtime schedule (omp_set_schedule's; libgomp's default: dynamic, 1). */
+static __thread int my_sched_kind = 2, my_sched_chunk = 1;
 
 static uint64_t now_ns(void) {
     struct timespec t;
@@ -111,10 +123,22 @@ static uint64_t now_ns(void) {
 }
 
 static void enter(int id, int size) {
-    my_id = id;
-    my_size = size;
-    my_loops = 0;
-    my_sense = atomic_load_explicit(&team.barrier_sense, memory_order_acquire);
+    my.id = id;
+    my.size = size;
+    my.loops = 0;
+    my.sense = atomic_load_explicit(&team.barrier_sense, memory_order_acquire);
+    my.sched_kind = team.sched_kind, my.sched_chunk = team.sched_chunk;
+}
+
+/* One wait of a spin: a pause, and every 256th a yield (a thread that waits on one that has
+ * no core lets it have this one). */
+static inline void relax(unsigned *spins) {
+#if defined(__x86_64__) || defined(__i386__)
+    _mm_pause();
+#else
+    __asm__ __volatile__("" ::: "memory");
+#endif
+    if (++*spins % 256 == 0) sched_yield();
 }
 
 /* Between runs, once they lingered long enough or a region went to libgomp. */
@@ -143,11 +167,11 @@ static void ring(int id) {
 static void *worker(void *arg) {
     const int id = (int)(intptr_t)arg;
     struct sleeper *self = &sleepers[id];
-    unsigned seen = self->first_seen;
-    for (unsigned spins = 1;; spins++) {
+    unsigned seen = self->first_seen, spins = 0;
+    for (;;) {
         const unsigned word = atomic_load_explicit(&team.start, memory_order_acquire);
         if (word == seen) {
-            _mm_pause();
+            relax(&spins);
             if (spins % 1024 == 0 && idle()) doze(self, seen);
             continue;
         }
@@ -156,15 +180,23 @@ static void *worker(void *arg) {
         if (id >= size) continue; /* not in this region: nothing of it is read */
         enter(id, size);
         team.fn(team.data);
-        my_size = 1;
+        my.size = 1;
         atomic_fetch_add_explicit(&team.finished, 1, memory_order_release);
     }
     return NULL;
 }
 
+/* The child of a fork has none of the parent's workers, and no run or region going on (a
+ * thread of the parent's may have been in one). */
 static void forked_child(void) {
-    team.workers = 0; /* the parent's threads are not in the child */
+    team.workers = 0;
     atomic_store(&team.owner, 0);
+    atomic_store(&team.runs, 0);
+    atomic_store(&team.finished, 0);
+    atomic_store(&team.barrier_count, 0);
+    atomic_store(&team.dismissed, 1);
+    for (int id = 0; id < MAX_TEAM; id++) atomic_store(&sleepers[id].asleep, 0);
+    my_in_run = my_run_on_team = false;
 }
 
 /* Workers 1 .. size - 1 running (the caller holds the team); false if one cannot start. */
@@ -226,11 +258,10 @@ static void on_libgomp(void *arg) {
 
 /* fn on the calling thread alone (its place in an enclosing region kept). */
 static void alone(region_fn fn, void *data) {
-    const int id = my_id, size = my_size, sense = my_sense, met = my_loops;
-    my_id = 0;
-    my_size = 1;
+    const struct place outer = my;
+    my = (struct place){.size = 1, .sched_kind = my_sched_kind, .sched_chunk = my_sched_chunk};
     fn(data);
-    my_id = id, my_size = size, my_sense = sense, my_loops = met;
+    my = outer;
 }
 
 EXPORT void WRAP(GOMP_parallel)(region_fn fn, void *data, unsigned num_threads, unsigned flags) {
@@ -246,7 +277,7 @@ EXPORT void WRAP(GOMP_parallel)(region_fn fn, void *data, unsigned num_threads, 
     const int asked = num_threads ? (int)num_threads : omp_get_max_threads(); /* (0: no num_threads clause) */
     const int size = asked > MAX_TEAM ? MAX_TEAM : asked;
     int unowned = 0;
-    if (size <= 1 || my_size > 1 || my_id != 0 || !atomic_compare_exchange_strong(&team.owner, &unowned, 1)) {
+    if (size <= 1 || my.size > 1 || my.id != 0 || !atomic_compare_exchange_strong(&team.owner, &unowned, 1)) {
         alone(fn, data); /* one thread, a nested region, or another thread's region is running */
         return;
     }
@@ -257,20 +288,22 @@ EXPORT void WRAP(GOMP_parallel)(region_fn fn, void *data, unsigned num_threads, 
     }
     for (int i = 0; i < MAX_LOOPS; i++) atomic_store_explicit(&loops[i].state, 0, memory_order_relaxed);
     team.fn = fn, team.data = data;
+    team.sched_kind = my_sched_kind, team.sched_chunk = my_sched_chunk;
     atomic_store_explicit(&team.finished, 0, memory_order_relaxed);
     const unsigned number = atomic_load_explicit(&team.start, memory_order_relaxed) >> SIZE_BITS;
     atomic_store(&team.start, (number + 1) << SIZE_BITS | (unsigned)size); /* (seq_cst: see doze) */
     for (int id = 1; id < size; id++) ring(id);
     enter(0, size);
     fn(data);
-    while (atomic_load_explicit(&team.finished, memory_order_acquire) < size - 1) _mm_pause();
-    my_size = 1;
+    unsigned spins = 0;
+    while (atomic_load_explicit(&team.finished, memory_order_acquire) < size - 1) relax(&spins);
+    my.size = 1;
     atomic_store_explicit(&team.owner, 0, memory_order_release);
 }
 
-EXPORT int WRAP(omp_get_thread_num)(void) { return my_libgomp ? omp_get_thread_num() : my_id; }
+EXPORT int WRAP(omp_get_thread_num)(void) { return my_libgomp ? omp_get_thread_num() : my.id; }
 
-EXPORT int WRAP(omp_get_num_threads)(void) { return my_libgomp ? omp_get_num_threads() : my_size; }
+EXPORT int WRAP(omp_get_num_threads)(void) { return my_libgomp ? omp_get_num_threads() : my.size; }
 
 /* Sense-reversing: the last thread in resets the count and flips the sense the others wait on. */
 EXPORT void WRAP(GOMP_barrier)(void) {
@@ -278,14 +311,15 @@ EXPORT void WRAP(GOMP_barrier)(void) {
         GOMP_barrier();
         return;
     }
-    if (my_size == 1) return;
-    const int sense = !my_sense;
-    my_sense = sense;
-    if (atomic_fetch_add_explicit(&team.barrier_count, 1, memory_order_acq_rel) == my_size - 1) {
+    if (my.size == 1) return;
+    const int sense = !my.sense;
+    my.sense = sense;
+    if (atomic_fetch_add_explicit(&team.barrier_count, 1, memory_order_acq_rel) == my.size - 1) {
         atomic_store_explicit(&team.barrier_count, 0, memory_order_relaxed);
         atomic_store_explicit(&team.barrier_sense, sense, memory_order_release);
     } else {
-        while (atomic_load_explicit(&team.barrier_sense, memory_order_acquire) != sense) _mm_pause();
+        unsigned spins = 0;
+        while (atomic_load_explicit(&team.barrier_sense, memory_order_acquire) != sense) relax(&spins);
     }
 }
 
@@ -302,20 +336,25 @@ static bool handed(long i, long end, long incr, long chunk, long *istart, long *
 }
 
 static bool dynamic_next(long *istart, long *iend) {
-    struct loop *loop = &loops[(my_loops - 1) % MAX_LOOPS];
+    struct loop *loop = &loops[my.loops - 1];
     const long i = atomic_fetch_add_explicit(&loop->next, loop->chunk * loop->incr, memory_order_relaxed);
     return handed(i, loop->end, loop->incr, loop->chunk, istart, iend);
 }
 
 static bool dynamic_start(long start, long end, long incr, long chunk, long *istart, long *iend) {
-    struct loop *loop = &loops[my_loops++ % MAX_LOOPS];
+    if (my.loops == MAX_LOOPS) {
+        fprintf(stderr, "oxserve team.c: more than %d dynamic loops in one region\n", MAX_LOOPS);
+        abort(); /* (a kernel's design error: every thread of the region would need the same answer) */
+    }
+    struct loop *loop = &loops[my.loops++];
     int fresh = 0;
     if (atomic_compare_exchange_strong(&loop->state, &fresh, 1)) {
         loop->end = end, loop->incr = incr, loop->chunk = chunk > 0 ? chunk : 1;
         atomic_store_explicit(&loop->next, start, memory_order_relaxed);
         atomic_store_explicit(&loop->state, 2, memory_order_release);
     } else {
-        while (atomic_load_explicit(&loop->state, memory_order_acquire) != 2) _mm_pause();
+        unsigned spins = 0;
+        while (atomic_load_explicit(&loop->state, memory_order_acquire) != 2) relax(&spins);
     }
     return dynamic_next(istart, iend);
 }
@@ -323,36 +362,35 @@ static bool dynamic_start(long start, long end, long incr, long chunk, long *ist
 /* Chunks dealt round robin from the thread's id; without a chunk, one block a thread, the
  * first count % size blocks one longer (libgomp's static schedule). */
 static bool static_next(long *istart, long *iend) {
-    const long i = my_next;
-    my_next += my_size * my_chunk * my_incr;
-    return handed(i, my_end, my_incr, my_chunk, istart, iend);
+    const long i = my.next;
+    my.next += my.size * my.chunk * my.incr;
+    return handed(i, my.end, my.incr, my.chunk, istart, iend);
 }
 
 static bool static_start(long start, long end, long incr, long chunk, long *istart, long *iend) {
-    my_loops++; /* (a slot, as every thread counts the loops it meets alike) */
     if (chunk > 0) {
-        my_next = start + my_id * chunk * incr, my_end = end, my_incr = incr, my_chunk = chunk;
+        my.next = start + my.id * chunk * incr, my.end = end, my.incr = incr, my.chunk = chunk;
         return static_next(istart, iend);
     }
     const long count = past(start, end, incr) ? 0 : (end - start + incr - (incr > 0 ? 1 : -1)) / incr;
-    const long base = count / my_size, extra = count % my_size;
-    const long length = base + (my_id < extra);
+    const long base = count / my.size, extra = count % my.size;
+    const long length = base + (my.id < extra);
     if (length == 0) return false;
-    my_next = start + (my_id * base + (my_id < extra ? my_id : extra)) * incr;
-    my_end = my_next + length * incr, my_incr = incr, my_chunk = length;
+    my.next = start + (my.id * base + (my.id < extra ? my.id : extra)) * incr;
+    my.end = my.next + length * incr, my.incr = incr, my.chunk = length;
     return static_next(istart, iend);
 }
 
 /* A loop's first chunk: dynamic, or static (a runtime schedule's static, or a team of one). */
 static bool loop_start(long start, long end, long incr, long chunk, bool dynamic, long *istart, long *iend) {
-    my_loop_static = !dynamic || my_size == 1;
-    if (my_size == 1) chunk = 0; /* (a region of one thread: the whole loop, no shared slot) */
-    return my_loop_static ? static_start(start, end, incr, chunk, istart, iend)
+    my.loop_static = !dynamic || my.size == 1;
+    if (my.size == 1) chunk = 0; /* (a region of one thread: the whole loop, no shared slot) */
+    return my.loop_static ? static_start(start, end, incr, chunk, istart, iend)
                           : dynamic_start(start, end, incr, chunk, istart, iend);
 }
 
 static bool loop_next(long *istart, long *iend) {
-    return my_loop_static ? static_next(istart, iend) : dynamic_next(istart, iend);
+    return my.loop_static ? static_next(istart, iend) : dynamic_next(istart, iend);
 }
 
 /* Each loop entry point: libgomp's in its regions, this team's in its own. */
@@ -377,7 +415,7 @@ EXPORT bool WRAP(GOMP_loop_dynamic_next)(long *istart, long *iend) {
 
 EXPORT bool WRAP(GOMP_loop_maybe_nonmonotonic_runtime_start)(long start, long end, long incr, long *istart, long *iend) {
     if (my_libgomp) return GOMP_loop_maybe_nonmonotonic_runtime_start(start, end, incr, istart, iend);
-    return loop_start(start, end, incr, team.sched_chunk, team.sched_kind != 1, istart, iend);
+    return loop_start(start, end, incr, my.sched_chunk, my.sched_kind != 1, istart, iend);
 }
 
 EXPORT bool WRAP(GOMP_loop_maybe_nonmonotonic_runtime_next)(long *istart, long *iend) {
@@ -386,7 +424,7 @@ EXPORT bool WRAP(GOMP_loop_maybe_nonmonotonic_runtime_next)(long *istart, long *
 
 EXPORT bool WRAP(GOMP_loop_runtime_start)(long start, long end, long incr, long *istart, long *iend) {
     if (my_libgomp) return GOMP_loop_runtime_start(start, end, incr, istart, iend);
-    return loop_start(start, end, incr, team.sched_chunk, team.sched_kind != 1, istart, iend);
+    return loop_start(start, end, incr, my.sched_chunk, my.sched_kind != 1, istart, iend);
 }
 
 EXPORT bool WRAP(GOMP_loop_runtime_next)(long *istart, long *iend) {
@@ -402,12 +440,13 @@ EXPORT void WRAP(GOMP_loop_end_nowait)(void) {
     if (my_libgomp) GOMP_loop_end_nowait();
 }
 
-/* Both schedules: the next region may run on either (omp_sched_t: 1 static; 2 dynamic, and
- * guided and auto run as it here; the monotonic flag ignored). */
+/* The calling thread's, for its next region on either (omp_sched_t: 1 static and 4 auto run
+ * static, as libgomp runs auto; 2 dynamic and 3 guided run dynamic; the monotonic flag ignored). */
 EXPORT void WRAP(omp_set_schedule)(int kind, int chunk) {
     omp_set_schedule(kind, chunk);
-    team.sched_kind = (kind & 0x7fffffff) == 1 ? 1 : 2;
-    team.sched_chunk = chunk;
+    kind &= 0x7fffffff;
+    my_sched_kind = kind == 1 || kind == 4 ? 1 : 2;
+    my_sched_chunk = chunk;
 }
 
 /* Regions this team has run on more than one thread (tests: the kernels' regions ran here). */
