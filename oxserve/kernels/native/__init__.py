@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 FLAGS = ("-O2", "-fPIC", "-shared", "-std=c11", "-fno-trapping-math", "-ffp-contract=off")
 # Kernels that need vector instructions are built for the CPU they run on.
 NATIVE_ISA = ("-march=native",)
-# OpenMP: the kernels' regions run on `team.c`'s spinning threads (see `_team`), their calls of
+# OpenMP: the kernels' regions run on `team.c`'s spinning threads (see `team`), their calls of
 # these entry points bound to its __wrap_ versions; libgomp (torch's: its soname is loaded
 # first) gives them omp_get_max_threads.
 OPENMP = ("-fopenmp",)

@@ -82,6 +82,7 @@ static struct {
     _Atomic uint64_t libgomp_ns;      /* when the last region on libgomp outside a run ended */
     _Alignas(64) atomic_int barrier_count;
     _Alignas(64) atomic_int barrier_sense;
+    atomic_int loops_set_up; /* the region's dynamic loops set up so far (slots 0 .. it - 1) */
     region_fn fn;
     void *data;
     int workers;                 /* worker threads started: ids 1 .. workers */
@@ -94,7 +95,8 @@ static struct sleeper {
     unsigned first_seen; /* `start` when the worker was made */
 } sleepers[MAX_TEAM];
 
-/* A dynamic loop of the current region, set up by the first thread that meets it. */
+/* A dynamic loop of the current region, set up by the first thread that meets it; the slots a
+ * region set up are cleared when it ends (`clear_loops`). */
 static struct loop {
     _Alignas(64) atomic_int state; /* 0: not set up, 1: being set up, 2: ready */
     atomic_long next;
@@ -186,6 +188,13 @@ static void *worker(void *arg) {
     return NULL;
 }
 
+/* Only the slots the region used: each is a cache line the kernels' data has since evicted. */
+static void clear_loops(void) {
+    const int used = atomic_load_explicit(&team.loops_set_up, memory_order_relaxed);
+    for (int i = 0; i < used; i++) atomic_store_explicit(&loops[i].state, 0, memory_order_relaxed);
+    atomic_store_explicit(&team.loops_set_up, 0, memory_order_relaxed);
+}
+
 /* The child of a fork has none of the parent's workers, and no run or region going on (a
  * thread of the parent's may have been in one). */
 static void forked_child(void) {
@@ -194,6 +203,7 @@ static void forked_child(void) {
     atomic_store(&team.runs, 0);
     atomic_store(&team.finished, 0);
     atomic_store(&team.barrier_count, 0);
+    clear_loops();
     atomic_store(&team.dismissed, 1);
     for (int id = 0; id < MAX_TEAM; id++) atomic_store(&sleepers[id].asleep, 0);
     my_in_run = my_run_on_team = false;
@@ -286,7 +296,6 @@ EXPORT void WRAP(GOMP_parallel)(region_fn fn, void *data, unsigned num_threads, 
         alone(fn, data);
         return;
     }
-    for (int i = 0; i < MAX_LOOPS; i++) atomic_store_explicit(&loops[i].state, 0, memory_order_relaxed);
     team.fn = fn, team.data = data;
     team.sched_kind = my_sched_kind, team.sched_chunk = my_sched_chunk;
     atomic_store_explicit(&team.finished, 0, memory_order_relaxed);
@@ -297,6 +306,7 @@ EXPORT void WRAP(GOMP_parallel)(region_fn fn, void *data, unsigned num_threads, 
     fn(data);
     unsigned spins = 0;
     while (atomic_load_explicit(&team.finished, memory_order_acquire) < size - 1) relax(&spins);
+    clear_loops(); /* (every thread is past them: their set-ups happened before their `finished`) */
     my.size = 1;
     atomic_store_explicit(&team.owner, 0, memory_order_release);
 }
@@ -352,6 +362,8 @@ static bool dynamic_start(long start, long end, long incr, long chunk, long *ist
         loop->end = end, loop->incr = incr, loop->chunk = chunk > 0 ? chunk : 1;
         atomic_store_explicit(&loop->next, start, memory_order_relaxed);
         atomic_store_explicit(&loop->state, 2, memory_order_release);
+        /* (slot k is set up after slot k - 1 was, by whichever thread: the count only grows) */
+        atomic_store_explicit(&team.loops_set_up, my.loops, memory_order_relaxed);
     } else {
         unsigned spins = 0;
         while (atomic_load_explicit(&loop->state, memory_order_acquire) != 2) relax(&spins);
