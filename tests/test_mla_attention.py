@@ -45,8 +45,9 @@ def _torch_attention(q, positions, request, blocks, latent, scale, block=BLOCK):
 
 @pytest.fixture(params=["native", "plain"])
 def build(request, monkeypatch):
-    """The widest vector build this CPU has (blocks of 4 heads by 16 lanes with AVX-512, by 8
-    with AVX2), and plain C (every score and sum in the scalar loops)."""
+    """The widest vector build this CPU has (bf16 pair products for bf16 latents of a multiple
+    of 32 channels with AVX512-BF16; blocks of 4 heads by 16 lanes with AVX-512, by 8 with
+    AVX2), and plain C (every score and sum in the scalar loops)."""
     if request.param == "plain":
         from oxserve.kernels import mla_attention, native
 
@@ -57,7 +58,8 @@ def build(request, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("tokens,heads,dim,width", [(1, 1, 16, 4), (9, 4, 64, 40), (33, 2, 40, 100), (5, 6, 48, 300)])
+@pytest.mark.parametrize("tokens,heads,dim,width", [(1, 1, 16, 4), (9, 4, 64, 40), (33, 2, 40, 100), (5, 6, 48, 300),
+                                                    (4, 3, 32, 17), (6, 6, 96, 150), (3, 9, 64, 33)])
 @pytest.mark.parametrize("block", [BLOCK, 12])  # a power of two (rows by shifts) or not (by division)
 def test_native_latent_attention_matches_torch(build, dtype, tokens, heads, dim, width, block):
     gen = torch.Generator().manual_seed(tokens * 7 + dim)

@@ -32,6 +32,7 @@
 
 #include "bf16.h"
 #include "scratch.h"
+#include "transpose16.h"
 #include "vmath.h"
 
 #define MAX_DIM 1024     /* index head dim; NATIVE_MAX_DIM in kernels/dsa_index.py */
@@ -41,33 +42,6 @@
 #define AHEAD_BLOCKS 4   /* blocks of pool keys in flight, the one being scored included */
 #define GROUP 16         /* pools scored together, one a vector lane */
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-
-/* The 16 x 16 block of 32-bit values r[i][j] -> r[j][i], in registers. */
-static inline void transpose16(__m512i r[16]) {
-    __m512i t[16];
-    for (int i = 0; i < 16; i += 2) {
-        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-    }
-    for (int i = 0; i < 16; i += 4) {
-        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-    }
-    for (int g = 0; g < 16; g += 8)
-        for (int i = 0; i < 4; i++) {
-            t[g + i] = _mm512_shuffle_i32x4(r[g + i], r[g + i + 4], 0x88);
-            t[g + i + 4] = _mm512_shuffle_i32x4(r[g + i], r[g + i + 4], 0xdd);
-        }
-    for (int i = 0; i < 8; i++) {
-        r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
-        r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
-    }
-}
-#endif
 
 /* kt[d][l] = key d of pool row rows[l], widened to fp32, for l < count (<= GROUP); 0 past it. */
 static void transpose_keys(const void *pool_keys, int bf16, const int64_t *rows, int count, int64_t dim,
@@ -76,21 +50,22 @@ static void transpose_keys(const void *pool_keys, int bf16, const int64_t *rows,
 #if defined(__AVX512F__)
     if (bf16 && count == GROUP) /* 32 dims (16 pairs) of 16 rows a block: each 32-bit lane a pair */
         for (; d0 + 32 <= dim; d0 += 32) {
-            __m512i r[16];
-            for (int l = 0; l < 16; l++) r[l] = _mm512_loadu_si512((const uint16_t *)pool_keys + rows[l] * dim + d0);
+            __m512 r[16];
+            for (int l = 0; l < 16; l++) r[l] = _mm512_loadu_ps((const uint16_t *)pool_keys + rows[l] * dim + d0);
             transpose16(r);
             const __m512i high = _mm512_set1_epi32((int)0xffff0000u);
             for (int j = 0; j < 16; j++) {
-                _mm512_storeu_si512(kt + (d0 + 2 * j) * GROUP, _mm512_slli_epi32(r[j], 16));
-                _mm512_storeu_si512(kt + (d0 + 2 * j + 1) * GROUP, _mm512_and_si512(r[j], high));
+                const __m512i pair = _mm512_castps_si512(r[j]);
+                _mm512_storeu_si512(kt + (d0 + 2 * j) * GROUP, _mm512_slli_epi32(pair, 16));
+                _mm512_storeu_si512(kt + (d0 + 2 * j + 1) * GROUP, _mm512_and_si512(pair, high));
             }
         }
     if (!bf16 && count == GROUP) /* 16 dims of 16 rows a block */
         for (; d0 + 16 <= dim; d0 += 16) {
-            __m512i r[16];
-            for (int l = 0; l < 16; l++) r[l] = _mm512_loadu_si512((const float *)pool_keys + rows[l] * dim + d0);
+            __m512 r[16];
+            for (int l = 0; l < 16; l++) r[l] = _mm512_loadu_ps((const float *)pool_keys + rows[l] * dim + d0);
             transpose16(r);
-            for (int j = 0; j < 16; j++) _mm512_storeu_si512(kt + (d0 + j) * GROUP, r[j]);
+            for (int j = 0; j < 16; j++) _mm512_storeu_ps(kt + (d0 + j) * GROUP, r[j]);
         }
 #endif
     for (int l = 0; l < GROUP; l++)

@@ -16,6 +16,8 @@
  * Each selected latent is read from the cache and widened once, into rows [n][C] (for the
  * weighted sum, vectorised over C), then transposed to [C][n] (for the scores, vectorised over
  * positions: each score sums its C products in order, with no per-score horizontal add).
+ * bf16 latents of a multiple of 32 channels on AVX512-BF16 take bf16 pair products instead,
+ * read from the cache as they are (`pair_attention`).
  */
 #include <immintrin.h>
 #include <math.h>
@@ -26,6 +28,7 @@
 
 #include "bf16.h"
 #include "scratch.h"
+#include "transpose16.h"
 #include "vmath.h"
 
 
@@ -136,29 +139,7 @@ static inline void rows4_by_2lanes(const float *a, int64_t a_stride, const float
 #endif
 
 #if defined(__AVX512F__)
-/* The 16 x 16 block r[i][j] -> r[j][i], in registers: pairs, then quads, then 128-bit lanes. */
-static inline void transpose_block(vec r[16]) {
-    __m512 t[16];
-    for (int i = 0; i < 16; i += 2) {
-        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
-        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
-    }
-    for (int i = 0; i < 16; i += 4) {
-        r[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
-        r[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
-        r[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
-        r[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
-    }
-    for (int g = 0; g < 16; g += 8)
-        for (int i = 0; i < 4; i++) {
-            t[g + i] = _mm512_shuffle_f32x4(r[g + i], r[g + i + 4], 0x88);
-            t[g + i + 4] = _mm512_shuffle_f32x4(r[g + i], r[g + i + 4], 0xdd);
-        }
-    for (int i = 0; i < 8; i++) {
-        r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
-        r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xdd);
-    }
-}
+static inline void transpose_block(vec r[16]) { transpose16(r); }
 #elif BLOCK_HEADS
 /* The 8 x 8 block r[i][j] -> r[j][i]: pairs, then quads, then 128-bit halves. */
 static inline void transpose_block(vec r[8]) {
@@ -222,6 +203,127 @@ static void head_products(const float *a, int heads, int64_t count, const float 
         }
 }
 
+#if defined(__AVX512BF16__)
+/* bf16 queries and latents whose width is a multiple of 32, on AVX512-BF16: each `vdpbf16ps`
+ * multiplies 16 pairs of bf16 values and adds both products to 16 fp32 sums, so the products
+ * take half the instructions of fp32 ones and nothing is widened or copied:
+ *
+ * - scores, 16 positions a block: their latents' 32-bit pairs (two channels) transposed in
+ *   registers, so that vector j holds pair j of 16 positions; a head's 16 scores are then 16
+ *   multiply-adds of its query's pair j, broadcast, into two sums (even and odd j).
+ * - weighted sums, 2 positions a step: their latents' channels interleaved (unpack), so that
+ *   each 32-bit lane holds one channel of both, against the two positions' probabilities
+ *   (rounded to bf16 already, so exact as bf16) broadcast as a pair. The unpack leaves the
+ *   channels of a 32-channel chunk in the order 0-3, 8-11, 16-19, 24-27 (low) and 4-7, ...
+ *   (high), put back in order at the end.
+ *
+ * The sums are fp32 in another order than the fp32 path's, within the same tolerance. */
+#define PAIR_HEADS 4 /* heads a pass: 4 x 2 chunks x 2 halves of sums in registers */
+
+/* Scores of positions k0 .. k0 + count (count <= 16) for `hn` heads from h0 (a constant after
+ * inlining): q32 [heads][dim / 2] query pairs, score [heads][n]. */
+static inline __attribute__((always_inline)) void pair_scores(const uint32_t *q32, int64_t h0, const int hn,
+                                                              int64_t dim, const uint16_t *latent,
+                                                              const int64_t *rows, int64_t k0, int count,
+                                                              float *score, int64_t n) {
+    __m512 even[PAIR_HEADS], odd[PAIR_HEADS];
+    for (int h = 0; h < hn; h++) even[h] = odd[h] = _mm512_setzero_ps();
+    for (int64_t d0 = 0; d0 < dim; d0 += 32) {
+        __m512 r[16];
+        for (int l = 0; l < 16; l++)
+            r[l] = l < count ? _mm512_loadu_ps(latent + rows[k0 + l] * dim + d0) : _mm512_setzero_ps();
+        transpose16(r);
+        for (int j = 0; j < 16; j += 2)
+            for (int h = 0; h < hn; h++) {
+                const uint32_t *qh = q32 + (h0 + h) * (dim / 2) + d0 / 2;
+                even[h] = _mm512_dpbf16_ps(even[h], (__m512bh)_mm512_set1_epi32((int)qh[j]), (__m512bh)r[j]);
+                odd[h] = _mm512_dpbf16_ps(odd[h], (__m512bh)_mm512_set1_epi32((int)qh[j + 1]), (__m512bh)r[j + 1]);
+            }
+    }
+    const __mmask16 keep = (__mmask16)((1u << count) - 1u);
+    for (int h = 0; h < hn; h++) _mm512_mask_storeu_ps(score + (h0 + h) * n + k0, keep, _mm512_add_ps(even[h], odd[h]));
+}
+
+/* acc [heads][dim] = sum_k p[h][k] latent k for `hn` heads from h0 and `chunks` (1 or 2, a
+ * constant after inlining) chunks of 32 channels from c0: p16 [heads][n_pad] bf16, n_pad even
+ * with p16[h][n] = 0 where n is odd. */
+static inline __attribute__((always_inline)) void pair_sums(const uint16_t *p16, int64_t n_pad, int64_t h0, const int hn,
+                                                            int64_t c0, const int chunks, int64_t dim,
+                                                            const uint16_t *latent, const int64_t *rows, int64_t n,
+                                                            float *acc) {
+    __m512 lo[PAIR_HEADS][2], hi[PAIR_HEADS][2];
+    for (int h = 0; h < hn; h++)
+        for (int c = 0; c < chunks; c++) lo[h][c] = hi[h][c] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < n; k += 2) {
+        const uint16_t *a = latent + rows[k] * dim + c0, *b = k + 1 < n ? latent + rows[k + 1] * dim + c0 : NULL;
+        __m512i low[2], high[2];
+        for (int c = 0; c < chunks; c++) {
+            const __m512i x = _mm512_loadu_si512(a + 32 * c), y = b ? _mm512_loadu_si512(b + 32 * c) : _mm512_setzero_si512();
+            low[c] = _mm512_unpacklo_epi16(x, y);
+            high[c] = _mm512_unpackhi_epi16(x, y);
+        }
+        for (int h = 0; h < hn; h++) {
+            uint32_t pair;
+            memcpy(&pair, p16 + (h0 + h) * n_pad + k, sizeof pair);
+            const __m512bh p = (__m512bh)_mm512_set1_epi32((int)pair);
+            for (int c = 0; c < chunks; c++) {
+                lo[h][c] = _mm512_dpbf16_ps(lo[h][c], p, (__m512bh)low[c]);
+                hi[h][c] = _mm512_dpbf16_ps(hi[h][c], p, (__m512bh)high[c]);
+            }
+        }
+    }
+    /* channels in order: 128-bit lanes of low and high alternate */
+    const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    for (int h = 0; h < hn; h++)
+        for (int c = 0; c < chunks; c++) {
+            float *out = acc + (h0 + h) * dim + c0 + 32 * c;
+            _mm512_storeu_ps(out, _mm512_permutex2var_ps(lo[h][c], first, hi[h][c]));
+            _mm512_storeu_ps(out + 16, _mm512_permutex2var_ps(lo[h][c], second, hi[h][c]));
+        }
+}
+
+/* One query on the bf16 pairs path: q [heads][dim], scratch score [heads][n] and p16
+ * [heads][n + 1] (bf16), acc [heads][dim] fp32. */
+static void pair_attention(const uint16_t *q, int heads, int64_t dim, const uint16_t *latent, const int64_t *rows,
+                           int64_t n, float scale, float *score, uint16_t *p16, float *acc) {
+    const uint32_t *q32 = (const uint32_t *)q; /* (a bf16 row of even width: 4-byte pairs) */
+    for (int64_t k0 = 0; k0 < n; k0 += 16) {
+        const int count = n - k0 < 16 ? (int)(n - k0) : 16;
+        for (int h0 = 0; h0 < heads; h0 += PAIR_HEADS) {
+            switch (heads - h0 < PAIR_HEADS ? heads - h0 : PAIR_HEADS) { /* a constant head count per case */
+            case 1: pair_scores(q32, h0, 1, dim, latent, rows, k0, count, score, n); break;
+            case 2: pair_scores(q32, h0, 2, dim, latent, rows, k0, count, score, n); break;
+            case 3: pair_scores(q32, h0, 3, dim, latent, rows, k0, count, score, n); break;
+            default: pair_scores(q32, h0, 4, dim, latent, rows, k0, count, score, n); break;
+            }
+        }
+    }
+    const int64_t n_pad = n + (n & 1);
+    for (int h = 0; h < heads; h++) {
+        softmax(score + h * n, n, scale, 1);
+        for (int64_t k = 0; k < n; k++) p16[h * n_pad + k] = f32_to_bf16(score[h * n + k]);
+        if (n & 1) p16[h * n_pad + n] = 0;
+    }
+    for (int h0 = 0; h0 < heads; h0 += PAIR_HEADS) {
+        const int hn = heads - h0 < PAIR_HEADS ? heads - h0 : PAIR_HEADS;
+        for (int64_t c0 = 0; c0 < dim; c0 += 64) {
+            const int chunks = dim - c0 >= 64 ? 2 : 1;
+            switch (hn * 2 + chunks - 1) { /* constants per case: the sums stay in registers */
+            case 2: pair_sums(p16, n_pad, h0, 1, c0, 1, dim, latent, rows, n, acc); break;
+            case 3: pair_sums(p16, n_pad, h0, 1, c0, 2, dim, latent, rows, n, acc); break;
+            case 4: pair_sums(p16, n_pad, h0, 2, c0, 1, dim, latent, rows, n, acc); break;
+            case 5: pair_sums(p16, n_pad, h0, 2, c0, 2, dim, latent, rows, n, acc); break;
+            case 6: pair_sums(p16, n_pad, h0, 3, c0, 1, dim, latent, rows, n, acc); break;
+            case 7: pair_sums(p16, n_pad, h0, 3, c0, 2, dim, latent, rows, n, acc); break;
+            case 8: pair_sums(p16, n_pad, h0, 4, c0, 1, dim, latent, rows, n, acc); break;
+            default: pair_sums(p16, n_pad, h0, 4, c0, 2, dim, latent, rows, n, acc); break;
+            }
+        }
+    }
+}
+#endif
+
 int mla_latent_attention(const void *q, const void *latent, const int64_t *positions, int64_t width,
                          const int64_t *request, const int64_t *block_tables, int64_t max_blocks, int64_t block_size,
                          int64_t tokens, int heads, int64_t dim, float scale, int bf16, void *out, int threads) {
@@ -252,6 +354,15 @@ int mla_latent_attention(const void *q, const void *latent, const int64_t *posit
             for (int64_t k = 0; k < width; k++)
                 if (pos[k] >= 0) rows[n++] = table[pos[k] / block_size] * block_size + pos[k] % block_size;
         }
+#if defined(__AVX512BF16__)
+        if (bf16 && dim % 32 == 0 && heads * (n + 1) <= 4 * k_room * dim) { /* p16 fits in lat and lat_t */
+            pair_attention((const uint16_t *)q + t * heads * dim, heads, dim, latent, rows, n, scale, score,
+                           (uint16_t *)lat, acc);
+            uint16_t *o = (uint16_t *)out + t * heads * dim;
+            for (int64_t i = 0; i < heads * dim; i++) o[i] = f32_to_bf16(acc[i]);
+            continue;
+        }
+#endif
         widen_row(q, t * heads * dim, heads * dim, bf16, qf);
         const int64_t row_bytes = dim * (bf16 ? 2 : 4);
         for (int64_t k = 0; k < n; k++) {
