@@ -226,16 +226,33 @@ static inline const uint16_t *panel(const uint16_t *packed, int64_t n, int64_t k
     return packed + (e * (n / TILE_N) + b) * (k / 2) * (2 * TILE_N);
 }
 
+/* The two panels of a task to come (w0 NULL: none), of the same k inputs, fetched towards
+ * L2 one line each per input pair while this task's products run. At decode sizes a task's
+ * few rows against its panels (16 KiB at k = 256) cost about what fetching them does; asked
+ * for in one burst before the task, the 256 prefetches filled the core's misses in flight
+ * and the loads behind them waited, so fetches and arithmetic took turns (python
+ * docs/bench/call_times.py 32: routed experts 109-138 -> 84-90 us a call in the step). */
+typedef struct {
+    const uint16_t *w0, *w1;
+} Ahead;
+
+static const Ahead NOTHING_AHEAD = {NULL, NULL};
+
 /* acc0, acc1 [m, 16] fp32 = a [m, k] (rows `lda` apart) times two weight panels, from their
- * first tiles w0 and w1 (a panel's tiles follow each other, 1 KiB apart). m <= 16; on AMX
- * the tiles must be configured for m rows. */
+ * first tiles w0 and w1 (a panel's tiles follow each other, 1 KiB apart), fetching `ahead`
+ * meanwhile. m <= 16; on AMX the tiles must be configured for m rows. */
 #ifdef __AMX_TILE__
 static void panel_pair(const uint16_t *a, int64_t lda, int64_t k, const uint16_t *w0, const uint16_t *w1, int m,
-                       float *acc0, float *acc1) {
+                       float *acc0, float *acc1, Ahead ahead) {
     (void)m;
     _tile_zero(0);
     _tile_zero(1);
     for (int64_t kk = 0; kk < k / TILE_K; kk++) {
+        if (ahead.w0 != NULL) /* the next panels' tiles kk: 1 KiB each, 16 lines */
+            for (int64_t at = 0; at < TILE_K * TILE_N; at += 32) {
+                __builtin_prefetch(ahead.w0 + kk * TILE_K * TILE_N + at, 0, 2);
+                __builtin_prefetch(ahead.w1 + kk * TILE_K * TILE_N + at, 0, 2);
+            }
         _tile_loadd(2, a + kk * TILE_K, lda * 2);
         _tile_loadd(3, w0 + kk * TILE_K * TILE_N, 64);
         _tile_loadd(4, w1 + kk * TILE_K * TILE_N, 64);
@@ -252,10 +269,14 @@ static void panel_pair(const uint16_t *a, int64_t lda, int64_t k, const uint16_t
  * one input pair of 16 channels, is loaded once and used for every row. */
 static inline __attribute__((always_inline)) void vector_rows(const uint16_t *a, int64_t lda, int64_t k,
                                                               const uint16_t *w0, const uint16_t *w1, const int rows,
-                                                              float *acc0, float *acc1) {
+                                                              float *acc0, float *acc1, Ahead ahead) {
     __m512 c0[VEC_ROWS], c1[VEC_ROWS];
     for (int r = 0; r < rows; r++) c0[r] = c1[r] = _mm512_setzero_ps();
     for (int64_t p = 0; p < k / 2; p++) {
+        if (ahead.w0 != NULL) { /* a pair of inputs of 16 channels: one line of each panel */
+            __builtin_prefetch(ahead.w0 + p * 2 * TILE_N, 0, 2);
+            __builtin_prefetch(ahead.w1 + p * 2 * TILE_N, 0, 2);
+        }
         const __m512bh b0 = (__m512bh)_mm512_loadu_si512(w0 + p * 2 * TILE_N);
         const __m512bh b1 = (__m512bh)_mm512_loadu_si512(w1 + p * 2 * TILE_N);
         for (int r = 0; r < rows; r++) {
@@ -273,19 +294,20 @@ static inline __attribute__((always_inline)) void vector_rows(const uint16_t *a,
 }
 
 static void panel_pair(const uint16_t *a, int64_t lda, int64_t k, const uint16_t *w0, const uint16_t *w1, int m,
-                       float *acc0, float *acc1) {
+                       float *acc0, float *acc1, Ahead ahead) {
     for (int r0 = 0; r0 < m; r0 += VEC_ROWS) {
         const uint16_t *ar = a + r0 * lda;
         float *o0 = acc0 + r0 * TILE_N, *o1 = acc1 + r0 * TILE_N;
+        const Ahead fetch = r0 == 0 ? ahead : NOTHING_AHEAD; /* in the first pass over the panels */
         switch (m - r0 < VEC_ROWS ? m - r0 : VEC_ROWS) { /* a constant row count per case: registers, not memory */
-        case 1: vector_rows(ar, lda, k, w0, w1, 1, o0, o1); break;
-        case 2: vector_rows(ar, lda, k, w0, w1, 2, o0, o1); break;
-        case 3: vector_rows(ar, lda, k, w0, w1, 3, o0, o1); break;
-        case 4: vector_rows(ar, lda, k, w0, w1, 4, o0, o1); break;
-        case 5: vector_rows(ar, lda, k, w0, w1, 5, o0, o1); break;
-        case 6: vector_rows(ar, lda, k, w0, w1, 6, o0, o1); break;
-        case 7: vector_rows(ar, lda, k, w0, w1, 7, o0, o1); break;
-        default: vector_rows(ar, lda, k, w0, w1, 8, o0, o1); break;
+        case 1: vector_rows(ar, lda, k, w0, w1, 1, o0, o1, fetch); break;
+        case 2: vector_rows(ar, lda, k, w0, w1, 2, o0, o1, fetch); break;
+        case 3: vector_rows(ar, lda, k, w0, w1, 3, o0, o1, fetch); break;
+        case 4: vector_rows(ar, lda, k, w0, w1, 4, o0, o1, fetch); break;
+        case 5: vector_rows(ar, lda, k, w0, w1, 5, o0, o1, fetch); break;
+        case 6: vector_rows(ar, lda, k, w0, w1, 6, o0, o1, fetch); break;
+        case 7: vector_rows(ar, lda, k, w0, w1, 7, o0, o1, fetch); break;
+        default: vector_rows(ar, lda, k, w0, w1, 8, o0, o1, fetch); break;
         }
     }
 }
@@ -298,7 +320,7 @@ static void panel_pair(const uint16_t *a, int64_t lda, int64_t k, const uint16_t
  * vector (8 channels x 2 inputs) splits into its even inputs (shifted up) and odd ones
  * (masked), each loaded and widened once for every row; a row's input is one broadcast load. */
 static inline __attribute__((always_inline)) void widened_rows(const float *x, int64_t pairs, const uint16_t *w,
-                                                               const int rows, float *acc) {
+                                                               const int rows, float *acc, const uint16_t *fetch) {
     const __m256i odd = _mm256_set1_epi32((int)0xffff0000u);
     __m256 lo[VEC_ROWS], hi[VEC_ROWS];
     for (int r = 0; r < rows; r++) {
@@ -306,6 +328,7 @@ static inline __attribute__((always_inline)) void widened_rows(const float *x, i
         hi[r] = _mm256_loadu_ps(acc + r * TILE_N + 8);
     }
     for (int64_t p = 0; p < pairs; p++) {
+        if (fetch != NULL) __builtin_prefetch(fetch + p * 2 * TILE_N, 0, 2); /* the same line of a panel to come */
         const __m256i w_lo = _mm256_loadu_si256((const __m256i *)(w + p * 2 * TILE_N));
         const __m256i w_hi = _mm256_loadu_si256((const __m256i *)(w + p * 2 * TILE_N + TILE_N));
         const __m256 even_lo = widen8(w_lo), odd_lo = _mm256_castsi256_ps(_mm256_and_si256(w_lo, odd));
@@ -327,7 +350,7 @@ static inline __attribute__((always_inline)) void widened_rows(const float *x, i
  * both panels), each panel's sums carried from chunk to chunk in acc, so every output is
  * still summed in input order. */
 static void panel_pair(const uint16_t *a, int64_t lda, int64_t k, const uint16_t *w0, const uint16_t *w1, int m,
-                       float *acc0, float *acc1) {
+                       float *acc0, float *acc1, Ahead ahead) {
     float x[VEC_ROWS * X_CHUNK];
     memset(acc0, 0, (size_t)m * TILE_N * sizeof(float));
     memset(acc1, 0, (size_t)m * TILE_N * sizeof(float));
@@ -338,12 +361,14 @@ static void panel_pair(const uint16_t *a, int64_t lda, int64_t k, const uint16_t
             for (int r = 0; r < rows; r++) widen_row(a + (r0 + r) * lda, k0, n, 1, x + r * X_CHUNK);
             for (int half = 0; half < 2; half++) {
                 const uint16_t *w = (half ? w1 : w0) + k0 * TILE_N; /* a pair of inputs is 2 x 16 weights */
+                const uint16_t *next = half ? ahead.w1 : ahead.w0;
+                const uint16_t *fetch = r0 == 0 && next != NULL ? next + k0 * TILE_N : NULL;
                 float *out = (half ? acc1 : acc0) + r0 * TILE_N;
                 switch (rows) { /* a constant row count per case */
-                case 1: widened_rows(x, n / 2, w, 1, out); break;
-                case 2: widened_rows(x, n / 2, w, 2, out); break;
-                case 3: widened_rows(x, n / 2, w, 3, out); break;
-                default: widened_rows(x, n / 2, w, 4, out); break;
+                case 1: widened_rows(x, n / 2, w, 1, out, fetch); break;
+                case 2: widened_rows(x, n / 2, w, 2, out, fetch); break;
+                case 3: widened_rows(x, n / 2, w, 3, out, fetch); break;
+                default: widened_rows(x, n / 2, w, 4, out, fetch); break;
                 }
             }
         }
@@ -352,11 +377,6 @@ static void panel_pair(const uint16_t *a, int64_t lda, int64_t k, const uint16_t
 #else
 #error "bf16_panels.c needs AMX-BF16 (-mamx-tile -mamx-bf16), AVX512-BF16, or AVX2 with FMA"
 #endif
-
-/* A panel of k inputs (16 x k bf16, contiguous) towards L2, for a task about to start. */
-static inline void prefetch_panel(const uint16_t *p, int64_t k) {
-    for (int64_t at = 0; at < k * TILE_N; at += 32) __builtin_prefetch(p + at, 0, 2);
-}
 
 /* The scratch of experts_products: act [P, I] bf16, order [E], slots [P + 1]. */
 typedef struct {
@@ -401,16 +421,16 @@ static void experts_products(const uint16_t *x, int64_t P, int64_t H, const int3
         #pragma omp for schedule(runtime)
         for (int64_t task = 0; task < busy * panels_i; task++) {
             int64_t e = order[task / panels_i], b = task % panels_i;
+            Ahead ahead = NOTHING_AHEAD;
             if (stride && task + stride < busy * panels_i) {
                 const int64_t ne = order[(task + stride) / panels_i], nb = (task + stride) % panels_i;
-                prefetch_panel(panel(gate_up, 2 * I, H, ne, nb), H);
-                prefetch_panel(panel(gate_up, 2 * I, H, ne, panels_i + nb), H);
+                ahead = (Ahead){panel(gate_up, 2 * I, H, ne, nb), panel(gate_up, 2 * I, H, ne, panels_i + nb)};
             }
             for (int64_t m0 = start_of(offsets, e), end = offsets[e]; m0 < end; m0 += TILE_M) {
                 int m = end - m0 < TILE_M ? (int)(end - m0) : TILE_M;
                 rows_of_block(m, &configured);
                 panel_pair(x + m0 * H, H, H, panel(gate_up, 2 * I, H, e, b), panel(gate_up, 2 * I, H, e, panels_i + b),
-                           m, acc0, acc1);
+                           m, acc0, acc1, m0 == start_of(offsets, e) ? ahead : NOTHING_AHEAD);
                 for (int r = 0; r < m; r++)
                     glu16(acc0 + r * TILE_N, acc1 + r * TILE_N, limit, row_weight[m0 + r], act + (m0 + r) * I + b * TILE_N);
             }
@@ -419,15 +439,16 @@ static void experts_products(const uint16_t *x, int64_t P, int64_t H, const int3
         #pragma omp for schedule(runtime)
         for (int64_t task = 0; task < busy * pairs_h; task++) {
             int64_t e = order[task / pairs_h], b = 2 * (task % pairs_h);
+            Ahead ahead = NOTHING_AHEAD;
             if (stride && task + stride < busy * pairs_h) {
                 const int64_t ne = order[(task + stride) / pairs_h], nb = 2 * ((task + stride) % pairs_h);
-                prefetch_panel(panel(down, H, I, ne, nb), I);
-                prefetch_panel(panel(down, H, I, ne, nb + 1), I);
+                ahead = (Ahead){panel(down, H, I, ne, nb), panel(down, H, I, ne, nb + 1)};
             }
             for (int64_t m0 = start_of(offsets, e), end = offsets[e]; m0 < end; m0 += TILE_M) {
                 int m = end - m0 < TILE_M ? (int)(end - m0) : TILE_M;
                 rows_of_block(m, &configured);
-                panel_pair(act + m0 * I, I, I, panel(down, H, I, e, b), panel(down, H, I, e, b + 1), m, acc0, acc1);
+                panel_pair(act + m0 * I, I, I, panel(down, H, I, e, b), panel(down, H, I, e, b + 1), m, acc0, acc1,
+                           m0 == start_of(offsets, e) ? ahead : NOTHING_AHEAD);
                 for (int r = 0; r < m; r++) {
                     uint16_t *row = y + (m0 + r) * H + b * TILE_N;
                     store_bf16x16(acc0 + r * TILE_N, row);
@@ -492,11 +513,17 @@ static int linear_products(const uint16_t *x, int64_t M, int64_t heads, int64_t 
             const int64_t b = 2 * (task % pairs), g = task / pairs % groups, h = task / (pairs * groups);
             const int64_t end = (g + 1) * rows < M ? (g + 1) * rows : M;
             const uint16_t *wh = w + h * n_packed * K;
+            Ahead ahead = NOTHING_AHEAD; /* the next task's panels: this thread's, but at its share's end */
+            if (task + 1 < heads * pairs * groups) {
+                const int64_t nb = 2 * ((task + 1) % pairs), nh = (task + 1) / (pairs * groups);
+                const uint16_t *next = w + nh * n_packed * K;
+                ahead = (Ahead){panel(next, n_packed, K, 0, nb), panel(next, n_packed, K, 0, nb + 1)};
+            }
             for (int64_t m0 = g * rows; m0 < end; m0 += TILE_M) {
                 int m = end - m0 < TILE_M ? (int)(end - m0) : TILE_M;
                 rows_of_block(m, &configured);
                 panel_pair(x + m0 * lda + h * K, lda, K, panel(wh, n_packed, K, 0, b), panel(wh, n_packed, K, 0, b + 1),
-                           m, acc0, acc1);
+                           m, acc0, acc1, m0 == g * rows ? ahead : NOTHING_AHEAD);
                 for (int half = 0; half < 2; half++) {
                     const int64_t c0 = (b + half) * TILE_N;
                     const int64_t valid = N - c0 < TILE_N ? (N - c0 > 0 ? N - c0 : 0) : TILE_N;
