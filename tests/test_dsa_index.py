@@ -15,7 +15,7 @@ BLOCK, KPOOL = 16, 4
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("query_dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("tokens,heads,dim", [(1, 1, 8), (7, 4, 32), (33, 2, 20)])
+@pytest.mark.parametrize("tokens,heads,dim", [(1, 1, 8), (7, 4, 32), (33, 2, 20), (5, 2, 40), (5, 3, 64)])
 def test_native_index_scores_match_torch(dtype, query_dtype, tokens, heads, dim):
     """Queries and head weights as projected (bf16 or fp32: widened in the kernel, weights
     scaled there), pools visible up to each query's position."""
@@ -71,6 +71,9 @@ def test_native_index_scores_of_long_rows_are_the_same_on_any_number_of_threads(
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(got, alone)
+    last = tokens - 1  # a query scored alone: the same bits as among the others
+    single = (q[last:], weights[last:], query_pos[last:], kpool, request[last:], *args[5:])
+    assert torch.equal(index_scores(*single)[0], got[last])
     pools = torch.arange(num_pools)
     seen = pools[None] < visible[:, None]
     rows = blocks[request[:, None], (pools // ppb).clamp(max=blocks_per - 1)] * ppb + pools % ppb

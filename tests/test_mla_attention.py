@@ -59,7 +59,8 @@ def build(request, monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("tokens,heads,dim,width", [(1, 1, 16, 4), (9, 4, 64, 40), (33, 2, 40, 100), (5, 6, 48, 300),
-                                                    (4, 3, 32, 17), (6, 6, 96, 150), (3, 9, 64, 33)])
+                                                    (4, 3, 32, 17), (6, 6, 96, 150), (3, 9, 64, 33), (6, 5, 32, 33),
+                                                    (6, 3, 64, 17), (4, 130, 32, 3)])
 @pytest.mark.parametrize("block", [BLOCK, 12])  # a power of two (rows by shifts) or not (by division)
 def test_native_latent_attention_matches_torch(build, dtype, tokens, heads, dim, width, block):
     gen = torch.Generator().manual_seed(tokens * 7 + dim)
@@ -73,6 +74,24 @@ def test_native_latent_attention_matches_torch(build, dtype, tokens, heads, dim,
     # bf16: scores and probabilities are rounded where torch rounds them; fp32 sums in another order.
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_native_latent_attention_gives_a_query_the_same_bits_alone_and_in_a_batch(dtype):
+    """A query's output does not depend on the other queries of its call, nor on the threads
+    that share the call (or a request's output would depend on the batch)."""
+    gen = torch.Generator().manual_seed(11)
+    q, positions, request, blocks, latent = _case(gen, 12, 4, 64, 40, dtype)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        whole = latent_attention(q, positions, request, blocks, BLOCK, latent, 0.125)
+        torch.set_num_threads(1)
+        for t in range(12):
+            alone = latent_attention(q[t : t + 1], positions[t : t + 1], request[t : t + 1], blocks, BLOCK, latent, 0.125)
+            assert torch.equal(alone[0], whole[t])
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_quantized_or_mismatched_tables_take_the_torch_path():

@@ -221,8 +221,8 @@ static void head_products(const float *a, int heads, int64_t count, const float 
 #define PAIR_HEADS 4 /* heads a pass: 4 x 2 chunks x 2 halves of sums in registers */
 
 /* Scores of positions k0 .. k0 + count (count <= 16) for `hn` heads from h0 (a constant after
- * inlining): q32 [heads][dim / 2] query pairs, score [heads][n]. */
-static inline __attribute__((always_inline)) void pair_scores(const uint32_t *q32, int64_t h0, const int hn,
+ * inlining): q [heads][dim] bf16, score [heads][n]. */
+static inline __attribute__((always_inline)) void pair_scores(const uint16_t *q, int64_t h0, const int hn,
                                                               int64_t dim, const uint16_t *latent,
                                                               const int64_t *rows, int64_t k0, int count,
                                                               float *score, int64_t n) {
@@ -235,9 +235,11 @@ static inline __attribute__((always_inline)) void pair_scores(const uint32_t *q3
         transpose16(r);
         for (int j = 0; j < 16; j += 2)
             for (int h = 0; h < hn; h++) {
-                const uint32_t *qh = q32 + (h0 + h) * (dim / 2) + d0 / 2;
-                even[h] = _mm512_dpbf16_ps(even[h], (__m512bh)_mm512_set1_epi32((int)qh[j]), (__m512bh)r[j]);
-                odd[h] = _mm512_dpbf16_ps(odd[h], (__m512bh)_mm512_set1_epi32((int)qh[j + 1]), (__m512bh)r[j + 1]);
+                const uint16_t *qh = q + (h0 + h) * dim + d0 + 2 * j; /* channel pairs j and j + 1 */
+                uint32_t pair[2];
+                memcpy(pair, qh, sizeof pair);
+                even[h] = _mm512_dpbf16_ps(even[h], (__m512bh)_mm512_set1_epi32((int)pair[0]), (__m512bh)r[j]);
+                odd[h] = _mm512_dpbf16_ps(odd[h], (__m512bh)_mm512_set1_epi32((int)pair[1]), (__m512bh)r[j + 1]);
             }
     }
     const __mmask16 keep = (__mmask16)((1u << count) - 1u);
@@ -287,15 +289,14 @@ static inline __attribute__((always_inline)) void pair_sums(const uint16_t *p16,
  * [heads][n + 1] (bf16), acc [heads][dim] fp32. */
 static void pair_attention(const uint16_t *q, int heads, int64_t dim, const uint16_t *latent, const int64_t *rows,
                            int64_t n, float scale, float *score, uint16_t *p16, float *acc) {
-    const uint32_t *q32 = (const uint32_t *)q; /* (a bf16 row of even width: 4-byte pairs) */
     for (int64_t k0 = 0; k0 < n; k0 += 16) {
         const int count = n - k0 < 16 ? (int)(n - k0) : 16;
         for (int h0 = 0; h0 < heads; h0 += PAIR_HEADS) {
             switch (heads - h0 < PAIR_HEADS ? heads - h0 : PAIR_HEADS) { /* a constant head count per case */
-            case 1: pair_scores(q32, h0, 1, dim, latent, rows, k0, count, score, n); break;
-            case 2: pair_scores(q32, h0, 2, dim, latent, rows, k0, count, score, n); break;
-            case 3: pair_scores(q32, h0, 3, dim, latent, rows, k0, count, score, n); break;
-            default: pair_scores(q32, h0, 4, dim, latent, rows, k0, count, score, n); break;
+            case 1: pair_scores(q, h0, 1, dim, latent, rows, k0, count, score, n); break;
+            case 2: pair_scores(q, h0, 2, dim, latent, rows, k0, count, score, n); break;
+            case 3: pair_scores(q, h0, 3, dim, latent, rows, k0, count, score, n); break;
+            default: pair_scores(q, h0, 4, dim, latent, rows, k0, count, score, n); break;
             }
         }
     }
@@ -329,8 +330,9 @@ int mla_latent_attention(const void *q, const void *latent, const int64_t *posit
                          int64_t tokens, int heads, int64_t dim, float scale, int bf16, void *out, int threads) {
     if (threads < 1) threads = 1;
     const int64_t k_room = width > 0 ? width : 1;
-    /* per thread: the query's heads [H][C], sums [H][C], scores [H][K], latents [K][C] and [C][K] */
-    const int64_t per_thread = 2 * heads * dim + heads * k_room + 2 * k_room * dim;
+    /* per thread: the query's heads [H][C], sums [H][C], scores [H][K], latents [K][C] and [C][K],
+     * bf16 probabilities [H][K + 1] (the pairs path's) */
+    const int64_t per_thread = 2 * heads * dim + heads * k_room + 2 * k_room * dim + (heads * (k_room + 1) + 1) / 2;
     const size_t scratch_bytes = (size_t)(threads * per_thread) * sizeof(float);
     const size_t rows_bytes = (size_t)(threads * k_room) * sizeof(int64_t);
     if (scratch_reserve(scratch_padded(scratch_bytes) + scratch_padded(rows_bytes)) != 0) return -2;
@@ -344,6 +346,7 @@ int mla_latent_attention(const void *q, const void *latent, const int64_t *posit
         const int id = omp_get_thread_num();
         float *qf = scratch + id * per_thread, *acc = qf + heads * dim, *score = acc + heads * dim;
         float *lat = score + heads * k_room, *lat_t = lat + k_room * dim;
+        uint16_t *p16 = (uint16_t *)(lat_t + k_room * dim);
         int64_t *rows = rows_all + id * k_room;
         const int64_t *pos = positions + t * width, *table = block_tables + request[t] * max_blocks;
         int64_t n = 0;
@@ -355,9 +358,8 @@ int mla_latent_attention(const void *q, const void *latent, const int64_t *posit
                 if (pos[k] >= 0) rows[n++] = table[pos[k] / block_size] * block_size + pos[k] % block_size;
         }
 #if defined(__AVX512BF16__)
-        if (bf16 && dim % 32 == 0 && heads * (n + 1) <= 4 * k_room * dim) { /* p16 fits in lat and lat_t */
-            pair_attention((const uint16_t *)q + t * heads * dim, heads, dim, latent, rows, n, scale, score,
-                           (uint16_t *)lat, acc);
+        if (bf16 && dim % 32 == 0) {
+            pair_attention((const uint16_t *)q + t * heads * dim, heads, dim, latent, rows, n, scale, score, p16, acc);
             uint16_t *o = (uint16_t *)out + t * heads * dim;
             for (int64_t i = 0; i < heads * dim; i++) o[i] = f32_to_bf16(acc[i]);
             continue;
