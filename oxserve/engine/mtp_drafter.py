@@ -214,7 +214,7 @@ class MTPDrafter:
         output at its last position and its argmax. A row of a few positions on a cached
         context runs as a verify does (a query per position, as captured steps run them), a
         longer one as a prefill chunk."""
-        kinds = [_kind(r) for r in rows]
+        kinds = [_kind(r, self.layout.block_size) for r in rows]
         order = sorted(range(len(rows)), key=kinds.__getitem__)  # decodes, verifies, prefill chunks: as a batch wants them
         requests = [BatchRequest(rows[i].first, len(rows[i].next_tokens), block_tables[rows[i].request_id], 0,
                                  rows[i].wants_draft, len(rows[i].next_tokens) - 1 if kinds[i] == VERIFY else 0)
@@ -236,11 +236,15 @@ class MTPDrafter:
 
 
 DECODE, VERIFY, PREFILL = 0, 1, 2
-VERIFY_ROWS = 16  # the most positions a row runs as a verify (a probe every 16 decodes catches up 15 or 16)
 
 
-def _kind(row: _Row) -> int:
-    if row.first == 0 or len(row.next_tokens) > VERIFY_ROWS:
+def _kind(row: _Row, block_size: int) -> int:
+    """A row runs as a verify up to a block and the position before it: what a request owes
+    when a block fills (positions pile up a block at a time while it does not draft), so that
+    those passes replay once their shape recurs. Run as prefill chunks they were eager, a
+    layer's prefill each (~2.5 ms at batch 1 on a Zen 4 EPYC): MTP on while the guard kept
+    drafting off cost 0.68-0.82x plain decode (`python docs/bench/spec_idle_cost.py`)."""
+    if row.first == 0 or len(row.next_tokens) > block_size + 1:
         return PREFILL
     return DECODE if len(row.next_tokens) == 1 else VERIFY
 
