@@ -167,6 +167,44 @@ def test_requests_that_do_not_draft_run_the_mtp_layer_once_a_block(tiny_mtp_dir,
     _assert_mtp_argmax(tiny_mtp_dir, again + out.token_ids, seen)
 
 
+def test_where_the_guard_finds_rows_dear_the_mtp_layer_runs_for_probes_only(tiny_mtp_dir, monkeypatch):
+    """A batch size whose draft rows were measured to cost a step or more: no MTP pass runs
+    for blocks, prompts or requests leaving (each a layer's prefill, which made MTP switched
+    on slower than plain decode), only a probe's own passes, and a probe still drafts. A
+    request with its own seed keeps every pass (its drafts must not depend on measured costs).
+    The tokens are plain greedy's either way."""
+    import oxserve.engine.scheduler
+
+    _drafting_every(monkeypatch, 8)  # the probes
+    monkeypatch.setattr(oxserve.engine.scheduler.DraftCost, "observe", lambda self, *args, **kwargs: None)  # stays dear
+    rng = random.Random()
+    prompt = [rng.randrange(20, 8000) for _ in range(rng.randrange(20, 40))]
+    options = dict(dtype="float32", block_size=16)
+    params = SamplingParams(temperature=0.0, max_tokens=70, ignore_eos=True)
+    plain = LLM(model=str(tiny_mtp_dir), **options).generate([prompt], params)[0].outputs[0].token_ids
+    llm = LLM(model=str(tiny_mtp_dir), speculative_config=MTP_SPEC, **options)
+    _poison_mtp_cache(llm)
+    llm.engine.scheduler.draft_cost.row_cost[1] = 1.5  # batch 1: rows measured dear
+    drafter = llm.engine.runner.drafter
+    passes = []
+    run = drafter._run
+    drafter._run = lambda rows, tables: [passes.append(len(rows)), run(rows, tables)][1]
+    out = llm.generate([prompt], params)[0].outputs[0].token_ids
+    probes = llm.engine.stats().spec_drafts
+    assert out == plain and probes > 0 and llm.engine.stats().spec_draft_tokens > 0
+    assert len(passes) <= 3 * probes  # a probe: the pass over its last step's positions, k - 1 more for its drafts
+    # Seeded, on a prompt of its own (no blocks shared with the first), drafting once in 16
+    # decodes (its acceptance too low: the request's own probes): every draft is the MTP
+    # layer's run over the whole sequence, so the passes between its drafts ran.
+    monkeypatch.setattr(oxserve.engine.scheduler, "draft_depth", lambda request, k, floor: 0)
+    seen = _spy_first_drafts(llm)
+    other = [rng.randrange(20, 8000) for _ in range(30)]
+    seeded = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True, seed=5)
+    out = llm.generate([other], seeded)[0].outputs[0].token_ids
+    assert len(seen) >= 3
+    _assert_mtp_argmax(tiny_mtp_dir, other + out, seen)
+
+
 @pytest.mark.slow
 def test_64_concurrent_greedy_requests_with_mtp_equal_their_solo_runs(tiny_mtp_dir, monkeypatch):
     """The concurrency guarantee with speculation on: batched with 63 others (chunked

@@ -69,7 +69,7 @@ def test_cost_is_measured_per_batch_size_and_stops_drafting_where_rows_are_dear(
         cost.observe(1, 0, 0.010)
         cost.observe(1, 3, 0.013)
     assert abs(cost.row_cost[1] - 0.1) < 1e-6
-    assert cost.budget(1) in (None, (max(MIN_FLOOR, 0.1), MAX_DEPTH))
+    assert cost.budget(1) in (None, (max(MIN_FLOOR, 0.1), MAX_DEPTH)) and not cost.dear(1)
     for _ in range(60):  # batch 64: 100 ms plain, 240 ms with 64 drafts -> a row costs 1.4 steps of a request
         cost.observe(64, 0, 0.100)
         cost.observe(64, 64, 0.240)
@@ -80,6 +80,7 @@ def test_cost_is_measured_per_batch_size_and_stops_drafting_where_rows_are_dear(
     gaps = [b - a for a, b in zip(probes, probes[1:])]
     assert gaps[0] == 2 * EXPLORE_DEAR and gaps == sorted(gaps) and gaps[-1] == gaps[-2] == EXPLORE_DEAR_MAX
     assert 1 not in cost.row_cost or cost.row_cost[1] < 1  # buckets are separate
+    assert cost.dear(64) and cost.dear(127) and not cost.dear(1) and not cost.dear(8)  # (8: not measured)
 
 
 def test_rows_that_come_down_in_cost_are_noticed_and_drafted_again():
@@ -94,6 +95,7 @@ def test_rows_that_come_down_in_cost_are_noticed_and_drafted_again():
         cost.observe(4, 4, 0.022)
     after = [cost.budget(4) for _ in range(2 * EXPLORE)]
     assert sum(b is None for b in after) <= 2 and all(b[1] == MAX_DEPTH for b in after if b is not None)
+    assert not cost.dear(4)
 
 
 def test_a_shapes_first_steps_count_only_where_shapes_never_recur():

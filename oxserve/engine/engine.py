@@ -360,6 +360,8 @@ class LLMEngine:
             return []
         started = time.perf_counter()
         try:
+            if self.runner.drafter is not None:
+                self.runner.drafter.dormant = self.scheduler.drafting_dormant(scheduled)
             result = self.runner.execute(scheduled)
         except ParallelError:
             raise  # a lost rank: nothing can run, so there is nothing to isolate

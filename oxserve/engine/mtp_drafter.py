@@ -89,6 +89,9 @@ class MTPDrafter:
         self.captured = CapturedDecode(functools.partial(draft_pass, model, cache)) if captures else None
         self.novelty = STEADY  # of the last `advance` or `propose`: its most novel pass's
         self.catch_up_s = 0.0  # the last `propose`'s pass over positions owed from before the last step
+        # Set by the engine before each step: drafts do not pay at this batch size (the guard's
+        # measure), so no MTP pass runs but a probe's: see `advance`.
+        self.dormant = False
 
     def owing(self) -> list[str]:
         """The requests that owe MTP passes."""
@@ -104,7 +107,10 @@ class MTPDrafter:
         bs = self.layout.block_size
         due = [rid for rid, rows in self._owed.items() if rid in block_tables
                and (rid in left or block_tables[rid][rows[0].first // bs] in copied)]  # fmt: skip
-        if due:
+        if due and self.dormant:  # (see `advance`: their entries go unwritten)
+            for rid in due:
+                del self._owed[rid]
+        elif due:
             self._run([_joined(self._owed.pop(rid), False) for rid in due], block_tables)
 
     def forget(self, request_id: str) -> None:
@@ -128,7 +134,14 @@ class MTPDrafter:
                 block_tables: dict[str, list[int]]) -> None:  # fmt: skip
         """After a step. `scheduled` in batch order, `hidden` [T', D] the target's final hidden
         state of every row of the step (T' >= T: padding rows after them), `yielded` the
-        tokens each sampling request got (kept drafts, then the target's own)."""
+        tokens each sampling request got (kept drafts, then the target's own).
+
+        `dormant`: only the step's own row of each request is kept, for a probe's draft, and no
+        pass runs. Passes a block or a prompt at a time cost a layer's prefill each, which is
+        what made MTP switched on but not drafting slower than plain decode (0.68-0.88x at
+        batch 1 on a Zen 4 EPYC, `docs/bench/spec_idle_cost.py`). Positions skipped keep no MTP
+        entries: a later draft of the request (or of one that shares its blocks as a cached
+        prefix) attends over what the cache held, which costs acceptance, never tokens."""
         self._heads.clear()
         self.novelty = STEADY
         rows: list[_Row] = []
@@ -138,6 +151,9 @@ class MTPDrafter:
             offset += s.num_new_tokens
             row = self._row(s, h, yielded.get(s.request_id))
             if row is None:
+                continue
+            if self.dormant:
+                self._owed[row.request_id] = [row]
                 continue
             owed = self._owed.pop(row.request_id, [])
             if owed and owed[-1].first + len(owed[-1].next_tokens) != row.first:

@@ -354,6 +354,13 @@ class Scheduler:
             self.waiting.append(request)
 
     # ---- results ----------------------------------------------------------------------------
+    def drafting_dormant(self, scheduled: SchedulerOutput) -> bool:
+        """Whether this step's MTP passes may be skipped: its decodes are a batch size where a
+        draft row costs a step or more (only probes draft), and no running request has its own
+        seed (those draft on their acceptance alone, and their drafts must not depend on
+        measured costs: `propose_drafts`)."""
+        return self.draft_cost.dear(scheduled.num_decodes) and not any(r.params.seed is not None for r in self.running)
+
     def observe_step(self, scheduled: SchedulerOutput, seconds: float, novelty: str = STEADY) -> None:
         """The wall time a step took (its drafting included), for stall-free pacing and the
         speculation guard; `novelty`: whether it ran as a captured shape's first steps do

@@ -94,6 +94,11 @@ class DraftCost:
         self._since_probe[bucket], self._probe_wait[bucket] = 0, min(2 * wait, EXPLORE_DEAR_MAX)
         return KEEP_FLOOR, 1
 
+    def dear(self, decodes: int) -> bool:
+        """Whether a draft row is measured to cost a whole step or more at this batch size: then
+        only probes draft."""
+        return self.row_cost.get(decodes.bit_length(), 0.0) >= 1.0
+
     def observe(self, decodes: int, draft_rows: int, seconds: float, novelty: str = STEADY) -> None:
         """A decode-only step: its decoding requests, its draft rows, its wall time (the
         drafting included), and its `CapturedDecode.novelty`. A recording or a first replay
