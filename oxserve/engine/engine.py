@@ -361,7 +361,7 @@ class LLMEngine:
         started = time.perf_counter()
         try:
             if self.runner.drafter is not None:
-                self.runner.drafter.dormant = self.scheduler.drafting_dormant(scheduled)
+                self.runner.drafter.dormant = self.scheduler.drafting_dormant()
             result = self.runner.execute(scheduled)
         except ParallelError:
             raise  # a lost rank: nothing can run, so there is nothing to isolate

@@ -354,12 +354,14 @@ class Scheduler:
             self.waiting.append(request)
 
     # ---- results ----------------------------------------------------------------------------
-    def drafting_dormant(self, scheduled: SchedulerOutput) -> bool:
-        """Whether this step's MTP passes may be skipped: its decodes are a batch size where a
-        draft row costs a step or more (only probes draft), and no running request has its own
-        seed (those draft on their acceptance alone, and their drafts must not depend on
-        measured costs: `propose_drafts`)."""
-        return self.draft_cost.dear(scheduled.num_decodes) and not any(r.params.seed is not None for r in self.running)
+    def drafting_dormant(self) -> bool:
+        """Whether this step's MTP passes may be skipped: the running requests are a batch size
+        where a draft row costs a step or more (only probes draft), and none has its own seed
+        (those draft on their acceptance alone, and their drafts must not depend on measured
+        costs: `propose_drafts`). The running requests, not the step's decodes: a step that
+        admits a prompt (no decodes at batch 1) would run its MTP pass and the one owed by the
+        request that just left."""
+        return self.draft_cost.dear(len(self.running)) and not any(r.params.seed is not None for r in self.running)
 
     def observe_step(self, scheduled: SchedulerOutput, seconds: float, novelty: str = STEADY) -> None:
         """The wall time a step took (its drafting included), for stall-free pacing and the
