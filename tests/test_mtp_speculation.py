@@ -81,6 +81,7 @@ def _drafting_every(monkeypatch, every: int) -> None:
     monkeypatch.setattr(oxserve.engine.scheduler, "draft_depth", lambda request, k, floor: k)
     monkeypatch.setattr(oxserve.engine.scheduler.DraftCost, "budget",
                         lambda self, decodes: (0.5, 99) if every and next(steps) % every == 0 else None)  # fmt: skip
+    monkeypatch.setattr(oxserve.engine.scheduler.DraftCost, "dear", lambda self, decodes: False)  # every pass runs
 
 
 def _spy_first_drafts(llm, by_request: dict | None = None) -> list[tuple[int, int]]:
@@ -175,7 +176,9 @@ def test_where_the_guard_finds_rows_dear_the_mtp_layer_runs_for_probes_only(tiny
     The tokens are plain greedy's either way."""
     import oxserve.engine.scheduler
 
+    measured_dear = oxserve.engine.scheduler.DraftCost.dear
     _drafting_every(monkeypatch, 8)  # the probes
+    monkeypatch.setattr(oxserve.engine.scheduler.DraftCost, "dear", measured_dear)
     monkeypatch.setattr(oxserve.engine.scheduler.DraftCost, "observe", lambda self, *args, **kwargs: None)  # stays dear
     rng = random.Random()
     prompt = [rng.randrange(20, 8000) for _ in range(rng.randrange(20, 40))]

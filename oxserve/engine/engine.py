@@ -355,13 +355,13 @@ class LLMEngine:
         with span(tracer, "schedule", track="engine"):
             scheduled = self.scheduler.schedule()
         self.last_step = StepShape.of(scheduled)
+        if self.runner.drafter is not None:
+            self.runner.drafter.dormant = self.scheduler.drafting_dormant()
         if not scheduled.scheduled:
             self.runner.settle(scheduled)  # checkpoints of requests that just finished
             return []
         started = time.perf_counter()
         try:
-            if self.runner.drafter is not None:
-                self.runner.drafter.dormant = self.scheduler.drafting_dormant()
             result = self.runner.execute(scheduled)
         except ParallelError:
             raise  # a lost rank: nothing can run, so there is nothing to isolate

@@ -137,11 +137,14 @@ class MTPDrafter:
         tokens each sampling request got (kept drafts, then the target's own).
 
         `dormant`: only the step's own row of each request is kept, for a probe's draft, and no
-        pass runs. Passes a block or a prompt at a time cost a layer's prefill each, which is
-        what made MTP switched on but not drafting slower than plain decode (0.68-0.88x at
-        batch 1 on a Zen 4 EPYC, `docs/bench/spec_idle_cost.py`). Positions skipped keep no MTP
-        entries: a later draft of the request (or of one that shares its blocks as a cached
-        prefix) attends over what the cache held, which costs acceptance, never tokens."""
+        pass runs. Passes a prompt or a leaving request's owed positions at a time cost a
+        layer's prefill each, which is what made MTP switched on but not drafting slower than
+        plain decode (0.68-0.88x at batch 1 on a Zen 4 EPYC, `docs/bench/spec_idle_cost.py`).
+        Positions skipped keep no MTP entries: a later draft of the request (or of one that
+        shares its blocks as a cached prefix) attends over what the cache held. That costs
+        acceptance, never the target's distribution; but a request with its own seed that
+        resumes from such blocks samples with draws that depend on where its drafts fell, so
+        at temperature > 0 its output can differ from a run where they were written."""
         self._heads.clear()
         self.novelty = STEADY
         rows: list[_Row] = []

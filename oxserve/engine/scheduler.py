@@ -88,6 +88,9 @@ class Scheduler:
         self.num_accepted_tokens = 0  # ... and kept
         self._finished_ids: list[str] = []  # retired since the last schedule(): the runner drops them
         self._requeued_ids: list[str] = []  # requeued since the last schedule() (`SchedulerOutput`)
+        # Whether a request with its own seed left its blocks since the last schedule() (finished,
+        # requeued), and since the one before: its owed MTP passes run in the next step (`drafting_dormant`)
+        self._seeded_leaving = self._seeded_left = False
         self._blocks_sent: dict[str, int] = {}  # blocks of each running request the runner already has
         self.pacer = StepPacer(config.max_stall)
         self.draft_cost = DraftCost()  # speculative decoding: what a draft row costs at this batch size
@@ -123,6 +126,7 @@ class Scheduler:
             scheduled = [s for s, d in zip(scheduled, decodes) if d] + [s for s, d in zip(scheduled, decodes) if not d]
         finished, self._finished_ids = self._finished_ids, []
         requeued, self._requeued_ids = self._requeued_ids, []
+        self._seeded_left, self._seeded_leaving = self._seeded_leaving, False
         return SchedulerOutput(new_requests, scheduled, finished, self.cache.next_step(), requeued)
 
     def _choose(self, only: Request | None = None, skip: Request | None = None) -> tuple[list[tuple[Request, int]], bool]:
@@ -338,6 +342,7 @@ class Scheduler:
         self.cache.release(request.request_id)
         self._blocks_sent.pop(request.request_id, None)  # it restarts on the runner as a new request
         self._requeued_ids.append(request.request_id)
+        self._seeded_leaving |= request.params.seed is not None
         request.num_computed_tokens = 0
         request.draft_token_ids = []
         request.status = RequestStatus.WAITING
@@ -358,10 +363,12 @@ class Scheduler:
         """Whether this step's MTP passes may be skipped: the running requests are a batch size
         where a draft row costs a step or more (only probes draft), and none has its own seed
         (those draft on their acceptance alone, and their drafts must not depend on measured
-        costs: `propose_drafts`). The running requests, not the step's decodes: a step that
-        admits a prompt (no decodes at batch 1) would run its MTP pass and the one owed by the
-        request that just left."""
-        return self.draft_cost.dear(len(self.running)) and not any(r.params.seed is not None for r in self.running)
+        costs: `propose_drafts`), nor has one that left its blocks since the last step (its owed
+        passes run in this step, for a resume from its checkpoint). The running requests, not
+        the step's decodes: a step that admits a prompt (no decodes at batch 1) would run its
+        MTP pass and the one owed by the request that just left."""
+        seeded = self._seeded_left or any(r.params.seed is not None for r in self.running)
+        return self.draft_cost.dear(len(self.running)) and not seeded
 
     def observe_step(self, scheduled: SchedulerOutput, seconds: float, novelty: str = STEADY) -> None:
         """The wall time a step took (its drafting included), for stall-free pacing and the
@@ -486,6 +493,7 @@ class Scheduler:
         self.cache.release(request_id)
         self._blocks_sent.pop(request_id, None)
         self._finished_ids.append(request_id)
+        self._seeded_leaving |= request.params.seed is not None
         return request
 
     def forget(self, request_id: str) -> None:
