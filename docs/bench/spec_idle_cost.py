@@ -18,11 +18,11 @@ an engine that speculates rarely goes.
 from __future__ import annotations
 
 import collections
-import functools
 import sys
 import time
 
-from spec_row_cost import PARAMS  # (this script's folder is on the path)
+from decode_step_split import timed  # (this script's folder is on the path)
+from spec_row_cost import PARAMS
 
 from oxserve import LLM
 from oxserve.default_model import default_model
@@ -32,25 +32,11 @@ from oxserve.engine import mtp_drafter, runner
 SPENT: collections.Counter = collections.Counter()
 
 
-def timed(owner, name: str) -> None:
-    inner = getattr(owner, name)
-
-    @functools.wraps(inner)
-    def wrapper(*args, **kwargs):
-        start = time.perf_counter()
-        try:
-            return inner(*args, **kwargs)
-        finally:
-            SPENT[name] += time.perf_counter() - start
-
-    setattr(owner, name, wrapper)
-
-
 def main() -> None:
     spec = sys.argv[1] if len(sys.argv) > 1 else '{"method": "mtp", "num_speculative_tokens": 3}'
     for owner, name in ((mtp_drafter.MTPDrafter, "advance"), (mtp_drafter.MTPDrafter, "_run"),
                         (runner.ModelRunner, "_settle_drafts")):  # fmt: skip
-        timed(owner, name)
+        timed(owner, name, SPENT)
     prompts = [{"prompt_token_ids": p} for p in held_out_windows(default_model(), 12, 160, 3)]
     llms = {"plain": LLM(dtype="bfloat16", max_num_seqs=1), "speculative": LLM(dtype="bfloat16", max_num_seqs=1, speculative_config=spec)}
     for llm in llms.values():
