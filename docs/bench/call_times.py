@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 from oxserve import LLM, SamplingParams
+from oxserve.sampling_params import RequestOutputKind
 from oxserve.kernels import native
 from oxserve.kernels.call_list import CallRun
 
@@ -61,10 +62,13 @@ def timed_runner(folder: Path) -> ctypes.CDLL:
     return ctypes.CDLL(str(library))
 
 
-def steady_engine(batch: int, options: dict, context: int = 576) -> LLM:
+def steady_engine(batch: int, options: dict, context: int = 576, final_only: bool = False) -> LLM:
+    """An engine decoding `batch` greedy requests of `context` prompt tokens, 30 steps past
+    their prefill; `final_only`: outputs at the end only (as `LLM.generate`), else every step's."""
     llm = LLM(dtype="bfloat16", threads=2, **options)
     engine = llm.engine
-    params = SamplingParams(temperature=0.0, max_tokens=100_000, ignore_eos=True)
+    kind = RequestOutputKind.FINAL_ONLY if final_only else RequestOutputKind.CUMULATIVE
+    params = SamplingParams(temperature=0.0, max_tokens=100_000, ignore_eos=True, output_kind=kind)
     for i in range(batch):
         engine.add_request(f"r{i}", [40 + (i + j) % 4000 for j in range(context)], params)
     while not (engine.last_step.prefill_tokens == 0 and engine.last_step.decode_tokens == batch):

@@ -1,13 +1,15 @@
 """What a steady decode step spends: the replay of its captured kernels, and the engine's
 Python around it (docs/performance.md, "Padded decode batches").
 
-BATCH requests of 576 prompt tokens decode together (greedy, bf16, 2 threads); after 30
+BATCH requests of --context prompt tokens (576 by default) decode together (greedy, bf16, 2
+threads; each step's outputs wanted, or with --final-only only the last); after 30
 steady steps, 200 more are timed: the whole `LLMEngine.step`, the replay inside it, and with
 --parts the engine's pieces (each wrapped in a timer, which adds a little to each).
 `--compile-sizes` as the engine takes it (a batch of 17 with "17,24" runs unpadded, with the
 default sizes padded to 24).
 
-    python docs/bench/decode_step_split.py BATCH [--compile-sizes SIZES] [--parts] [--options JSON]
+    python docs/bench/decode_step_split.py BATCH [--compile-sizes SIZES] [--parts] [--context N] [--final-only]
+        [--options JSON]
 
 Single runs, not an A/B (`oxserve experiment run` is).
 """
@@ -51,13 +53,16 @@ def main() -> None:
     parser.add_argument("batch", type=int)
     parser.add_argument("--compile-sizes")
     parser.add_argument("--parts", action="store_true")
+    parser.add_argument("--context", type=int, default=576, help="prompt tokens a request (default: %(default)s)")
+    parser.add_argument("--final-only", action="store_true", help="outputs at the end only, as LLM.generate wants them")
     parser.add_argument("--options", default="{}", help="more engine options as JSON, e.g. {\"quantization\": \"w8a8\"}")
     args = parser.parse_args()
     totals: collections.Counter = collections.Counter()
     timed(capture.StepRecording, "replay", totals)
     for owner, name in PARTS if args.parts else ():
         timed(owner, name, totals)
-    llm = steady_engine(args.batch, {"compile_sizes": args.compile_sizes, **json.loads(args.options)})
+    llm = steady_engine(args.batch, {"compile_sizes": args.compile_sizes, **json.loads(args.options)}, args.context,
+                        args.final_only)
     eng = llm.engine
     totals.clear()
     steps = 200
