@@ -159,9 +159,12 @@ def test_native_verify_runs_match_the_token_by_token_reference():
     torch.testing.assert_close(states, expected.float(), rtol=1e-5, atol=1e-6)
 
 
-def test_bf16_checkpoints_round_only_at_folds():
-    """A bf16 state table (torch path): replay rounds the state once per fold, write-back once
-    per step, so replay stays at least as close to the fp32 run."""
+@pytest.mark.parametrize("path", ["native", "torch"])
+def test_bf16_checkpoints_round_only_at_folds(path, monkeypatch):
+    """A bf16 state table: replay rounds the state once per fold, write-back once per step, so
+    replay stays at least as close to the fp32 run."""
+    if path == "torch":
+        monkeypatch.setattr(kda_decode, "_native", lambda *tensors: None)
     cfg, layer = _layer(-5.0)
     exact_run = _Run(cfg, layer, 0)
     runs = {"write-back": _Run(cfg, layer, 0, "bfloat16"), "replay": _Run(cfg, layer, 16, "bfloat16")}

@@ -8,9 +8,10 @@ replay       the state table holds a checkpoint S0; the request's ring holds wha
              `native/kda_decode.c`'s header; rejecting speculative tokens only moves the
              host's ring count back.
 
-Each function runs the native kernel (in place on the fp32 table, no gathered copies) on
-CPU, and the batched torch version elsewhere or for a bf16 state; the torch version is what
-the kernel is tested against, and both against the token-by-token reference.
+Each function runs the native kernel (in place on the table, fp32 or bf16, no gathered
+copies) on CPU, and the batched torch version elsewhere; the torch version is what the kernel
+is tested against, and both against the token-by-token reference. A bf16 table is computed
+in fp32 and rounded where the torch version rounds it: a step's new state, a fold's checkpoint.
 `counts[b]` is how many entries request b's ring holds before the step (the host keeps
 them: `oxserve.cache.replay`); a count equal to the ring length means fold first.
 """
@@ -47,11 +48,11 @@ def _kernel() -> ctypes.CDLL | None:
     if lib is None:
         return None
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    lib.kda_writeback_step.argtypes = [p] * 7 + [i64, i32, i32, i32, p, i32]
-    lib.kda_replay_step.argtypes = [p] * 11 + [i64, i32, i32, i32, i32, i32, p, i32]
-    lib.kda_replay_fold.argtypes = [p] * 6 + [i64, i32, i32, i32, i32, i32, i32]
-    lib.kda_replay_run.argtypes = [p] * 13 + [i64, i32, i32, i32, i32, i32, p, i32]
-    lib.kda_writeback_run.argtypes = [p] * 10 + [i64, i32, i32, i32, p, i32]
+    lib.kda_writeback_step.argtypes = [p] * 7 + [i64, i32, i32, i32, i32, p, i32]
+    lib.kda_replay_step.argtypes = [p] * 11 + [i64, i32, i32, i32, i32, i32, i32, p, i32]
+    lib.kda_replay_fold.argtypes = [p] * 6 + [i64, i32, i32, i32, i32, i32, i32, i32]
+    lib.kda_replay_run.argtypes = [p] * 13 + [i64, i32, i32, i32, i32, i32, i32, p, i32]
+    lib.kda_writeback_run.argtypes = [p] * 10 + [i64, i32, i32, i32, i32, p, i32]
     return lib
 
 
@@ -61,14 +62,28 @@ def _max_dim() -> int:
 
 
 def _native(states: torch.Tensor, ring: ReplayRing | None, *inputs: torch.Tensor) -> ctypes.CDLL | None:
-    """The kernel, where it can run on these tensors in place."""
+    """The kernel, where it can run on these tensors in place: a contiguous fp32 or bf16
+    state table, everything else contiguous fp32."""
     lib = _kernel()
-    tensors = (states, *inputs) + ((ring.keys, ring.decays, ring.deltas) if ring is not None else ())
+    tensors = inputs + ((ring.keys, ring.decays, ring.deltas) if ring is not None else ())
     if lib is None or states.device.type != "cpu" or max(states.shape[-2:]) > _max_dim():
+        return None
+    if states.dtype not in (torch.float32, torch.bfloat16) or not states.is_contiguous():
         return None
     if not all(t.dtype == torch.float32 and t.is_contiguous() for t in tensors):
         return None
     return lib
+
+
+def _bf16(states: torch.Tensor) -> int:
+    return int(states.dtype == torch.bfloat16)
+
+
+def _check(status: int, what: str) -> None:
+    """A kernel's status: the calls above rule out head dims it cannot take, so only scratch
+    memory for a bf16 table's fp32 copies can fail."""
+    if status != 0:
+        raise MemoryError(f"{what}: no scratch memory for the states' fp32 copies (status {status})")
 
 
 def _ptrs(*tensors: torch.Tensor) -> list[ctypes.c_void_p]:
@@ -92,7 +107,8 @@ def writeback_step(states: torch.Tensor, slots: torch.Tensor, q, k, v, g, beta) 
         return writeback_step_torch(states, slots, q, k, v, g, beta)
     (b, h, dk), dv = q.shape, v.shape[-1]
     out = q.new_empty(b, h, dv)
-    lib.kda_writeback_step(*_ptrs(q, k, v, g, beta, states, slots), b, h, dk, dv, native.pointer(out), torch.get_num_threads())
+    _check(lib.kda_writeback_step(*_ptrs(q, k, v, g, beta, states, slots), b, h, dk, dv, _bf16(states),
+                                  native.pointer(out), torch.get_num_threads()), "kda_writeback_step")
     return out
 
 
@@ -103,7 +119,7 @@ def writeback_step_torch(states, slots, q, k, v, g, beta) -> torch.Tensor:
 
 
 def writeback_run_fits(states: torch.Tensor) -> bool:
-    """Whether `writeback_run` can run on this state table (in place: CPU, fp32)."""
+    """Whether `writeback_run` can run on this state table (in place: CPU, fp32 or bf16)."""
     return _native(states, None) is not None
 
 
@@ -125,9 +141,10 @@ def writeback_run(states: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor
     fresh = fresh.to(device="cpu", dtype=torch.uint8).contiguous()
     decay = g.exp()  # held here: the kernel gets its address only
     status = lib.kda_writeback_run(*_ptrs(q, k, v, decay, beta, states, slots, *host, fresh), len(lens), q.shape[1],
-                                   q.shape[2], v.shape[-1], native.pointer(out), torch.get_num_threads())
-    if status != 0:
+                                   q.shape[2], v.shape[-1], _bf16(states), native.pointer(out), torch.get_num_threads())
+    if status == -1:
         raise ValueError(f"writeback_run: head dims {q.shape[2]}, {v.shape[-1]} are above the kernel's {_max_dim()}")
+    _check(status, "kda_writeback_run")
     return out
 
 
@@ -145,8 +162,9 @@ def replay_step(states: torch.Tensor, ring: ReplayRing, slots: torch.Tensor, cou
         return replay_step_torch(states, ring, slots, counts, q, k, v, g, beta)
     (b, h, dk), dv = q.shape, v.shape[-1]
     out = q.new_empty(b, h, dv)
-    lib.kda_replay_step(*_ptrs(q, k, v, g, beta, states, ring.keys, ring.decays, ring.deltas, slots, count_tensor),
-                        b, h, dk, dv, ring.length, int(ring.exact), native.pointer(out), torch.get_num_threads())
+    _check(lib.kda_replay_step(*_ptrs(q, k, v, g, beta, states, ring.keys, ring.decays, ring.deltas, slots, count_tensor),
+                               b, h, dk, dv, ring.length, int(ring.exact), _bf16(states), native.pointer(out),
+                               torch.get_num_threads()), "kda_replay_step")
     return out
 
 
@@ -160,8 +178,9 @@ def replay_fold(states: torch.Tensor, ring: ReplayRing, slots: torch.Tensor, cou
         replay_fold_torch(states, ring, slots, counts)
         return
     h, dk, dv = states.shape[1:]
-    lib.kda_replay_fold(*_ptrs(states, ring.keys, ring.decays, ring.deltas, slots, count_tensor),
-                        slots.numel(), h, dk, dv, ring.length, int(ring.exact), torch.get_num_threads())
+    _check(lib.kda_replay_fold(*_ptrs(states, ring.keys, ring.decays, ring.deltas, slots, count_tensor), slots.numel(),
+                               h, dk, dv, ring.length, int(ring.exact), _bf16(states), torch.get_num_threads()),
+           "kda_replay_fold")
 
 
 def replay_verify(states: torch.Tensor, ring: ReplayRing, slots: torch.Tensor, rings: RingCounts, lens: list[int],
@@ -179,9 +198,10 @@ def replay_verify(states: torch.Tensor, ring: ReplayRing, slots: torch.Tensor, r
         status = lib.kda_replay_run(*_ptrs(q, k, v, g, beta, states, ring.keys, ring.decays, ring.deltas, slots,
                                            rings.verify_counts, rings.verify_starts, rings.verify_lens),
                                     len(lens), q.shape[1], q.shape[2], v.shape[-1], ring.length, int(ring.exact),
-                                    native.pointer(out), torch.get_num_threads())  # fmt: skip
-        if status != 0:
+                                    _bf16(states), native.pointer(out), torch.get_num_threads())  # fmt: skip
+        if status == -2:
             raise ValueError(f"a verified run of {max(lens)} tokens does not fit a replay ring of {ring.length}")
+        _check(status, "kda_replay_run")
         return out
     counts = list(rings.verifies)
     full = [b for b, (c, n) in enumerate(zip(counts, lens)) if c + n > ring.length]

@@ -3,6 +3,8 @@ and the pointwise work around a decode step (conv + gates in, gated norm out).""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 
@@ -19,10 +21,11 @@ from oxserve.kernels.kda_decode import (
     replay_verify_torch,
     writeback_run,
     writeback_step,
+    writeback_step_torch,
 )
 from oxserve.model.activations import activation
 from oxserve.model.batch import token_runs
-from oxserve.profiling.opbench.checks import TOLERANCE, close, close_for, randn
+from oxserve.profiling.opbench.checks import TOLERANCE, close, close_for, compare, randn
 from oxserve.profiling.opbench.registry import Case, Op, register_op, returning
 
 FP32 = torch.float32
@@ -106,6 +109,52 @@ def native_recurrent_candidate(cfg, i):
 
 register_op(Op("kda.recurrent_step", _recurrent_cases, reference_recurrent_step, close(TOLERANCE[FP32]),
                {"torch": returning(kda_recurrent_step), "native": native_recurrent_candidate}))
+
+
+# ---- the same on a bf16 state table (`--kda-state-dtype bfloat16`) ----------------------------
+# The input states are values bf16 holds; the output is checked at fp32's tolerance, the new
+# state (rounded to bf16 once, as the table stores it) at bf16's.
+
+
+def _bf16_state_cases(cfg, shapes, dtype, device):
+    return [dataclasses.replace(case, make_inputs=lambda gen, make=case.make_inputs: _rounded_state(make(gen)),
+                                cost=_bf16_state_cost) for case in _recurrent_cases(cfg, shapes, dtype, device)]
+
+
+def _rounded_state(i: dict) -> dict:
+    i["state"] = i["state"].bfloat16().float()
+    return i
+
+
+def _bf16_state_cost(i) -> tuple[float, float]:
+    data, flops = _delta_cost(i)
+    return data - i["state"].numel() * 4, flops  # the state read and written in 2 bytes, not 4
+
+
+def _output_and_bf16_state(cfg, out, ref, inputs) -> str | None:
+    for n, (got, want, tolerance) in enumerate(zip(out, ref, (TOLERANCE[FP32], TOLERANCE[torch.bfloat16]), strict=True)):
+        if problem := compare(got, want, tolerance):
+            return f"output {n}: {problem}"
+    return None
+
+
+def bf16_table_candidate(step):
+    """`step` on a bf16 state table holding the input states (its new states widened into the
+    output buffer)."""
+    def candidate(cfg, i):
+        slots = torch.arange(i["state"].shape[0], device=i["state"].device)
+        table = i["state"].bfloat16()
+
+        def run(out):
+            table.copy_(i["state"])
+            out[0].copy_(step(table, slots, i["q"], i["k"], i["v"], i["g"], i["beta"]))
+            out[1].copy_(table)
+        return run
+    return candidate
+
+
+register_op(Op("kda.recurrent_step_bf16_state", _bf16_state_cases, reference_recurrent_step, _output_and_bf16_state,
+               {"torch": bf16_table_candidate(writeback_step_torch), "native": bf16_table_candidate(writeback_step)}))
 
 
 # ---- ReplaySSM decode step -------------------------------------------------------------------
