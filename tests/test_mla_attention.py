@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from oxserve.cache.layers import MLACache
+from oxserve.cache.layers import FP8, MLACache, ScaledRows
 from oxserve.kernels.mla_attention import latent_attention, latent_attention_fit
 from oxserve.model.batch import ForwardBatch
 from oxserve.model.mla import MLAttention
@@ -94,9 +94,56 @@ def test_native_latent_attention_gives_a_query_the_same_bits_alone_and_in_a_batc
         torch.set_num_threads(threads)
 
 
-def test_quantized_or_mismatched_tables_take_the_torch_path():
+def _scaled(latent: torch.Tensor, kind: torch.dtype, gen) -> ScaledRows:
+    """`latent` stored as int8 or fp8 rows (row magnitudes spread over 1e-3 .. 1e2, so the
+    scales matter), read as latent's dtype."""
+    table = ScaledRows.zeros(latent.shape[0], latent.shape[1], kind, latent.dtype, "cpu")
+    spread = 10.0 ** (torch.rand(latent.shape[0], 1, generator=gen) * 5 - 3)
+    table.store(torch.arange(latent.shape[0]), latent.float() * spread)
+    return table
+
+
+@pytest.mark.parametrize("kind", [torch.int8, FP8], ids=["int8", "fp8"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("tokens,heads,dim,width", [(9, 4, 64, 40), (5, 6, 48, 300), (6, 3, 32, 17), (3, 2, 40, 9)])
+def test_native_latent_attention_on_scaled_rows(build, kind, dtype, tokens, heads, dim, width):
+    """An int8/fp8 table: exactly what the kernel computes on a table of the model's dtype
+    holding the rows as `ScaledRows.gather` dequantizes them, and within the same tolerance
+    of the torch form on the scaled table."""
+    gen = torch.Generator().manual_seed(tokens * 13 + dim)
+    q, positions, request, blocks, latent = _case(gen, tokens, heads, dim, width, dtype)
+    scaled = _scaled(latent, kind, gen)
+    scale = dim**-0.5
+    assert latent_attention_fit(q, scaled)
+    got = latent_attention(q, positions, request, blocks, BLOCK, scaled, scale)
+    plain = scaled.gather(torch.arange(latent.shape[0]))
+    assert plain.dtype == dtype
+    assert torch.equal(got, latent_attention(q, positions, request, blocks, BLOCK, plain, scale))
+    want = _torch_attention(q, positions, request, blocks, scaled, scale)
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol * want.abs().max().item())
+
+
+def test_every_fp8_byte_dequantizes_as_torch_reads_it():
+    """One position a query: its output is the row itself. Rows hold all 254 finite e4m3 bytes
+    (subnormals, zeros of both signs, the largest) under random scales (a NaN byte, which
+    quantizing never stores, would make its whole row's output NaN)."""
+    finite = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)
+    rows, dim = 8, 32
+    table = ScaledRows.zeros(rows, dim, FP8, torch.float32, "cpu")
+    table.values.copy_(finite.repeat(2)[: rows * dim].view(rows, dim))
+    table.scales.copy_(torch.rand(rows) * 4)
+    blocks = torch.arange(rows * dim // BLOCK).view(1, -1)[:, : -(-rows // BLOCK)]
+    got = latent_attention(torch.randn(rows, 1, dim), torch.arange(rows).view(rows, 1), torch.zeros(rows, dtype=torch.long),
+                           blocks, BLOCK, table, 1.0)
+    assert torch.equal(got[:, 0], table.gather(torch.arange(rows)))
+
+
+def test_mismatched_tables_take_the_torch_path():
     q = torch.zeros(2, 1, 8)
     assert latent_attention_fit(q, torch.zeros(16, 8))
     assert not latent_attention_fit(q, torch.zeros(16, 8).bfloat16())
     assert not latent_attention_fit(q.half(), torch.zeros(16, 8).half())
     assert not latent_attention_fit(q, torch.zeros(16, 16)[:, ::2])
+    assert not latent_attention_fit(q, ScaledRows.zeros(16, 8, torch.int8, torch.bfloat16, "cpu"))  # read as bf16
+    assert latent_attention_fit(q, ScaledRows.zeros(16, 8, FP8, torch.float32, "cpu"))

@@ -18,6 +18,11 @@
  * positions: each score sums its C products in order, with no per-score horizontal add).
  * bf16 latents of a multiple of 32 channels on AVX512-BF16 take bf16 pair products instead,
  * read from the cache as they are (`pair_attention`).
+ *
+ * An int8 or fp8 (e4m3) table (`kind`) holds one fp32 scale per row: each selected row is
+ * dequantized as torch's `ScaledRows.gather` does it (value * scale in fp32, rounded to the
+ * model dtype) into the thread's scratch, and attended to from there as from a table of the
+ * model dtype: the bytes read from the cache are the table's own.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -33,6 +38,34 @@
 
 
 static inline float model_round(float x, int bf16) { return bf16 ? round_bf16(x) : x; }
+
+enum { PLAIN = 0, INT8 = 1, FP8 = 2 }; /* what the latent table holds: the model dtype, or scaled rows */
+
+/* The value of each float8_e4m3fn byte (finite-only: no infinities, S.1111.111 is NaN). */
+static void fp8_values(float lut[256]) {
+    for (int b = 0; b < 256; b++) {
+        const int exponent = (b >> 3) & 15, mantissa = b & 7;
+        float v = exponent == 0 ? ldexpf((float)mantissa, -9) : ldexpf(8.0f + (float)mantissa, exponent - 10);
+        if (exponent == 15 && mantissa == 7) v = NAN;
+        lut[b] = b & 128 ? -v : v;
+    }
+}
+
+/* dst [n][dim] (the model dtype) = rows[k] of the scaled table, dequantized; rows[k] <- k. */
+static void dequantize_rows(const void *values, const float *scales, int kind, const float *lut, int64_t *rows,
+                            int64_t n, int64_t dim, int bf16, void *dst) {
+    for (int64_t k = 0; k < n; k++) {
+        const float s = scales[rows[k]];
+        const int8_t *i8 = (const int8_t *)values + rows[k] * dim;
+        const uint8_t *f8 = (const uint8_t *)values + rows[k] * dim;
+        for (int64_t c = 0; c < dim; c++) {
+            const float x = (kind == INT8 ? (float)i8[c] : lut[f8[c]]) * s;
+            if (bf16) ((uint16_t *)dst)[k * dim + c] = f32_to_bf16(x);
+            else ((float *)dst)[k * dim + c] = x;
+        }
+        rows[k] = k;
+    }
+}
 
 #define PREFETCH 8 /* latent rows read ahead */
 #define PARTS 16     /* independent partial maxima and sums: the softmax's loops vectorise */
@@ -325,19 +358,24 @@ static void pair_attention(const uint16_t *q, int heads, int64_t dim, const uint
 }
 #endif
 
-int mla_latent_attention(const void *q, const void *latent, const int64_t *positions, int64_t width,
-                         const int64_t *request, const int64_t *block_tables, int64_t max_blocks, int64_t block_size,
-                         int64_t tokens, int heads, int64_t dim, float scale, int bf16, void *out, int threads) {
+int mla_latent_attention(const void *q, const void *cache, const float *scales, int kind, const int64_t *positions,
+                         int64_t width, const int64_t *request, const int64_t *block_tables, int64_t max_blocks,
+                         int64_t block_size, int64_t tokens, int heads, int64_t dim, float scale, int bf16, void *out,
+                         int threads) {
     if (threads < 1) threads = 1;
     const int64_t k_room = width > 0 ? width : 1;
     /* per thread: the query's heads [H][C], sums [H][C], scores [H][K], latents [K][C] and [C][K],
-     * bf16 probabilities [H][K + 1] (the pairs path's) */
-    const int64_t per_thread = 2 * heads * dim + heads * k_room + 2 * k_room * dim + (heads * (k_room + 1) + 1) / 2;
+     * bf16 probabilities [H][K + 1] (the pairs path's), and a scaled table's rows dequantized [K][C] */
+    const int64_t dequantized = kind == PLAIN ? 0 : k_room * dim;
+    const int64_t per_thread =
+        2 * heads * dim + heads * k_room + 2 * k_room * dim + (heads * (k_room + 1) + 1) / 2 + dequantized;
     const size_t scratch_bytes = (size_t)(threads * per_thread) * sizeof(float);
     const size_t rows_bytes = (size_t)(threads * k_room) * sizeof(int64_t);
     if (scratch_reserve(scratch_padded(scratch_bytes) + scratch_padded(rows_bytes)) != 0) return -2;
     float *scratch = scratch_take(scratch_bytes);
     int64_t *rows_all = scratch_take(rows_bytes);
+    float lut[256];
+    if (kind == FP8) fp8_values(lut);
     int block_shift = -1;
     for (int s = 0; s < 62; s++)
         if ((INT64_C(1) << s) == block_size) block_shift = s;
@@ -347,6 +385,7 @@ int mla_latent_attention(const void *q, const void *latent, const int64_t *posit
         float *qf = scratch + id * per_thread, *acc = qf + heads * dim, *score = acc + heads * dim;
         float *lat = score + heads * k_room, *lat_t = lat + k_room * dim;
         uint16_t *p16 = (uint16_t *)(lat_t + k_room * dim);
+        float *own = qf + per_thread - dequantized; /* (a scaled table's rows) */
         int64_t *rows = rows_all + id * k_room;
         const int64_t *pos = positions + t * width, *table = block_tables + request[t] * max_blocks;
         int64_t n = 0;
@@ -356,6 +395,11 @@ int mla_latent_attention(const void *q, const void *latent, const int64_t *posit
         } else {
             for (int64_t k = 0; k < width; k++)
                 if (pos[k] >= 0) rows[n++] = table[pos[k] / block_size] * block_size + pos[k] % block_size;
+        }
+        const void *latent = cache;
+        if (kind != PLAIN) {
+            dequantize_rows(cache, scales, kind, lut, rows, n, dim, bf16, own);
+            latent = own;
         }
 #if defined(__AVX512BF16__)
         if (bf16 && dim % 32 == 0) {
