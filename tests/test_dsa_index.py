@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from oxserve.cache.layers import FP8, ScaledRows
 from oxserve.kernels.dsa_index import (expand_selection, expand_selection_torch, index_scores, index_scores_fit,
                                        select_every_pool, store_keys, store_keys_fit, top_pools, top_pools_torch)
 
@@ -157,12 +158,37 @@ def test_native_selection_expands_as_torch(pool, tail, tokens, k):
     assert ((want == -1) | (want <= query_pos[:, None])).all()
 
 
-def test_quantized_tables_take_the_torch_path():
+@pytest.mark.parametrize("kind", [torch.int8, FP8], ids=["int8", "fp8"])
+@pytest.mark.parametrize("read_as", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("tokens,heads,dim", [(7, 4, 32), (5, 2, 40), (33, 2, 20)])
+def test_native_index_scores_on_scaled_keys(kind, read_as, tokens, heads, dim):
+    """An int8/fp8 pool-key table (row magnitudes spread over 1e-3 .. 1e2): the scores the
+    kernel gives a plain table of the keys as `ScaledRows.gather` reads them, bit for bit."""
+    gen = torch.Generator().manual_seed(tokens * 10 + dim)
+    requests, blocks_per, ppb = 3, 5, BLOCK // KPOOL
+    table_rows = (requests * blocks_per + 1) * ppb
+    blocks = torch.randperm(requests * blocks_per + 1, generator=gen)[: requests * blocks_per].view(requests, blocks_per)
+    scaled = ScaledRows.zeros(table_rows, dim, kind, read_as, "cpu")
+    spread = 10.0 ** (torch.rand(table_rows, 1, generator=gen) * 5 - 3)
+    scaled.store(torch.arange(table_rows), torch.randn(table_rows, dim, generator=gen) * spread)
+    plain = scaled.gather(torch.arange(table_rows))
+    request = torch.randint(0, requests, (tokens,), generator=gen)
+    query_pos = torch.randint(0, blocks_per * BLOCK, (tokens,), generator=gen)
+    num_pools = max(int(((query_pos + 1) // KPOOL).max()), 1)
+    q, weights = torch.randn(tokens, heads, dim, generator=gen).to(read_as), torch.randn(tokens, heads, generator=gen).to(read_as)
+    assert index_scores_fit(q, weights, scaled)
+    args = (q, weights, query_pos, KPOOL, request, blocks, ppb)
+    got = index_scores(*args, scaled, num_pools, dim**-0.5, heads**-0.5)
+    assert torch.equal(got, index_scores(*args, plain, num_pools, dim**-0.5, heads**-0.5))
+
+
+def test_mismatched_tables_take_the_torch_path():
     q, w = torch.zeros(1, 1, 8), torch.zeros(1, 1)
     assert index_scores_fit(q, w, torch.zeros(4, 8))
     assert not index_scores_fit(q, w.bfloat16(), torch.zeros(4, 8))  # q and weights in one dtype
     assert not index_scores_fit(q, w, torch.zeros(4, 16)[:, ::2])
-    assert not index_scores_fit(q, w, torch.zeros(4, 8, dtype=torch.int8))
+    assert not index_scores_fit(q, w, torch.zeros(4, 8, dtype=torch.int8))  # int8 without scales
+    assert index_scores_fit(q, w, ScaledRows.zeros(4, 8, torch.int8, torch.bfloat16, "cpu"))
     assert not index_scores_fit(q.half(), w.half(), torch.zeros(4, 8))
 
 

@@ -33,6 +33,7 @@ from oxserve.kernels.rows import rows_fit, scatter_rows_native
 
 FP8 = torch.float8_e4m3fn
 QMAX = {torch.int8: 127.0, FP8: 448.0}  # the largest magnitude each stores
+NATIVE_KINDS = {torch.int8: 1, FP8: 2}  # what the native kernels call each (`native/scaled_rows.h`)
 
 
 @dataclass

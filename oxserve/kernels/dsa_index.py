@@ -1,8 +1,8 @@
 """DSA indexer scores of decoding queries over their pool keys, on the paged cache in place.
 
-`index_scores` runs `native/dsa_index.c` on CPU for a bf16 or fp32 pool-key table; the torch
-form (`Indexer._select`: gather the keys, two products) runs elsewhere and for int8/fp8
-tables, and is what the kernel is tested against. `top_pools` chooses each query's best pools
+`index_scores` runs `native/dsa_index.c` on CPU for a bf16 or fp32 pool-key table, or an
+int8/fp8 one (`ScaledRows`, read as torch reads it); the torch form (`Indexer._select`:
+gather the keys, two products) runs elsewhere, and is what the kernel is tested against. `top_pools` chooses each query's best pools
 by one rule everywhere (ties to the lower pool; `top_pools_torch` is its torch form), in one
 native pass on CPU, and `expand_selection` turns them into positions in another
 (`expand_selection_torch` is its torch form). `store_keys` writes a
@@ -16,6 +16,7 @@ import functools
 
 import torch
 
+from oxserve.cache.layers import NATIVE_KINDS, ScaledRows
 from oxserve.kernels import native
 
 BUILD_FLAGS = native.NATIVE_ISA + native.OPENMP + ("-O3", "-ffp-contract=fast")
@@ -25,15 +26,21 @@ NATIVE_MAX_QUERY = 16384  # MAX_QUERY in dsa_index.c: heads x head dim
 
 
 def index_scores_fit(q: torch.Tensor, head_weights: torch.Tensor, pool_keys) -> bool:
+    """Whether the kernel can score these queries on this pool-key table: a plain bf16 or fp32
+    one, or int8/fp8 rows read as bf16 or fp32."""
     heads, dim = q.shape[-2:]
-    return (isinstance(pool_keys, torch.Tensor) and q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float32)
-            and head_weights.dtype == q.dtype and pool_keys.dtype in (torch.bfloat16, torch.float32)
-            and pool_keys.is_contiguous() and dim <= NATIVE_MAX_DIM and heads <= NATIVE_MAX_HEADS
+    if isinstance(pool_keys, ScaledRows):
+        table_fits = (pool_keys.dtype in NATIVE_KINDS and pool_keys.read_as in (torch.bfloat16, torch.float32)
+                      and pool_keys.values.is_contiguous() and pool_keys.scales.is_contiguous())
+    else:
+        table_fits = pool_keys.dtype in (torch.bfloat16, torch.float32) and pool_keys.is_contiguous()
+    return (table_fits and q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float32)
+            and head_weights.dtype == q.dtype and dim <= NATIVE_MAX_DIM and heads <= NATIVE_MAX_HEADS
             and heads * dim <= NATIVE_MAX_QUERY and _kernel() is not None)  # fmt: skip
 
 
 def index_scores(q: torch.Tensor, head_weights: torch.Tensor, query_pos: torch.Tensor, pool: int, request: torch.Tensor,
-                 block_tables: torch.Tensor, pools_per_block: int, pool_keys: torch.Tensor, num_pools: int,
+                 block_tables: torch.Tensor, pools_per_block: int, pool_keys: torch.Tensor | ScaledRows, num_pools: int,
                  scale: float, weight_scale: float = 1.0, hidden: float = 0.0) -> torch.Tensor:
     """q [T, H, D], head_weights [T, H] (both bf16 or both fp32, as projected), query_pos [T]
     -> [T, num_pools] fp32: sum_h weight_scale w_h relu(scale q_h . key_p) for the pools each
@@ -44,9 +51,13 @@ def index_scores(q: torch.Tensor, head_weights: torch.Tensor, query_pos: torch.T
     query_pos, request, block_tables = (t.contiguous() for t in (query_pos, request, block_tables))
     out = torch.empty(tokens, num_pools, dtype=torch.float32)
     ptr = native.pointer
+    if isinstance(pool_keys, ScaledRows):
+        keys, scales, kind, read_as = ptr(pool_keys.values), ptr(pool_keys.scales), NATIVE_KINDS[pool_keys.dtype], pool_keys.read_as
+    else:
+        keys, scales, kind, read_as = ptr(pool_keys), None, 0, pool_keys.dtype
     status = _kernel().dsa_index_scores(ptr(q), ptr(head_weights), int(q.dtype == torch.bfloat16), weight_scale,
                                         ptr(query_pos), pool, ptr(request), ptr(block_tables), block_tables.shape[1],
-                                        pools_per_block, ptr(pool_keys), int(pool_keys.dtype == torch.bfloat16), tokens,
+                                        pools_per_block, keys, scales, kind, int(read_as == torch.bfloat16), tokens,
                                         heads, dim, num_pools, scale, hidden, ptr(out), torch.get_num_threads())  # fmt: skip
     if status != 0:
         raise RuntimeError(f"dsa_index_scores failed ({status}): {heads} heads of {dim}")
@@ -166,7 +177,8 @@ def _kernel() -> ctypes.CDLL | None:
         return None
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     f32 = ctypes.c_float
-    lib.dsa_index_scores.argtypes = [p, p, i32, f32, p, i64, p, p, i64, i64, p, i32, i64, i32, i64, i64, f32, f32, p, i32]
+    lib.dsa_index_scores.argtypes = [p, p, i32, f32, p, i64, p, p, i64, i64, p, p, i32, i32, i64, i32, i64, i64, f32, f32,
+                                     p, i32]
     lib.dsa_expand_selection.argtypes = [p, i64, i64, p, p, i64, i32, p]
     lib.dsa_expand_selection.restype = None
     lib.dsa_top_pools.argtypes = [p, i64, i64, i64, p, i64, p, i32]

@@ -13,13 +13,10 @@ import functools
 
 import torch
 
-from oxserve.cache.layers import FP8, ScaledRows
+from oxserve.cache.layers import NATIVE_KINDS, ScaledRows
 from oxserve.kernels import native
 
 BUILD_FLAGS = native.NATIVE_ISA + native.OPENMP + ("-O3", "-ffp-contract=fast")  # fused multiply-adds
-
-
-KINDS = {torch.int8: 1, FP8: 2}  # `kind` of a ScaledRows table (0: a plain table of the model dtype)
 
 
 def latent_attention_fit(q_latent: torch.Tensor, latent_table) -> bool:
@@ -28,7 +25,7 @@ def latent_attention_fit(q_latent: torch.Tensor, latent_table) -> bool:
     if q_latent.device.type != "cpu" or q_latent.dtype not in (torch.bfloat16, torch.float32) or _kernel() is None:
         return False
     if isinstance(latent_table, ScaledRows):
-        return (latent_table.dtype in KINDS and latent_table.read_as == q_latent.dtype
+        return (latent_table.dtype in NATIVE_KINDS and latent_table.read_as == q_latent.dtype
                 and latent_table.values.is_contiguous() and latent_table.scales.is_contiguous())
     return latent_table.dtype == q_latent.dtype and latent_table.is_contiguous()
 
@@ -45,7 +42,7 @@ def latent_attention(q_latent: torch.Tensor, positions: torch.Tensor, request: t
     out = torch.empty_like(q)
     ptr = native.pointer
     if isinstance(latent_table, ScaledRows):
-        table, scales, kind = ptr(latent_table.values), ptr(latent_table.scales), KINDS[latent_table.dtype]
+        table, scales, kind = ptr(latent_table.values), ptr(latent_table.scales), NATIVE_KINDS[latent_table.dtype]
     else:
         table, scales, kind = ptr(latent_table), None, 0
     status = _kernel().mla_latent_attention(

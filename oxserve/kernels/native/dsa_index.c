@@ -8,7 +8,9 @@
  *   score[t][p] = sum_h (weight_scale w[t][h]) * relu(scale * q[t][h] . key_p)     p < visible[t], else `hidden`
  *
  * q and w bf16 when `q_bf16`, else fp32 (as the projections give them; widened here); scores
- * fp32; keys bf16 when `bf16`, else fp32. `hidden`: 0, or -inf for a top-k to skip.
+ * fp32; keys bf16 when `bf16`, else fp32. `hidden`: 0, or -inf for a top-k to skip. An int8 or
+ * fp8 key table (`key_kind`, one fp32 scale a row in `key_scales`) is read as torch reads it,
+ * each value times its row's scale rounded to bf16 when `bf16` (`scaled_rows.h`).
  *
  * Tasks are (POOL_CHUNK pools, query), chunk by chunk, handed out round robin: one decode
  * query's row of a long context is thousands of pools, which one thread scored alone, and
@@ -31,6 +33,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "scaled_rows.h"
 #include "scratch.h"
 #include "transpose16.h"
 #include "vmath.h"
@@ -43,9 +46,24 @@
 #define GROUP 16         /* pools scored together, one a vector lane */
 
 
+/* The keys of a scaled table (`Scaled.kind` INT8 or FP8); kind PLAIN: a table of bf16 or fp32. */
+typedef struct {
+    const float *scales;
+    int kind;
+    float lut[256]; /* fp8 values */
+} Scaled;
+
 /* kt[d][l] = key d of pool row rows[l], widened to fp32, for l < count (<= GROUP); 0 past it. */
-static void transpose_keys(const void *pool_keys, int bf16, const int64_t *rows, int count, int64_t dim,
-                           float *restrict kt) {
+static void transpose_keys(const void *pool_keys, int bf16, const Scaled *scaled, const int64_t *rows, int count,
+                           int64_t dim, float *restrict kt) {
+    if (scaled->kind != PLAIN) {
+        for (int l = 0; l < GROUP; l++) {
+            const float s = l < count ? scaled->scales[rows[l]] : 0.0f;
+            for (int64_t d = 0; d < dim; d++)
+                kt[d * GROUP + l] = l < count ? scaled_value(pool_keys, rows[l] * dim + d, s, scaled->kind, scaled->lut, bf16) : 0.0f;
+        }
+        return;
+    }
     int64_t d0 = 0;
 #if defined(__AVX512F__)
     if (bf16 && count == GROUP) /* 32 dims (16 pairs) of 16 rows a block: each 32-bit lane a pair */
@@ -106,10 +124,14 @@ static inline void prefetch_block(const char *pool_keys, int64_t table_row, int6
 
 int dsa_index_scores(const void *q, const void *head_weights, int q_bf16, float weight_scale, const int64_t *pos,
                      int64_t kpool, const int64_t *request, const int64_t *block_tables, int64_t max_blocks,
-                     int64_t pools_per_block, const void *pool_keys, int bf16, int64_t tokens, int heads, int64_t dim,
-                     int64_t num_pools, float scale, float hidden, float *out, int threads) {
+                     int64_t pools_per_block, const void *pool_keys, const float *key_scales, int key_kind, int bf16,
+                     int64_t tokens, int heads, int64_t dim, int64_t num_pools, float scale, float hidden, float *out,
+                     int threads) {
     if (dim > MAX_DIM || heads > MAX_HEADS || heads * dim > MAX_QUERY || pools_per_block < 1) return -1;
-    const int64_t chunks = (num_pools + POOL_CHUNK - 1) / POOL_CHUNK, row_bytes = dim * (bf16 ? 2 : 4);
+    const int64_t chunks = (num_pools + POOL_CHUNK - 1) / POOL_CHUNK;
+    const int64_t row_bytes = dim * (key_kind != PLAIN ? 1 : bf16 ? 2 : 4);
+    Scaled scaled = {key_scales, key_kind, {0}};
+    if (key_kind == FP8) fp8_values(scaled.lut);
 #pragma omp parallel for num_threads(threads) schedule(static, 1) if (tokens * chunks > 1)
     for (int64_t task = 0; task < tokens * chunks; task++) {
         const int64_t t = task % tokens, first = task / tokens * POOL_CHUNK;
@@ -144,7 +166,7 @@ int dsa_index_scores(const void *q, const void *head_weights, int q_bf16, float 
                 }
                 rows[l] = row;
             }
-            transpose_keys(pool_keys, bf16, rows, count, dim, kt);
+            transpose_keys(pool_keys, bf16, &scaled, rows, count, dim, kt);
             score_group(kt, qt, wt, heads, dim, scale, group);
             memcpy(row_out + p0, group, (size_t)count * sizeof(float));
         }

@@ -32,6 +32,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "scaled_rows.h"
 #include "scratch.h"
 #include "transpose16.h"
 #include "vmath.h"
@@ -39,29 +40,18 @@
 
 static inline float model_round(float x, int bf16) { return bf16 ? round_bf16(x) : x; }
 
-enum { PLAIN = 0, INT8 = 1, FP8 = 2 }; /* what the latent table holds: the model dtype, or scaled rows */
-
-/* The value of each float8_e4m3fn byte (finite-only: no infinities, S.1111.111 is NaN). */
-static void fp8_values(float lut[256]) {
-    for (int b = 0; b < 256; b++) {
-        const int exponent = (b >> 3) & 15, mantissa = b & 7;
-        float v = exponent == 0 ? ldexpf((float)mantissa, -9) : ldexpf(8.0f + (float)mantissa, exponent - 10);
-        if (exponent == 15 && mantissa == 7) v = NAN;
-        lut[b] = b & 128 ? -v : v;
-    }
-}
+#define MAX_DEQUANTIZED 256 /* channels of a scaled row dequantized at a time */
 
 /* dst [n][dim] (the model dtype) = rows[k] of the scaled table, dequantized; rows[k] <- k. */
 static void dequantize_rows(const void *values, const float *scales, int kind, const float *lut, int64_t *rows,
                             int64_t n, int64_t dim, int bf16, void *dst) {
+    float row[MAX_DEQUANTIZED];
     for (int64_t k = 0; k < n; k++) {
         const float s = scales[rows[k]];
-        const int8_t *i8 = (const int8_t *)values + rows[k] * dim;
-        const uint8_t *f8 = (const uint8_t *)values + rows[k] * dim;
-        for (int64_t c = 0; c < dim; c++) {
-            const float x = (kind == INT8 ? (float)i8[c] : lut[f8[c]]) * s;
-            if (bf16) ((uint16_t *)dst)[k * dim + c] = f32_to_bf16(x);
-            else ((float *)dst)[k * dim + c] = x;
+        for (int64_t c0 = 0; c0 < dim; c0 += MAX_DEQUANTIZED) {
+            const int64_t count = dim - c0 < MAX_DEQUANTIZED ? dim - c0 : MAX_DEQUANTIZED;
+            for (int64_t c = 0; c < count; c++) row[c] = scaled_value(values, rows[k] * dim + c0 + c, s, kind, lut, 0);
+            narrow_row(row, count, bf16, dst, k * dim + c0);
         }
         rows[k] = k;
     }
