@@ -29,7 +29,7 @@ from oxserve import huge_pages
 from oxserve.cache.replay import RingCounts
 from oxserve.kernels import kda_decode, kda_io
 from oxserve.kernels.kda import ChunkLayout, kda_chunked
-from oxserve.kernels.rows import rows_fit, scatter_rows_native
+from oxserve.kernels.rows import rows_fit, scaled_store_fit, scaled_store_native, scatter_rows_native
 
 FP8 = torch.float8_e4m3fn
 QMAX = {torch.int8: 127.0, FP8: 448.0}  # the largest magnitude each stores
@@ -66,6 +66,9 @@ class ScaledRows:
         return (v * scales[..., None]).to(self.read_as)
 
     def store(self, rows: torch.Tensor, x: torch.Tensor) -> None:
+        if scaled_store_fit(self.values, self.scales, x):  # one native pass: ~8 eager ops a store otherwise
+            scaled_store_native(self.values, self.scales, NATIVE_KINDS[self.dtype], rows, x)
+            return
         values, scales = self.quantize(x.reshape(rows.numel(), -1))
         self.values.index_copy_(0, rows.flatten(), values)
         self.scales.index_copy_(0, rows.flatten(), scales)

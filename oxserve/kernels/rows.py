@@ -30,6 +30,7 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.mtp_input_norms.argtypes = [p, p, p, i64, i64, p, ctypes.c_float, p, ctypes.c_float, p, ctypes.c_int]
     lib.mtp_input_norms.restype = None
     lib.add_rows_bf16.argtypes = [p, p, i64, p, i64, i64, p]
+    lib.scaled_rows_store.argtypes = [p, ctypes.c_int, i64, i64, p, i64, p, p, ctypes.c_int]
     return lib
 
 
@@ -107,6 +108,24 @@ def scatter_rows_native(table: torch.Tensor, rows: torch.Tensor, values: torch.T
         raise ValueError(f"scatter_rows: {tuple(values.shape)} values for {rows.numel()} rows of {tuple(table.shape[1:])}")
     _checked(_kernel().scatter_rows(native.pointer(table), len(table), native.pointer(rows), rows.numel(), row_bytes,
                                     native.pointer(values)), "scatter_rows")  # fmt: skip
+
+
+def scaled_store_fit(values: torch.Tensor, scales: torch.Tensor, x: torch.Tensor) -> bool:
+    """An int8/fp8 table on CPU (contiguous values and scales) and rows of bf16 or fp32 values
+    no wider than the kernel's buffer (SCALED_CHUNK in rows.c)."""
+    return (values.device.type == "cpu" and values.is_contiguous() and scales.is_contiguous()
+            and x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float32)
+            and values.shape[-1] <= 4096 and _kernel() is not None)  # fmt: skip
+
+
+def scaled_store_native(values: torch.Tensor, scales: torch.Tensor, kind: int, rows: torch.Tensor, x: torch.Tensor) -> None:
+    """values[rows], scales[rows] = x quantized (`ScaledRows.store`; `kind`: 1 int8, 2 fp8)."""
+    rows, x = rows.to(torch.int64).contiguous().flatten(), x.contiguous()
+    if x.numel() != rows.numel() * values.shape[-1]:
+        raise ValueError(f"scaled_rows_store: {tuple(x.shape)} values for {rows.numel()} rows of {values.shape[-1]}")
+    _checked(_kernel().scaled_rows_store(native.pointer(x), int(x.dtype == torch.bfloat16), rows.numel(), values.shape[-1],
+                                         native.pointer(rows), len(values), native.pointer(values), native.pointer(scales),
+                                         kind), "scaled_rows_store")  # fmt: skip
 
 
 def add_rows_fit(a: torch.Tensor, b: torch.Tensor, rows: torch.Tensor | None = None) -> bool:
