@@ -232,10 +232,51 @@ def test_native_key_store_and_pool_compression_match_torch(dtype, tokens, pools,
     assert all(torch.equal(t, b) for t, b in zip(tables, before))
 
 
-def test_quantized_key_tables_take_the_torch_store():
+@pytest.mark.parametrize("kind", [torch.int8, FP8], ids=["int8", "fp8"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_native_key_store_on_scaled_tables(kind, dtype):
+    """int8/fp8 key and pool tables: the keys stored are the plain store's keys quantized (bit
+    for bit), the gate scores the same, and each pool key is the torch form's compression of
+    its members as the scaled table reads them, within the plain test's tolerance and a step
+    of the pool row's quantization."""
+    gen = torch.Generator().manual_seed(7)
+    tokens, pools, pool, dim, table_rows = 9, 3, 4, 20, 64
+    raw, gates = (torch.randn(tokens, dim, generator=gen).to(dtype) * 3 for _ in range(2))
+    weight, bias = torch.randn(dim, generator=gen).to(dtype), torch.randn(dim, generator=gen).to(dtype)
+    ape = torch.randn(pool, dim, generator=gen).to(dtype)
+    rows = torch.randperm(table_rows, generator=gen)[:tokens]
+    members = torch.cat([rows, torch.randint(0, table_rows, (pools * pool,), generator=gen)])[torch.randperm(
+        tokens + pools * pool, generator=gen)][: pools * pool].view(pools, pool)
+    pool_rows = torch.randperm(table_rows // pool, generator=gen)[:pools]
+    start = torch.randn(table_rows, dim, generator=gen).to(dtype)
+    plain = [start.clone(), torch.randn(table_rows, dim, generator=gen).to(dtype), torch.zeros(table_rows // pool, dim, dtype=dtype)]
+    scaled_keys = ScaledRows.zeros(table_rows, dim, kind, dtype, "cpu")
+    scaled_keys.store(torch.arange(table_rows), start)
+    scaled_pools = ScaledRows.zeros(table_rows // pool, dim, kind, dtype, "cpu")
+    gate_table = plain[1].clone()
+    assert store_keys_fit(raw, scaled_keys, gate_table, scaled_pools, gates, weight, bias, ape)
+    store_keys(raw, gates, weight, bias, 1e-6, rows, scaled_keys, gate_table, members, pool_rows, ape, scaled_pools)
+    store_keys(raw, gates, weight, bias, 1e-6, rows, *plain[:2], members, pool_rows, ape, plain[2])
+    want_keys = ScaledRows.zeros(tokens, dim, kind, dtype, "cpu")
+    values, scales = want_keys.quantize(plain[0][rows])
+    assert torch.equal(scaled_keys.values[rows], values) and torch.equal(scaled_keys.scales[rows], scales)
+    assert torch.equal(gate_table, plain[1])
+    member_keys = scaled_keys.gather(members)  # [N, P, D] as the kernel reads them
+    probs = (gate_table[members].float() + ape.float()).softmax(dim=1).to(dtype)
+    want = (probs * member_keys).sum(1).float()
+    got = scaled_pools.gather(pool_rows).float()
+    tol = 1.6e-2 if dtype == torch.bfloat16 else 1e-5
+    step = scaled_pools.scales[pool_rows][:, None] * (1.0 if kind == torch.int8 else 32.0)  # fp8: up to 1/16 of 448
+    assert ((got - want).abs() <= tol * want.abs() + tol + step).all()
+
+
+def test_quantized_key_tables_the_store_cannot_take():
     raw = torch.zeros(2, 8, dtype=torch.bfloat16)
     plain = torch.zeros(8, 8, dtype=torch.bfloat16)
     assert store_keys_fit(raw, plain, plain, plain)
+    assert store_keys_fit(raw, ScaledRows.zeros(8, 8, torch.int8, torch.bfloat16, "cpu"), plain, plain)
+    assert not store_keys_fit(raw, ScaledRows.zeros(8, 8, torch.int8, torch.float32, "cpu"), plain, plain)  # read as fp32
+    assert not store_keys_fit(raw, plain, ScaledRows.zeros(8, 8, torch.int8, torch.bfloat16, "cpu"), plain)  # gates plain
     assert not store_keys_fit(raw, plain.to(torch.int8), plain, plain)
     assert not store_keys_fit(raw, plain, plain.float(), plain)
     assert not store_keys_fit(torch.zeros(2, 2048, dtype=torch.bfloat16), plain, plain, plain)

@@ -124,18 +124,34 @@ def expand_selection(chosen: torch.Tensor, visible_pools: torch.Tensor | None, q
 
 
 def store_keys_fit(raw: torch.Tensor, key_table, gate_table, pool_table, *params: torch.Tensor) -> bool:
-    """The native store runs plain tables of the keys' own dtype (int8 / fp8 tables: torch),
-    with the other inputs (`params`: gate scores, norm weight and bias, position bias) in it too."""
-    tables = (key_table, gate_table, pool_table)
+    """The native store runs tables of the keys' own dtype (key and pool tables may be int8 /
+    fp8 rows read as it), with the other inputs (`params`: gate scores, norm weight and bias,
+    position bias) in it too."""
+    def fits(table) -> bool:
+        if isinstance(table, ScaledRows):
+            return (table.dtype in NATIVE_KINDS and table.read_as == raw.dtype and table.values.is_contiguous()
+                    and table.scales.is_contiguous())
+        return isinstance(table, torch.Tensor) and table.dtype == raw.dtype and table.is_contiguous()
     return (raw.device.type == "cpu" and raw.dtype in (torch.bfloat16, torch.float32)
-            and all(isinstance(t, torch.Tensor) and t.dtype == raw.dtype and t.is_contiguous() for t in tables)
+            and fits(key_table) and fits(pool_table) and isinstance(gate_table, torch.Tensor) and fits(gate_table)
             and all(t.dtype == raw.dtype for t in params)
             and raw.shape[-1] <= NATIVE_MAX_DIM and _kernel() is not None)  # fmt: skip
 
 
+def _scaled_parts(table) -> tuple:
+    """(values, scales, kind) pointers of a key table for the kernel (kind 0: a plain table)."""
+    if isinstance(table, ScaledRows):
+        return native.pointer(table.values), native.pointer(table.scales), NATIVE_KINDS[table.dtype]
+    return native.pointer(table), None, 0
+
+
+def _rows(table) -> int:
+    return len(table.values) if isinstance(table, ScaledRows) else len(table)
+
+
 def store_keys(raw: torch.Tensor, gates: torch.Tensor, ln_weight: torch.Tensor, ln_bias: torch.Tensor, eps: float,
-               rows: torch.Tensor, key_table: torch.Tensor, gate_table: torch.Tensor, member_rows: torch.Tensor,
-               pool_rows: torch.Tensor, ape: torch.Tensor, pool_table: torch.Tensor) -> None:
+               rows: torch.Tensor, key_table: torch.Tensor | ScaledRows, gate_table: torch.Tensor, member_rows: torch.Tensor,
+               pool_rows: torch.Tensor, ape: torch.Tensor, pool_table: torch.Tensor | ScaledRows) -> None:
     """Store this step's indexer keys (layer-normed `raw` [T, D]) and pool gate scores
     (`gates` [T, D]) at cache `rows` [T], then compress every pool the step completes
     (`member_rows` [N, P] -> `pool_rows` [N]): `Indexer._write_keys`' torch form in one pass."""
@@ -148,9 +164,9 @@ def store_keys(raw: torch.Tensor, gates: torch.Tensor, ln_weight: torch.Tensor, 
                          f"position bias {tuple(ape.shape)} do not fit keys {tuple(raw.shape)} in pools of {pool}")
     ptr = native.pointer
     status = _kernel().dsa_store_keys(ptr(raw), ptr(gates), ptr(ln_weight), ptr(ln_bias), eps, ptr(rows), tokens, dim,
-                                      ptr(key_table), ptr(gate_table), len(key_table), ptr(member_rows), ptr(pool_rows),
-                                      num_pools, pool, ptr(ape), ptr(pool_table), len(pool_table),
-                                      int(raw.dtype == torch.bfloat16))  # fmt: skip
+                                      *_scaled_parts(key_table), ptr(gate_table), min(_rows(key_table), len(gate_table)), ptr(member_rows),
+                                      ptr(pool_rows), num_pools, pool, ptr(ape), *_scaled_parts(pool_table),
+                                      _rows(pool_table), int(raw.dtype == torch.bfloat16))  # fmt: skip
     if status == -2:
         raise IndexError("store_keys: a cache row is out of range")
     if status != 0:
@@ -182,5 +198,6 @@ def _kernel() -> ctypes.CDLL | None:
     lib.dsa_expand_selection.argtypes = [p, i64, i64, p, p, i64, i32, p]
     lib.dsa_expand_selection.restype = None
     lib.dsa_top_pools.argtypes = [p, i64, i64, i64, p, i64, p, i32]
-    lib.dsa_store_keys.argtypes = [p, p, p, p, ctypes.c_float, p, i64, i64, p, p, i64, p, p, i64, i64, p, p, i64, i32]
+    lib.dsa_store_keys.argtypes = [p, p, p, p, ctypes.c_float, p, i64, i64, p, p, i32, p, i64, p, p, i64, i64, p, p, p, i32,
+                                   i64, i32]
     return lib

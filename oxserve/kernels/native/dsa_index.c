@@ -46,21 +46,45 @@
 #define GROUP 16         /* pools scored together, one a vector lane */
 
 
-/* The keys of a scaled table (`Scaled.kind` INT8 or FP8); kind PLAIN: a table of bf16 or fp32. */
+/* A key table: values of the model dtype (kind PLAIN), or int8/fp8 rows with a scale each
+ * (`scaled_rows.h`; `lut`: fp8_values for FP8), read and written in the model dtype. */
 typedef struct {
-    const float *scales;
+    void *values;
+    float *scales;
     int kind;
-    float lut[256]; /* fp8 values */
-} Scaled;
+    const float *lut;
+} KeyTable;
+
+/* out [dim] = row `row` of the table, in the model dtype (bf16 when `bf16`), as fp32. */
+static void read_keys(const KeyTable *table, int64_t row, int64_t dim, int bf16, float *out) {
+    if (table->kind == PLAIN) {
+        widen_row(table->values, row * dim, dim, bf16, out);
+        return;
+    }
+    for (int64_t d = 0; d < dim; d++)
+        out[d] = scaled_value(table->values, row * dim + d, table->scales[row], table->kind, table->lut, bf16);
+}
+
+/* Row `row` of the table = x [dim] rounded to the model dtype (x rounded in place). */
+static void write_keys(const KeyTable *table, int64_t row, int64_t dim, int bf16, float *x) {
+    if (table->kind == PLAIN) {
+        narrow_row(x, dim, bf16, table->values, row * dim);
+        return;
+    }
+    if (bf16)
+        for (int64_t d = 0; d < dim; d++) x[d] = round_bf16(x[d]);
+    quantize_row(x, dim, table->kind, table->lut, table->values, table->scales, row);
+}
 
 /* kt[d][l] = key d of pool row rows[l], widened to fp32, for l < count (<= GROUP); 0 past it. */
-static void transpose_keys(const void *pool_keys, int bf16, const Scaled *scaled, const int64_t *rows, int count,
-                           int64_t dim, float *restrict kt) {
-    if (scaled->kind != PLAIN) {
+static void transpose_keys(const KeyTable *table, int bf16, const int64_t *rows, int count, int64_t dim,
+                           float *restrict kt) {
+    const void *pool_keys = table->values;
+    if (table->kind != PLAIN) {
+        float key[MAX_DIM];
         for (int l = 0; l < GROUP; l++) {
-            const float s = l < count ? scaled->scales[rows[l]] : 0.0f;
-            for (int64_t d = 0; d < dim; d++)
-                kt[d * GROUP + l] = l < count ? scaled_value(pool_keys, rows[l] * dim + d, s, scaled->kind, scaled->lut, bf16) : 0.0f;
+            if (l < count) read_keys(table, rows[l], dim, bf16, key);
+            for (int64_t d = 0; d < dim; d++) kt[d * GROUP + l] = l < count ? key[d] : 0.0f;
         }
         return;
     }
@@ -130,8 +154,9 @@ int dsa_index_scores(const void *q, const void *head_weights, int q_bf16, float 
     if (dim > MAX_DIM || heads > MAX_HEADS || heads * dim > MAX_QUERY || pools_per_block < 1) return -1;
     const int64_t chunks = (num_pools + POOL_CHUNK - 1) / POOL_CHUNK;
     const int64_t row_bytes = dim * (key_kind != PLAIN ? 1 : bf16 ? 2 : 4);
-    Scaled scaled = {key_scales, key_kind, {0}};
-    if (key_kind == FP8) fp8_values(scaled.lut);
+    float lut[256];
+    if (key_kind == FP8) fp8_values(lut);
+    const KeyTable keys = {(void *)pool_keys, (float *)key_scales, key_kind, lut};
 #pragma omp parallel for num_threads(threads) schedule(static, 1) if (tokens * chunks > 1)
     for (int64_t task = 0; task < tokens * chunks; task++) {
         const int64_t t = task % tokens, first = task / tokens * POOL_CHUNK;
@@ -166,7 +191,7 @@ int dsa_index_scores(const void *q, const void *head_weights, int q_bf16, float 
                 }
                 rows[l] = row;
             }
-            transpose_keys(pool_keys, bf16, &scaled, rows, count, dim, kt);
+            transpose_keys(&keys, bf16, rows, count, dim, kt);
             score_group(kt, qt, wt, heads, dim, scale, group);
             memcpy(row_out + p0, group, (size_t)count * sizeof(float));
         }
@@ -334,13 +359,20 @@ static void layer_norm_row(const float *x, const float *w, const float *b, float
  *
  * with m_np = member_rows[n][p]. Every tensor bf16 when `bf16`, else fp32; in bf16 the
  * probabilities and each product are rounded where `Indexer._write_keys`'s torch form rounds
- * them (about 14 eager ops a layer). Returns -1 for a dim past the stack buffers, -2 for a row
- * outside its table (table_rows token rows, pool_table_rows pool rows), before writing anything. */
+ * them (about 14 eager ops a layer). The key and pool tables may be int8/fp8 (`key_kind`,
+ * `pool_kind`, with their scales): keys are then read as dequantized to the model dtype and
+ * stored quantized from it, as `ScaledRows` does. Returns -1 for a dim past the stack buffers,
+ * -2 for a row outside its table (table_rows token rows, pool_table_rows pool rows), before
+ * writing anything. */
 int dsa_store_keys(const void *raw, const void *gates, const void *ln_w, const void *ln_b, float eps,
-                   const int64_t *rows, int64_t tokens, int64_t dim, void *key_table, void *gate_table,
-                   int64_t table_rows, const int64_t *member_rows, const int64_t *pool_rows, int64_t num_pools,
-                   int64_t pool, const void *ape, void *pool_table, int64_t pool_table_rows, int bf16) {
+                   const int64_t *rows, int64_t tokens, int64_t dim, void *key_table, float *key_scales, int key_kind,
+                   void *gate_table, int64_t table_rows, const int64_t *member_rows, const int64_t *pool_rows,
+                   int64_t num_pools, int64_t pool, const void *ape, void *pool_table, float *pool_scales,
+                   int pool_kind, int64_t pool_table_rows, int bf16) {
     if (dim > MAX_DIM) return -1;
+    float lut[256];
+    if (key_kind == FP8 || pool_kind == FP8) fp8_values(lut);
+    const KeyTable keys = {key_table, key_scales, key_kind, lut}, pools = {pool_table, pool_scales, pool_kind, lut};
     for (int64_t t = 0; t < tokens; t++)
         if (rows[t] < 0 || rows[t] >= table_rows) return -2;
     for (int64_t n = 0; n < num_pools; n++) {
@@ -354,7 +386,7 @@ int dsa_store_keys(const void *raw, const void *gates, const void *ln_w, const v
     for (int64_t t = 0; t < tokens; t++) {
         widen_row(raw, t * dim, dim, bf16, x);
         layer_norm_row(x, w, b, eps, dim, y);
-        narrow_row(y, dim, bf16, key_table, rows[t] * dim);
+        write_keys(&keys, rows[t], dim, bf16, y);
         widen_row(gates, t * dim, dim, bf16, x);
         narrow_row(x, dim, bf16, gate_table, rows[t] * dim);
     }
@@ -375,13 +407,13 @@ int dsa_store_keys(const void *raw, const void *gates, const void *ln_w, const v
         for (int64_t p = 0; p < pool; p++) {
             widen_row(gate_table, members[p] * dim, dim, bf16, gate);
             widen_row(ape, p * dim, dim, bf16, offset);
-            widen_row(key_table, members[p] * dim, dim, bf16, key);
+            read_keys(&keys, members[p], dim, bf16, key);
             for (int64_t d = 0; d < dim; d++) {
                 const float prob = vexp(gate[d] + offset[d] - top[d]) / total[d];
                 sum[d] += bf16 ? round_bf16(round_bf16(prob) * key[d]) : prob * key[d];
             }
         }
-        narrow_row(sum, dim, bf16, pool_table, pool_rows[n] * dim);
+        write_keys(&pools, pool_rows[n], dim, bf16, sum);
     }
     return 0;
 }
