@@ -54,6 +54,16 @@ def test_fp8_ties_go_to_the_even_byte():
     assert _same(_native_stored(FP8, rows, row[None], 1), _torch_stored(FP8, rows, row[None], 1))
 
 
+def test_fp8_bytes_of_values_across_every_binade():
+    """Scale 1 on every row (448 first), then values from 1e-8 to 1e4: subnormals, normals,
+    values that round up into the next binade or past 448 (saturated)."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(50000, 8, generator=gen) * 10.0 ** (torch.rand(50000, 8, generator=gen) * 12 - 8)
+    x[:, 0] = 448.0
+    rows = torch.arange(len(x))
+    assert _same(_native_stored(FP8, rows, x, len(x)), _torch_stored(FP8, rows, x, len(x)))
+
+
 def test_int8_halves_go_to_the_even_value():
     row = torch.cat([torch.tensor([127.0, -127.0]), torch.arange(-126, 126) + 0.5])  # scale 1
     rows = torch.tensor([0])

@@ -61,8 +61,9 @@ static void read_keys(const KeyTable *table, int64_t row, int64_t dim, int bf16,
         widen_row(table->values, row * dim, dim, bf16, out);
         return;
     }
-    for (int64_t d = 0; d < dim; d++)
-        out[d] = scaled_value(table->values, row * dim + d, table->scales[row], table->kind, table->lut, bf16);
+    scaled_row(table->values, row * dim, dim, table->scales[row], table->kind, table->lut, 0, out, 0);
+    if (bf16)
+        for (int64_t d = 0; d < dim; d++) out[d] = round_bf16(out[d]);
 }
 
 /* Row `row` of the table = x [dim] rounded to the model dtype (x rounded in place). */
@@ -73,7 +74,7 @@ static void write_keys(const KeyTable *table, int64_t row, int64_t dim, int bf16
     }
     if (bf16)
         for (int64_t d = 0; d < dim; d++) x[d] = round_bf16(x[d]);
-    quantize_row(x, dim, table->kind, table->lut, table->values, table->scales, row);
+    quantize_row(x, dim, table->kind, table->values, table->scales, row);
 }
 
 /* kt[d][l] = key d of pool row rows[l], widened to fp32, for l < count (<= GROUP); 0 past it. */

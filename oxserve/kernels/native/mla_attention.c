@@ -40,19 +40,11 @@
 
 static inline float model_round(float x, int bf16) { return bf16 ? round_bf16(x) : x; }
 
-#define MAX_DEQUANTIZED 256 /* channels of a scaled row dequantized at a time */
-
 /* dst [n][dim] (the model dtype) = rows[k] of the scaled table, dequantized; rows[k] <- k. */
 static void dequantize_rows(const void *values, const float *scales, int kind, const float *lut, int64_t *rows,
                             int64_t n, int64_t dim, int bf16, void *dst) {
-    float row[MAX_DEQUANTIZED];
     for (int64_t k = 0; k < n; k++) {
-        const float s = scales[rows[k]];
-        for (int64_t c0 = 0; c0 < dim; c0 += MAX_DEQUANTIZED) {
-            const int64_t count = dim - c0 < MAX_DEQUANTIZED ? dim - c0 : MAX_DEQUANTIZED;
-            for (int64_t c = 0; c < count; c++) row[c] = scaled_value(values, rows[k] * dim + c0 + c, s, kind, lut, 0);
-            narrow_row(row, count, bf16, dst, k * dim + c0);
-        }
+        scaled_row(values, rows[k] * dim, dim, scales[rows[k]], kind, lut, bf16, dst, k * dim);
         rows[k] = k;
     }
 }

@@ -201,11 +201,10 @@ int scaled_rows_store(const void *x, int x_bf16, int64_t n, int64_t dim, const i
     for (int64_t i = 0; i < n; i++)
         if (rows[i] < 0 || rows[i] >= table_rows) return -1;
     if (dim > SCALED_CHUNK) return -2;
-    float lut[256], row[SCALED_CHUNK];
-    if (kind == FP8) fp8_values(lut);
+    float row[SCALED_CHUNK];
     for (int64_t i = 0; i < n; i++) {
         widen_row(x, i * dim, dim, x_bf16, row);
-        quantize_row(row, dim, kind, lut, values, scales, rows[i]);
+        quantize_row(row, dim, kind, values, scales, rows[i]);
     }
     return 0;
 }
