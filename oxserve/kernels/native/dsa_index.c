@@ -77,10 +77,24 @@ static void write_keys(const KeyTable *table, int64_t row, int64_t dim, int bf16
     quantize_row(x, dim, table->kind, table->values, table->scales, row);
 }
 
+#define STAGED_DIM 256 /* scaled keys up to this wide are dequantized into rows, then transposed as a plain table's */
+
 /* kt[d][l] = key d of pool row rows[l], widened to fp32, for l < count (<= GROUP); 0 past it. */
 static void transpose_keys(const KeyTable *table, int bf16, const int64_t *rows, int count, int64_t dim,
                            float *restrict kt) {
     const void *pool_keys = table->values;
+    if (table->kind != PLAIN && dim <= STAGED_DIM) {
+        uint32_t staged[GROUP * STAGED_DIM]; /* the rows in the model dtype (bf16 or fp32) */
+        int64_t order[GROUP];
+        for (int l = 0; l < count; l++) {
+            scaled_row(table->values, rows[l] * dim, dim, table->scales[rows[l]], table->kind, table->lut, bf16, staged,
+                       l * dim);
+            order[l] = l;
+        }
+        const KeyTable plain = {staged, NULL, PLAIN, NULL};
+        transpose_keys(&plain, bf16, order, count, dim, kt);
+        return;
+    }
     if (table->kind != PLAIN) {
         float key[MAX_DIM];
         for (int l = 0; l < GROUP; l++) {
