@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from oxserve.cache.layers import ReplayRing
+from oxserve.cache.replay import ring_counts
 from oxserve.kernels import kda_decode
 
 SLOTS = 7
@@ -39,10 +40,15 @@ def _case(seed: int):
     return rng, gen, heads, dk, dv, slots
 
 
-@pytest.fixture
-def seed() -> int:
+@pytest.fixture(params=[1, 3], ids=["1-thread", "3-threads"])
+def seed(request) -> int:
+    """A fresh seed (printed by each assertion), under 1 thread and under 3 (more threads than
+    some calls have tasks: each thread's own fp32 copy)."""
     assert kda_decode._kernel() is not None, "the native KDA decode kernel did not build"
-    return random.SystemRandom().randrange(2**31)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield random.SystemRandom().randrange(2**31)
+    torch.set_num_threads(threads)
 
 
 def test_writeback_step_is_the_fp32_step_rounded(seed):
@@ -108,6 +114,30 @@ def test_replay_step_reads_the_checkpoint_as_the_table_holds_it(seed):
     table.copy_(table.bfloat16())
     after = [0 if c == length else c for c in counts]
     want = kda_decode.replay_step(table, ring, slots, after, torch.tensor(after), *inputs)
+    assert torch.equal(got, want), f"seed {seed}"
+    assert torch.equal(half.float(), table), f"seed {seed}"
+    for name in ("keys", "decays", "deltas"):
+        assert torch.equal(getattr(half_ring, name), getattr(ring, name)), f"seed {seed}: ring {name}"
+
+
+def test_replay_verify_reads_the_checkpoint_as_the_table_holds_it(seed):
+    """Verify runs (a token and its drafts, 1-4 tokens a request): a ring that cannot take
+    the run is folded and the checkpoint rounded first. Against fp32: the fold, the
+    rounding, then the runs."""
+    rng, gen, heads, dk, dv, slots = _case(seed)
+    length = 6
+    table, ring = _rounded_table(heads, dk, dv, gen), _ring(heads, dk, dv, length, gen)
+    half, half_ring = table.bfloat16(), _clone(ring)
+    lens = [rng.randint(1, 4) for _ in slots]
+    counts = [length] + [rng.randint(0, length) for _ in slots[1:]]  # the first folds at least
+    inputs = _tokens(sum(lens), heads, dk, dv, gen)
+    got = kda_decode.replay_verify(half, half_ring, slots, ring_counts([], [], counts, lens, "cpu"), lens, *inputs)
+    full = [i for i, (c, n) in enumerate(zip(counts, lens)) if c + n > length]
+    folds = [counts[i] for i in full]
+    kda_decode.replay_fold(table, ring, slots[full], folds, torch.tensor(folds))
+    table.copy_(table.bfloat16())
+    after = [0 if i in full else c for i, c in enumerate(counts)]
+    want = kda_decode.replay_verify(table, ring, slots, ring_counts([], [], after, lens, "cpu"), lens, *inputs)
     assert torch.equal(got, want), f"seed {seed}"
     assert torch.equal(half.float(), table), f"seed {seed}"
     for name in ("keys", "decays", "deltas"):

@@ -55,13 +55,25 @@ def test_fp8_ties_go_to_the_even_byte():
 
 
 def test_fp8_bytes_of_values_across_every_binade():
-    """Scale 1 on every row (448 first), then values from 1e-8 to 1e4: subnormals, normals,
-    values that round up into the next binade or past 448 (saturated)."""
+    """Values from 1e-8 to 1e4 (448 first in each row, so that rows of small values have scale
+    1): fp8 subnormals, normals, values that round up into the next binade."""
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(50000, 8, generator=gen) * 10.0 ** (torch.rand(50000, 8, generator=gen) * 12 - 8)
     x[:, 0] = 448.0
     rows = torch.arange(len(x))
     assert _same(_native_stored(FP8, rows, x, len(x)), _torch_stored(FP8, rows, x, len(x)))
+
+
+@KINDS
+def test_a_row_holding_a_nan_gets_scale_1(kind):
+    """torch's amax of such a row is NaN, and NaN > 0 is false: scale 1, the finite values
+    stored as they are (what a NaN itself stores is the cast's business: not compared)."""
+    x = torch.tensor([[1.0, float("nan"), -3.0, 2.0], [0.5, 1.0, float("nan"), 0.25]])
+    rows = torch.tensor([0, 1])
+    got, want = _native_stored(kind, rows, x, 2), _torch_stored(kind, rows, x, 2)
+    assert torch.equal(got.scales, torch.ones(2)) and torch.equal(want.scales, torch.ones(2))
+    finite = ~x.isnan()
+    assert torch.equal(got.values[finite], want.values[finite])
 
 
 def test_int8_halves_go_to_the_even_value():

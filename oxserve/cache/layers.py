@@ -7,15 +7,17 @@
         pool_keys   [num_blocks * block_size / kpool, index_head_dim]   one compressed key per complete pool
     KDACache (per request, row = state slot)
         conv        [num_slots, K-1, 3*H*D]   last K-1 conv inputs, oldest first
-        recurrent   [num_slots, H, Dk, Dv]    fp32 delta-rule state (with a ring: the checkpoint)
+        recurrent   [num_slots, H, Dk, Dv]    delta-rule state, fp32 or bf16 (with a ring: the checkpoint)
         ring        ReplayRing or None        ReplaySSM: per slot, R steps since the checkpoint
 
 Layers whose indexer is `shared` have no index tensors. Reads and writes go through
 index_select / index_copy_ (2-3x faster than advanced indexing on CPU); the rows a step
 writes are distinct, but for the padding rows of a captured step (`engine.padding`), which
-share one block and slot whose values nothing else reads. Any paged table may be a `ScaledRows` instead of a tensor: int8 or fp8
-(e4m3) values with one fp32 scale per row, quantized as they are stored and dequantized as
-the rows a step reads are gathered (never the whole table).
+share one block and slot whose values nothing else reads. Any paged table may be a
+`ScaledRows` instead of a tensor: int8 or fp8 (e4m3) values with one fp32 scale per row,
+quantized as they are stored and dequantized as the rows a step reads are gathered (never the
+whole table); on CPU the native kernels read and write them in place (MLA attention, the
+indexer's scores and key store, `kernels.rows.scaled_store_native`).
 """
 
 from __future__ import annotations
@@ -205,7 +207,7 @@ class KDACache:
         """Prompt chunks (lens[b] tokens of request b, packed) from each request's full state, or
         zeros where it has no context yet; the table keeps the states they end in. On CPU a
         token at a time on the table in place (`kda_decode.writeback_run`: the state stays in
-        cache); elsewhere, or for a bf16 table, chunk-parallel on gathered copies."""
+        cache; a bf16 table's widened once a run); elsewhere chunk-parallel on gathered copies."""
         if kda_decode.writeback_run_fits(self.recurrent):
             return kda_decode.writeback_run(self.recurrent, slots, ~has_initial_state, lens, q, k, v, g, beta)
         states = self.recurrent_states(slots)

@@ -80,8 +80,10 @@ def _bf16(states: torch.Tensor) -> int:
 
 
 def _check(status: int, what: str) -> None:
-    """A kernel's status: the calls above rule out head dims it cannot take, so only scratch
-    memory for a bf16 table's fp32 copies can fail."""
+    """A kernel's status: -1 head dims above its own (`_native` rules them out), otherwise no
+    scratch memory for a bf16 table's fp32 copies."""
+    if status == -1:
+        raise ValueError(f"{what}: head dims above the kernel's {_max_dim()}")
     if status != 0:
         raise MemoryError(f"{what}: no scratch memory for the states' fp32 copies (status {status})")
 
@@ -132,7 +134,7 @@ def writeback_run(states: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor
     slots = slots.to(torch.int64).contiguous()  # held here, as every tensor below: C gets addresses only
     lib = _native(states, None, q, k, v, g, beta)
     if lib is None:
-        raise ValueError("writeback_run: needs the native kernel and contiguous fp32 CPU tensors")
+        raise ValueError("writeback_run: needs the native kernel, a contiguous fp32 or bf16 state table and fp32 CPU inputs")
     starts = [0]
     for n in lens[:-1]:
         starts.append(starts[-1] + n)

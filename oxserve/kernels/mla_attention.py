@@ -27,7 +27,7 @@ def latent_attention_fit(q_latent: torch.Tensor, latent_table) -> bool:
     if isinstance(latent_table, ScaledRows):
         return (latent_table.dtype in NATIVE_KINDS and latent_table.read_as == q_latent.dtype
                 and latent_table.values.is_contiguous() and latent_table.scales.is_contiguous())
-    return latent_table.dtype == q_latent.dtype and latent_table.is_contiguous()
+    return isinstance(latent_table, torch.Tensor) and latent_table.dtype == q_latent.dtype and latent_table.is_contiguous()
 
 
 def latent_attention(q_latent: torch.Tensor, positions: torch.Tensor, request: torch.Tensor,

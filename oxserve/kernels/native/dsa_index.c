@@ -47,7 +47,7 @@
 
 
 /* A key table: values of the model dtype (kind PLAIN), or int8/fp8 rows with a scale each
- * (`scaled_rows.h`; `lut`: fp8_values for FP8), read and written in the model dtype. */
+ * (`scaled_rows.h`; `lut`: FP8_VALUES), read and written in the model dtype. */
 typedef struct {
     void *values;
     float *scales;
@@ -169,9 +169,7 @@ int dsa_index_scores(const void *q, const void *head_weights, int q_bf16, float 
     if (dim > MAX_DIM || heads > MAX_HEADS || heads * dim > MAX_QUERY || pools_per_block < 1) return -1;
     const int64_t chunks = (num_pools + POOL_CHUNK - 1) / POOL_CHUNK;
     const int64_t row_bytes = dim * (key_kind != PLAIN ? 1 : bf16 ? 2 : 4);
-    float lut[256];
-    if (key_kind == FP8) fp8_values(lut);
-    const KeyTable keys = {(void *)pool_keys, (float *)key_scales, key_kind, lut};
+    const KeyTable keys = {(void *)pool_keys, (float *)key_scales, key_kind, FP8_VALUES};
 #pragma omp parallel for num_threads(threads) schedule(static, 1) if (tokens * chunks > 1)
     for (int64_t task = 0; task < tokens * chunks; task++) {
         const int64_t t = task % tokens, first = task / tokens * POOL_CHUNK;
@@ -385,9 +383,7 @@ int dsa_store_keys(const void *raw, const void *gates, const void *ln_w, const v
                    int64_t num_pools, int64_t pool, const void *ape, void *pool_table, float *pool_scales,
                    int pool_kind, int64_t pool_table_rows, int bf16) {
     if (dim > MAX_DIM) return -1;
-    float lut[256];
-    if (key_kind == FP8 || pool_kind == FP8) fp8_values(lut);
-    const KeyTable keys = {key_table, key_scales, key_kind, lut}, pools = {pool_table, pool_scales, pool_kind, lut};
+    const KeyTable keys = {key_table, key_scales, key_kind, FP8_VALUES}, pools = {pool_table, pool_scales, pool_kind, FP8_VALUES};
     for (int64_t t = 0; t < tokens; t++)
         if (rows[t] < 0 || rows[t] >= table_rows) return -2;
     for (int64_t n = 0; n < num_pools; n++) {

@@ -369,7 +369,7 @@ int kda_writeback_run(const float *q, const float *k, const float *v, const floa
         const int h = (int)(bh % heads);
         float *S = fresh[b] ? state_zero(&table, index) : state_get(&table, index);
         if (n == 0) {
-            state_put(&table, index, S);
+            if (fresh[b]) state_put(&table, index, S);
             continue;
         }
         float x[MAX_D], y[MAX_D], p[MAX_D], r[MAX_D], delta[MAX_D];

@@ -356,8 +356,6 @@ int mla_latent_attention(const void *q, const void *cache, const float *scales, 
     if (scratch_reserve(scratch_padded(scratch_bytes) + scratch_padded(rows_bytes)) != 0) return -2;
     float *scratch = scratch_take(scratch_bytes);
     int64_t *rows_all = scratch_take(rows_bytes);
-    float lut[256];
-    if (kind == FP8) fp8_values(lut);
     int block_shift = -1;
     for (int s = 0; s < 62; s++)
         if ((INT64_C(1) << s) == block_size) block_shift = s;
@@ -380,7 +378,7 @@ int mla_latent_attention(const void *q, const void *cache, const float *scales, 
         }
         const void *latent = cache;
         if (kind != PLAIN) {
-            dequantize_rows(cache, scales, kind, lut, rows, n, dim, bf16, own);
+            dequantize_rows(cache, scales, kind, FP8_VALUES, rows, n, dim, bf16, own);
             latent = own;
         }
 #if defined(__AVX512BF16__)

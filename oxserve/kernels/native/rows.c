@@ -19,7 +19,8 @@
  *   scaled_rows_store: a step's rows into an int8/fp8 cache table (`ScaledRows.store`: ~8 eager
  *                  ops).
  *
- * Rows are split across OpenMP threads. */
+ * The norms, argmax and scaled stores split their rows across OpenMP threads (the stores where
+ * there are more than 64); the gathers and scatters copy on the calling thread. */
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
@@ -201,8 +202,9 @@ int scaled_rows_store(const void *x, int x_bf16, int64_t n, int64_t dim, const i
     for (int64_t i = 0; i < n; i++)
         if (rows[i] < 0 || rows[i] >= table_rows) return -1;
     if (dim > SCALED_CHUNK) return -2;
-    float row[SCALED_CHUNK];
+#pragma omp parallel for schedule(static) if (n > 64) /* a prompt chunk's rows: distinct rows, split */
     for (int64_t i = 0; i < n; i++) {
+        float row[SCALED_CHUNK];
         widen_row(x, i * dim, dim, x_bf16, row);
         quantize_row(row, dim, kind, values, scales, rows[i]);
     }

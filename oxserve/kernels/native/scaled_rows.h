@@ -12,17 +12,20 @@
 
 enum { PLAIN = 0, INT8 = 1, FP8 = 2 }; /* what a table holds: the model dtype itself, or scaled rows */
 
-/* The value of each float8_e4m3fn byte (finite-only: no infinities, S.1111.111 is NaN). */
-static inline void fp8_values(float lut[256]) {
+/* FP8_VALUES[b]: the value of float8_e4m3fn byte b (finite-only: no infinities, S.1111.111
+ * is NaN), filled once as the library loads. */
+static float FP8_VALUES[256];
+
+__attribute__((constructor)) static void fp8_values(void) {
     for (int b = 0; b < 256; b++) {
         const int exponent = (b >> 3) & 15, mantissa = b & 7;
         float v = exponent == 0 ? ldexpf((float)mantissa, -9) : ldexpf(8.0f + (float)mantissa, exponent - 10);
         if (exponent == 15 && mantissa == 7) v = NAN;
-        lut[b] = b & 128 ? -v : v;
+        FP8_VALUES[b] = b & 128 ? -v : v;
     }
 }
 
-/* Element i of a scaled table (`kind` INT8 or FP8; `lut` from fp8_values) whose row has scale
+/* Element i of a scaled table (`kind` INT8 or FP8; `lut`: FP8_VALUES) whose row has scale
  * `scale`, as read in the model dtype (bf16 when `bf16`), in fp32. */
 static inline float scaled_value(const void *values, int64_t i, float scale, int kind, const float *lut, int bf16) {
     const float x = (kind == INT8 ? (float)((const int8_t *)values)[i] : lut[((const uint8_t *)values)[i]]) * scale;
@@ -82,12 +85,16 @@ static inline uint8_t fp8_byte(float x) {
     return sign | (uint8_t)(code > 0x7e ? 0x7e : code);
 }
 
-/* Row `row` of a scaled table = x [dim] (fp32, finite: a NaN stores garbage, as in torch):
- * scale = max |x| / 127 (int8) or / 448 (fp8), 1 for a row of zeros; values x / scale, rounded
- * half to even and clamped to +-127 (int8) or to the nearest e4m3 value (fp8). */
+/* Row `row` of a scaled table = x [dim] (fp32): scale = max |x| / 127 (int8) or / 448 (fp8), 1
+ * for a row of zeros or one holding a NaN (torch's amax is then NaN, and NaN > 0 is false);
+ * values x / scale, rounded half to even and clamped to +-127 (int8; a NaN stores 0) or to the
+ * nearest e4m3 value (fp8). */
 static inline void quantize_row(const float *x, int64_t dim, int kind, void *values, float *scales, int64_t row) {
     float amax = 0.0f;
-    for (int64_t d = 0; d < dim; d++) amax = fmaxf(amax, fabsf(x[d]));
+    for (int64_t d = 0; d < dim; d++) {
+        const float a = fabsf(x[d]);
+        if (amax == amax && !(a <= amax)) amax = a; /* a NaN, once met, stays */
+    }
     const float scale = amax > 0.0f ? amax / (kind == INT8 ? 127.0f : 448.0f) : 1.0f;
     scales[row] = scale;
     for (int64_t d = 0; d < dim; d++) {
