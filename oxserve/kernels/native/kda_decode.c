@@ -395,10 +395,47 @@ int kda_writeback_run(const float *q, const float *k, const float *v, const floa
     return 0;
 }
 
-/* One replay step of head h of the request in `slot`, whose ring holds n < len entries: writes
- * ring entry n and o [Dv]. */
-static void replay_token(const Ring *ring, float *S, int64_t slot, int h, int n, const float *qh, const float *kh,
-                         const float *gh, const float *vh, float beta, float *o) {
+/* p = x^T S and r = y^T S of a checkpoint S (bf16 when `bf16`: only where products16 reads it). */
+static void checkpoint_products(const void *S, int bf16, const float *x, const float *y, int dk, int dv, float *p,
+                                float *r) {
+#ifdef __AVX512F__
+    if (dv % 16 == 0) {
+        if (bf16) products16(S, 1, x, y, dk, dv, p, r);
+        else products16(S, 0, x, y, dk, dv, p, r);
+        return;
+    }
+#endif
+    two_products((const float *)S, x, y, dk, dv, p, r);
+}
+
+/* The checkpoint of state `index` as a replay step reads it: the table's own where the products
+ * can read it in place (fp32, or bf16 on the AVX-512 products: `*bf16` set), else a widened
+ * copy. */
+static const void *checkpoint(const States *table, int64_t index, int dv, int *bf16) {
+    *bf16 = 0;
+#ifdef __AVX512F__
+    if (dv % 16 == 0 && table->is_bf16) {
+        *bf16 = 1;
+        return (const uint16_t *)table->table + index * table->size;
+    }
+#else
+    (void)dv;
+#endif
+    return state_get(table, index);
+}
+
+/* Fold the first n ring entries of (slot, h) into its checkpoint in the table. */
+static void fold_checkpoint(const States *table, const Ring *ring, int64_t slot, int h, int n) {
+    const int64_t index = slot * ring->heads + h;
+    float *S = state_get(table, index);
+    fold(S, ring, slot, h, n);
+    state_put(table, index, S);
+}
+
+/* One replay step of head h of the request in `slot`, whose ring holds n < len entries, from
+ * checkpoint S (`checkpoint`): writes ring entry n and o [Dv]. */
+static void replay_token(const Ring *ring, const void *S, int S_bf16, int64_t slot, int h, int n, const float *qh,
+                         const float *kh, const float *gh, const float *vh, float beta, float *o) {
     const int dk = ring->dk, dv = ring->dv;
     const float *prev = n ? entry(ring, ring->decays, slot, n - 1, h, dk) : 0;
     float *G = entry(ring, ring->decays, slot, n, h, dk), *key = entry(ring, ring->keys, slot, n, h, dk);
@@ -409,7 +446,7 @@ static void replay_token(const Ring *ring, float *S, int64_t slot, int h, int n,
         x[d] = qh[d] * A[d];
         y[d] = kh[d] * A[d];
     }
-    two_products(S, x, y, dk, dv, p, r);
+    checkpoint_products(S, S_bf16, x, y, dk, dv, p, r);
     for (int j = 0; j < n; j++) {
         const float *kj = entry(ring, ring->keys, slot, j, h, dk);
         float c = 0.0f, s = 0.0f;
@@ -433,15 +470,6 @@ static void replay_token(const Ring *ring, float *S, int64_t slot, int h, int n,
     for (int d = 0; d < dk; d++) key[d] = ring->exact ? kh[d] : kh[d] / A[d];  // A >= e^-80 here: a normal fp32
 }
 
-/* The checkpoint of (slot, h) with its ring's first n entries folded in, as the table then
- * holds it (a bf16 table's rounding included): the fp32 state the next steps read. */
-static float *folded(const States *table, const Ring *ring, float *S, int64_t slot, int h, int n) {
-    const int64_t index = slot * ring->heads + h;
-    fold(S, ring, slot, h, n);
-    state_put(table, index, S);
-    return table->is_bf16 ? state_get(table, index) : S;
-}
-
 /* Returns 0, -1 for head dims above MAX_D, -3 without scratch (bf16 tables). */
 int kda_replay_step(const float *q, const float *k, const float *v, const float *g, const float *beta, void *states,
                     float *ring_keys, float *ring_decays, float *ring_deltas, const int64_t *slots,
@@ -455,13 +483,14 @@ int kda_replay_step(const float *q, const float *k, const float *v, const float 
     for (int64_t bh = 0; bh < batch * heads; bh++) {
         const int64_t b = bh / heads, slot = slots[b];
         const int h = (int)(bh % heads);
-        float *S = state_get(&table, slot * heads + h);
-        int n = (int)counts[b];
-        if (n == ring_len) {
-            S = folded(&table, &ring, S, slot, h, n);
+        int n = (int)counts[b], S_bf16;
+        if (n == ring_len) { /* (the steps after it read the checkpoint as the table holds it: rounded) */
+            fold_checkpoint(&table, &ring, slot, h, n);
             n = 0;
         }
-        replay_token(&ring, S, slot, h, n, q + bh * dk, k + bh * dk, g + bh * dk, v + bh * dv, beta[bh], out + bh * dv);
+        const void *S = checkpoint(&table, slot * heads + h, dv, &S_bf16);
+        replay_token(&ring, S, S_bf16, slot, h, n, q + bh * dk, k + bh * dk, g + bh * dk, v + bh * dv, beta[bh],
+                     out + bh * dv);
     }
     return 0;
 }
@@ -485,15 +514,15 @@ int kda_replay_run(const float *q, const float *k, const float *v, const float *
     for (int64_t bh = 0; bh < batch * heads; bh++) {
         const int64_t b = bh / heads, slot = slots[b];
         const int h = (int)(bh % heads);
-        float *S = state_get(&table, slot * heads + h);
-        int n = (int)counts[b];
+        int n = (int)counts[b], S_bf16;
         if (n + lens[b] > ring_len) {
-            S = folded(&table, &ring, S, slot, h, n);
+            fold_checkpoint(&table, &ring, slot, h, n);
             n = 0;
         }
+        const void *S = checkpoint(&table, slot * heads + h, dv, &S_bf16);
         for (int64_t t = 0; t < lens[b]; t++) {
             const int64_t th = (starts[b] + t) * heads + h;
-            replay_token(&ring, S, slot, h, n + (int)t, q + th * dk, k + th * dk, g + th * dk, v + th * dv, beta[th],
+            replay_token(&ring, S, S_bf16, slot, h, n + (int)t, q + th * dk, k + th * dk, g + th * dk, v + th * dv, beta[th],
                          out + th * dv);
         }
     }
@@ -512,11 +541,7 @@ int kda_replay_fold(void *states, float *ring_keys, float *ring_decays, float *r
     for (int64_t bh = 0; bh < batch * heads; bh++) {
         const int64_t b = bh / heads;
         const int h = (int)(bh % heads);
-        if (counts[b] == 0) continue;
-        const int64_t index = slots[b] * heads + h;
-        float *S = state_get(&table, index);
-        fold(S, &ring, slots[b], h, (int)counts[b]);
-        state_put(&table, index, S);
+        if (counts[b] > 0) fold_checkpoint(&table, &ring, slots[b], h, (int)counts[b]);
     }
     return 0;
 }
