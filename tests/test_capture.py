@@ -214,8 +214,10 @@ def test_plain_greedy_steps_take_the_argmax_their_replay_made(monkeypatch, deter
 
 
 @pytest.mark.parametrize("options", [{}, {"kda_decode": "replay", "kda_replay_len": 5}, {"kv_cache_dtype": "int8"},
+                                     {"kv_cache_dtype": "fp8", "kda_state_dtype": "bfloat16", "kda_decode": "replay",
+                                      "kda_replay_len": 5},
                                      {"compile_sizes": "1,8", "kda_decode": "replay", "kda_replay_len": 3}],
-                         ids=["write-back", "replay-rings", "int8-cache", "many-rows-a-step"])
+                         ids=["write-back", "replay-rings", "int8-cache", "fp8-cache-bf16-checkpoints", "many-rows-a-step"])
 def test_decode_batches_run_padded_to_the_captured_sizes(tiny_model_dir, monkeypatch, options):
     """Batches of 7 and 5 requests replay the recordings of 8 and 6 (sizes 1, 2, 3, 4, 6, 8)
     with padding rows, which share one state slot and cache block (ReplaySSM rings folding
