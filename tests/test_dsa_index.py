@@ -192,6 +192,20 @@ def test_mismatched_tables_take_the_torch_path():
     assert not index_scores_fit(q.half(), w.half(), torch.zeros(4, 8))
 
 
+def _store_step(gen, dtype, tokens: int, pools: int, pool: int, dim: int, table_rows: int = 64):
+    """A step's raw keys and gate scores [T, D], norm weight and bias, position bias [P, D], the
+    cache rows they go to, the completed pools' member rows [N, P] (this step's rows among them)
+    and pool rows [N]."""
+    raw, gates = (torch.randn(tokens, dim, generator=gen).to(dtype) * 3 for _ in range(2))
+    weight, bias = torch.randn(dim, generator=gen).to(dtype), torch.randn(dim, generator=gen).to(dtype)
+    ape = torch.randn(pool, dim, generator=gen).to(dtype)
+    rows = torch.randperm(table_rows, generator=gen)[:tokens]
+    members = torch.cat([rows, torch.randint(0, table_rows, (pools * pool,), generator=gen)])[torch.randperm(
+        tokens + pools * pool, generator=gen)][: pools * pool].view(pools, pool)
+    pool_rows = torch.randperm(table_rows // pool, generator=gen)[:pools]
+    return raw, gates, weight, bias, ape, rows, members, pool_rows
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("tokens,pools,pool,dim", [(1, 1, 4, 32), (9, 3, 4, 20), (16, 0, 4, 8), (5, 2, 16, 64)])
 def test_native_key_store_and_pool_compression_match_torch(dtype, tokens, pools, pool, dim):
@@ -200,13 +214,7 @@ def test_native_key_store_and_pool_compression_match_torch(dtype, tokens, pools,
     members include this step's tokens, so the new keys must be in before it is read)."""
     gen = torch.Generator().manual_seed(tokens * 100 + pools * 10 + dim)
     table_rows = 64
-    raw, gates = (torch.randn(tokens, dim, generator=gen).to(dtype) * 3 for _ in range(2))
-    weight, bias = torch.randn(dim, generator=gen).to(dtype), torch.randn(dim, generator=gen).to(dtype)
-    ape = torch.randn(pool, dim, generator=gen).to(dtype)
-    rows = torch.randperm(table_rows, generator=gen)[:tokens]
-    members = torch.cat([rows, torch.randint(0, table_rows, (pools * pool,), generator=gen)])[torch.randperm(
-        tokens + pools * pool, generator=gen)][: pools * pool].view(pools, pool)
-    pool_rows = torch.randperm(table_rows // pool, generator=gen)[:pools]
+    raw, gates, weight, bias, ape, rows, members, pool_rows = _store_step(gen, dtype, tokens, pools, pool, dim)
     tables = [torch.randn(table_rows, dim, generator=gen).to(dtype) for _ in range(2)]
     tables.append(torch.randn(table_rows // pool, dim, generator=gen).to(dtype))
     want = [t.clone() for t in tables]
@@ -241,13 +249,7 @@ def test_native_key_store_on_scaled_tables(kind, dtype):
     of the pool row's quantization."""
     gen = torch.Generator().manual_seed(7)
     tokens, pools, pool, dim, table_rows = 9, 3, 4, 20, 64
-    raw, gates = (torch.randn(tokens, dim, generator=gen).to(dtype) * 3 for _ in range(2))
-    weight, bias = torch.randn(dim, generator=gen).to(dtype), torch.randn(dim, generator=gen).to(dtype)
-    ape = torch.randn(pool, dim, generator=gen).to(dtype)
-    rows = torch.randperm(table_rows, generator=gen)[:tokens]
-    members = torch.cat([rows, torch.randint(0, table_rows, (pools * pool,), generator=gen)])[torch.randperm(
-        tokens + pools * pool, generator=gen)][: pools * pool].view(pools, pool)
-    pool_rows = torch.randperm(table_rows // pool, generator=gen)[:pools]
+    raw, gates, weight, bias, ape, rows, members, pool_rows = _store_step(gen, dtype, tokens, pools, pool, dim)
     start = torch.randn(table_rows, dim, generator=gen).to(dtype)
     plain = [start.clone(), torch.randn(table_rows, dim, generator=gen).to(dtype), torch.zeros(table_rows // pool, dim, dtype=dtype)]
     scaled_keys = ScaledRows.zeros(table_rows, dim, kind, dtype, "cpu")
