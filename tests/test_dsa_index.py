@@ -160,7 +160,7 @@ def test_native_selection_expands_as_torch(pool, tail, tokens, k):
 
 @pytest.mark.parametrize("kind", [torch.int8, FP8], ids=["int8", "fp8"])
 @pytest.mark.parametrize("read_as", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("tokens,heads,dim", [(7, 4, 32), (5, 2, 40), (33, 2, 20), (3, 2, 288)])  # 288: unstaged
+@pytest.mark.parametrize("tokens,heads,dim", [(7, 4, 32), (5, 2, 40), (33, 2, 20), (3, 2, 256), (3, 2, 288)])  # 288: unstaged
 def test_native_index_scores_on_scaled_keys(kind, read_as, tokens, heads, dim):
     """An int8/fp8 pool-key table (row magnitudes spread over 1e-3 .. 1e2): the scores the
     kernel gives a plain table of the keys as `ScaledRows.gather` reads them, bit for bit."""

@@ -79,30 +79,10 @@ static void write_keys(const KeyTable *table, int64_t row, int64_t dim, int bf16
 
 #define STAGED_DIM 256 /* scaled keys up to this wide are dequantized into rows, then transposed as a plain table's */
 
-/* kt[d][l] = key d of pool row rows[l], widened to fp32, for l < count (<= GROUP); 0 past it. */
-static void transpose_keys(const KeyTable *table, int bf16, const int64_t *rows, int count, int64_t dim,
-                           float *restrict kt) {
-    const void *pool_keys = table->values;
-    if (table->kind != PLAIN && dim <= STAGED_DIM) {
-        uint32_t staged[GROUP * STAGED_DIM]; /* the rows in the model dtype (bf16 or fp32) */
-        int64_t order[GROUP];
-        for (int l = 0; l < count; l++) {
-            scaled_row(table->values, rows[l] * dim, dim, table->scales[rows[l]], table->kind, table->lut, bf16, staged,
-                       l * dim);
-            order[l] = l;
-        }
-        const KeyTable plain = {staged, NULL, PLAIN, NULL};
-        transpose_keys(&plain, bf16, order, count, dim, kt);
-        return;
-    }
-    if (table->kind != PLAIN) {
-        float key[MAX_DIM];
-        for (int l = 0; l < GROUP; l++) {
-            if (l < count) read_keys(table, rows[l], dim, bf16, key);
-            for (int64_t d = 0; d < dim; d++) kt[d * GROUP + l] = l < count ? key[d] : 0.0f;
-        }
-        return;
-    }
+/* kt[d][l] = key d of row rows[l] of a plain table (`values` bf16 when `bf16`, else fp32),
+ * widened to fp32, for l < count (<= GROUP); 0 past it. */
+static void transpose_plain(const void *pool_keys, int bf16, const int64_t *rows, int count, int64_t dim,
+                            float *restrict kt) {
     int64_t d0 = 0;
 #if defined(__AVX512F__)
     if (bf16 && count == GROUP) /* 32 dims (16 pairs) of 16 rows a block: each 32-bit lane a pair */
@@ -130,6 +110,36 @@ static void transpose_keys(const KeyTable *table, int bf16, const int64_t *rows,
             kt[d * GROUP + l] = l < count ? (bf16 ? bf16_to_f32(((const uint16_t *)pool_keys)[rows[l] * dim + d])
                                                   : ((const float *)pool_keys)[rows[l] * dim + d])
                                           : 0.0f;
+}
+
+/* kt[d][l] = key d of pool row rows[l] of the table, widened to fp32, for l < count (<= GROUP);
+ * 0 past it. A scaled table's rows are dequantized into a staging block first (up to
+ * STAGED_DIM wide), then transposed as a plain table's. */
+static void transpose_keys(const KeyTable *table, int bf16, const int64_t *rows, int count, int64_t dim,
+                           float *restrict kt) {
+    if (table->kind == PLAIN) {
+        transpose_plain(table->values, bf16, rows, count, dim, kt);
+        return;
+    }
+    if (dim <= STAGED_DIM) {
+        union { /* the rows in the model dtype */
+            float f32[GROUP * STAGED_DIM];
+            uint16_t bf16[GROUP * STAGED_DIM];
+        } staged;
+        int64_t order[GROUP];
+        for (int l = 0; l < count; l++) {
+            scaled_row(table->values, rows[l] * dim, dim, table->scales[rows[l]], table->kind, table->lut, bf16,
+                       bf16 ? (void *)staged.bf16 : (void *)staged.f32, l * dim);
+            order[l] = l;
+        }
+        transpose_plain(bf16 ? (const void *)staged.bf16 : (const void *)staged.f32, bf16, order, count, dim, kt);
+        return;
+    }
+    float key[MAX_DIM];
+    for (int l = 0; l < GROUP; l++) {
+        if (l < count) read_keys(table, rows[l], dim, bf16, key);
+        for (int64_t d = 0; d < dim; d++) kt[d * GROUP + l] = l < count ? key[d] : 0.0f;
+    }
 }
 
 /* out[l] = sum_h w[h] * relu(scale * q[h] . key l) for the GROUP pools in kt [dim][GROUP]. */

@@ -20,10 +20,12 @@
  * (a request's head's entries side by side: a step streams them);
  * slots [B]; counts [B]: ring entries before this step (R: fold first). The host keeps counts.
  *
- * The state table may be bf16 (`is_bf16`; the rings stay fp32): a task widens its state into
- * an fp32 copy of its thread's, works on it as on an fp32 table, and rounds back only what it
- * changed (a write-back step's or run's new state, a fold's checkpoint), where the torch
- * version rounds: half the table's bytes a step, the same recurrence in fp32. */
+ * The state table may be bf16 (`is_bf16`; the rings stay fp32): computed in fp32 and rounded
+ * back only where the torch version rounds (a write-back step's or run's new state, a fold's
+ * checkpoint): half the table's bytes a step, the same recurrence in fp32. Where the AVX-512
+ * passes can (dv % 16 == 0) a write-back step, and a replay step reading its checkpoint, widen
+ * and round the table's own values as they go; elsewhere (prompt runs, folds, other widths) a
+ * task works on a widened copy in its thread's scratch. */
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
@@ -395,7 +397,9 @@ int kda_writeback_run(const float *q, const float *k, const float *v, const floa
     return 0;
 }
 
-/* p = x^T S and r = y^T S of a checkpoint S (bf16 when `bf16`: only where products16 reads it). */
+/* p = x^T S and r = y^T S of a checkpoint S (bf16 when `bf16`: only where products16 reads it).
+ * products16 and two_products make the same sums in the same order, as fused multiply-adds
+ * (two_products through -ffp-contract=fast: the build flags keep fp32 results bit-stable). */
 static void checkpoint_products(const void *S, int bf16, const float *x, const float *y, int dk, int dv, float *p,
                                 float *r) {
 #ifdef __AVX512F__
@@ -426,6 +430,7 @@ static const void *checkpoint(const States *table, int64_t index, int dv, int *b
 
 /* Fold the first n ring entries of (slot, h) into its checkpoint in the table. */
 static void fold_checkpoint(const States *table, const Ring *ring, int64_t slot, int h, int n) {
+    if (n <= 0) return; /* (an empty ring: nothing to fold) */
     const int64_t index = slot * ring->heads + h;
     float *S = state_get(table, index);
     fold(S, ring, slot, h, n);
