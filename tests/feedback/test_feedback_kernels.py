@@ -20,7 +20,7 @@ CFG = TextModelConfig.from_hf_dict(TINY_TEXT_CONFIG)
 SHAPES = BenchShapes(batches=(1, 3), contexts=(24,))
 CPU = torch.device("cpu")
 REQUIRED_OPS = {
-    "kda.chunked", "kda.recurrent_step", "kda.recurrent_step_bf16_state", "conv.step", "conv.chunk", "mla.attention", "dsa.indexer", "dsa.store_keys",
+    "kda.chunked", "kda.recurrent_step", "kda.recurrent_step_bf16_state", "mla.attention_int8", "mla.attention_fp8", "conv.step", "conv.chunk", "mla.attention", "dsa.indexer", "dsa.store_keys",
     "moe.router", "moe.experts", "hc.collapse", "hc.expand", "rmsnorm", "lm_head",
 }
 

@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from oxserve.cache.layers import MLACache
+from oxserve.cache.layers import FP8, MLACache, ScaledRows
 from oxserve.kernels.mla_attention import latent_attention
 from oxserve.model.batch import ForwardBatch, PoolCompletions, power_of_two
 from oxserve.model.indexer import Indexer
@@ -123,6 +123,46 @@ def native_attention_candidate(cfg, i):
 
 register_op(Op("mla.attention", _attention_cases, reference_attention, close_for("q_latent"),
                {"torch": attention_candidate, "native": native_attention_candidate}))
+
+
+# ---- the same on an int8 or fp8 latent cache (`--kv-cache-dtype int8|fp8`) -------------------
+# The inputs carry the table as stored (values, scales) and, for the reference, the latents as
+# the table reads them (dequantized to the activation dtype); candidates bind a ScaledRows view.
+
+
+def _scaled_attention_cases(kind: torch.dtype):
+    def cases(cfg, shapes, dtype, device):
+        def inputs(gen, b, n):
+            i = _attention_inputs(cfg, b, n, dtype, device, gen)
+            table = ScaledRows.zeros(*i["latent"].shape, kind, dtype, device)
+            table.store(torch.arange(len(i["latent"]), device=device), i["latent"])
+            return {**i, "latent": table.gather(torch.arange(len(i["latent"]), device=device)),
+                    "latent_values": table.values, "latent_scales": table.scales}
+
+        def cost(i) -> tuple[float, float]:
+            selected = int((i["positions"] >= 0).sum())
+            q = i["q_latent"]
+            return (selected * (q.shape[2] + 4) + 2 * q.numel() * q.element_size() + i["positions"].numel() * 8,
+                    4.0 * q.shape[1] * q.shape[2] * selected)
+
+        return [Case(f"B={b} ctx={n}", lambda gen, b=b, n=n: inputs(gen, b, n),
+                     lambda i: (torch.empty_like(i["q_latent"]),), cost, precision_of(dtype))
+                for b in shapes.batches for n in shapes.contexts]
+    return cases
+
+
+def scaled_table_candidate(candidate, kind: torch.dtype):
+    """`candidate` on the case's latents as the int8/fp8 table stores them."""
+    def bind(cfg, i):
+        table = ScaledRows(i["latent_values"], i["latent_scales"], kind, i["q_latent"].dtype)
+        return candidate(cfg, {**i, "latent": table})
+    return bind
+
+
+for _kind, _name in ((torch.int8, "int8"), (FP8, "fp8")):
+    register_op(Op(f"mla.attention_{_name}", _scaled_attention_cases(_kind), reference_attention, close_for("q_latent"),
+                   {"torch": scaled_table_candidate(attention_candidate, _kind),
+                    "native": scaled_table_candidate(native_attention_candidate, _kind)}))
 
 
 # ---- DSA indexer: score pools, keep the best, add the tail -----------------------------------
