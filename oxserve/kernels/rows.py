@@ -30,7 +30,7 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.mtp_input_norms.argtypes = [p, p, p, i64, i64, p, ctypes.c_float, p, ctypes.c_float, p, ctypes.c_int]
     lib.mtp_input_norms.restype = None
     lib.add_rows_bf16.argtypes = [p, p, i64, p, i64, i64, p]
-    lib.scaled_rows_store.argtypes = [p, ctypes.c_int, i64, i64, p, i64, p, p, ctypes.c_int]
+    lib.scaled_rows_store.argtypes = [p, ctypes.c_int, i64, i64, p, i64, p, p, ctypes.c_int, ctypes.c_int]
     return lib
 
 
@@ -125,7 +125,7 @@ def scaled_store_native(values: torch.Tensor, scales: torch.Tensor, kind: int, r
         raise ValueError(f"scaled_rows_store: {tuple(x.shape)} values for {rows.numel()} rows of {values.shape[-1]}")
     _checked(_kernel().scaled_rows_store(native.pointer(x), int(x.dtype == torch.bfloat16), rows.numel(), values.shape[-1],
                                          native.pointer(rows), len(values), native.pointer(values), native.pointer(scales),
-                                         kind), "scaled_rows_store")  # fmt: skip
+                                         kind, torch.get_num_threads()), "scaled_rows_store")  # fmt: skip
 
 
 def add_rows_fit(a: torch.Tensor, b: torch.Tensor, rows: torch.Tensor | None = None) -> bool:

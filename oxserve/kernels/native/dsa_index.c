@@ -47,12 +47,11 @@
 
 
 /* A key table: values of the model dtype (kind PLAIN), or int8/fp8 rows with a scale each
- * (`scaled_rows.h`; `lut`: FP8_VALUES), read and written in the model dtype. */
+ * (`scaled_rows.h`), read and written in the model dtype. */
 typedef struct {
     void *values;
     float *scales;
     int kind;
-    const float *lut;
 } KeyTable;
 
 /* out [dim] = row `row` of the table, in the model dtype (bf16 when `bf16`), as fp32. */
@@ -61,7 +60,7 @@ static void read_keys(const KeyTable *table, int64_t row, int64_t dim, int bf16,
         widen_row(table->values, row * dim, dim, bf16, out);
         return;
     }
-    scaled_row(table->values, row * dim, dim, table->scales[row], table->kind, table->lut, 0, out, 0);
+    scaled_row(table->values, row * dim, dim, table->scales[row], table->kind, 0, out, 0);
     if (bf16)
         for (int64_t d = 0; d < dim; d++) out[d] = round_bf16(out[d]);
 }
@@ -128,7 +127,7 @@ static void transpose_keys(const KeyTable *table, int bf16, const int64_t *rows,
         } staged;
         int64_t order[GROUP];
         for (int l = 0; l < count; l++) {
-            scaled_row(table->values, rows[l] * dim, dim, table->scales[rows[l]], table->kind, table->lut, bf16,
+            scaled_row(table->values, rows[l] * dim, dim, table->scales[rows[l]], table->kind, bf16,
                        bf16 ? (void *)staged.bf16 : (void *)staged.f32, l * dim);
             order[l] = l;
         }
@@ -179,7 +178,7 @@ int dsa_index_scores(const void *q, const void *head_weights, int q_bf16, float 
     if (dim > MAX_DIM || heads > MAX_HEADS || heads * dim > MAX_QUERY || pools_per_block < 1) return -1;
     const int64_t chunks = (num_pools + POOL_CHUNK - 1) / POOL_CHUNK;
     const int64_t row_bytes = dim * (key_kind != PLAIN ? 1 : bf16 ? 2 : 4);
-    const KeyTable keys = {(void *)pool_keys, (float *)key_scales, key_kind, FP8_VALUES};
+    const KeyTable keys = {(void *)pool_keys, (float *)key_scales, key_kind};
 #pragma omp parallel for num_threads(threads) schedule(static, 1) if (tokens * chunks > 1)
     for (int64_t task = 0; task < tokens * chunks; task++) {
         const int64_t t = task % tokens, first = task / tokens * POOL_CHUNK;
@@ -393,7 +392,7 @@ int dsa_store_keys(const void *raw, const void *gates, const void *ln_w, const v
                    int64_t num_pools, int64_t pool, const void *ape, void *pool_table, float *pool_scales,
                    int pool_kind, int64_t pool_table_rows, int bf16) {
     if (dim > MAX_DIM) return -1;
-    const KeyTable keys = {key_table, key_scales, key_kind, FP8_VALUES}, pools = {pool_table, pool_scales, pool_kind, FP8_VALUES};
+    const KeyTable keys = {key_table, key_scales, key_kind}, pools = {pool_table, pool_scales, pool_kind};
     for (int64_t t = 0; t < tokens; t++)
         if (rows[t] < 0 || rows[t] >= table_rows) return -2;
     for (int64_t n = 0; n < num_pools; n++) {

@@ -49,12 +49,12 @@ typedef struct {
     float *scratch;
 } States;
 
-/* 0, or -2 without scratch memory for `threads` copies. */
+/* 0, or -3 without scratch memory for `threads` copies. */
 static int states_open(States *s, void *table, int is_bf16, int dk, int dv, int threads) {
     s->table = table, s->is_bf16 = is_bf16, s->size = (int64_t)dk * dv, s->scratch = 0;
     if (!is_bf16) return 0;
     const size_t bytes = (size_t)(threads > 1 ? threads : 1) * (size_t)s->size * sizeof(float);
-    if (scratch_reserve(scratch_padded(bytes)) != 0) return -2;
+    if (scratch_reserve(scratch_padded(bytes)) != 0) return -3;
     s->scratch = scratch_take(bytes);
     return 0;
 }
@@ -250,7 +250,7 @@ static inline __attribute__((always_inline)) void writeback_step16(
 }
 #endif
 
-/* Returns 0, -1 for head dims above MAX_D, -2 without scratch (bf16 tables). */
+/* Returns 0, -1 for head dims above MAX_D, -3 without scratch (bf16 tables). */
 int kda_writeback_step(const float *q, const float *k, const float *v, const float *g, const float *beta,
                        void *states, const int64_t *slots, int64_t batch, int heads, int dk, int dv, int is_bf16,
                        float *out, int threads) {
@@ -263,7 +263,7 @@ int kda_writeback_step(const float *q, const float *k, const float *v, const flo
     }
 #endif
     States table;
-    if (states_open(&table, states, is_bf16, dk, dv, threads) != 0) return -2;
+    if (states_open(&table, states, is_bf16, dk, dv, threads) != 0) return -3;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t bh = 0; bh < batch * heads; bh++) {
         const int64_t b = bh / heads, index = slots[b] * heads + bh % heads;
@@ -364,7 +364,7 @@ int kda_writeback_run(const float *q, const float *k, const float *v, const floa
                       int threads) {
     if (dk > MAX_D || dv > MAX_D) return -1;
     States table;
-    if (states_open(&table, states, is_bf16, dk, dv, threads) != 0) return -2;
+    if (states_open(&table, states, is_bf16, dk, dv, threads) != 0) return -3;
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
     for (int64_t bh = 0; bh < batch * heads; bh++) {
         const int64_t b = bh / heads, n = lens[b], index = slots[b] * heads + bh % heads;

@@ -41,10 +41,10 @@
 static inline float model_round(float x, int bf16) { return bf16 ? round_bf16(x) : x; }
 
 /* dst [n][dim] (the model dtype) = rows[k] of the scaled table, dequantized; rows[k] <- k. */
-static void dequantize_rows(const void *values, const float *scales, int kind, const float *lut, int64_t *rows,
-                            int64_t n, int64_t dim, int bf16, void *dst) {
+static void dequantize_rows(const void *values, const float *scales, int kind, int64_t *rows, int64_t n, int64_t dim,
+                            int bf16, void *dst) {
     for (int64_t k = 0; k < n; k++) {
-        scaled_row(values, rows[k] * dim, dim, scales[rows[k]], kind, lut, bf16, dst, k * dim);
+        scaled_row(values, rows[k] * dim, dim, scales[rows[k]], kind, bf16, dst, k * dim);
         rows[k] = k;
     }
 }
@@ -378,7 +378,7 @@ int mla_latent_attention(const void *q, const void *cache, const float *scales, 
         }
         const void *latent = cache;
         if (kind != PLAIN) {
-            dequantize_rows(cache, scales, kind, FP8_VALUES, rows, n, dim, bf16, own);
+            dequantize_rows(cache, scales, kind, rows, n, dim, bf16, own);
             latent = own;
         }
 #if defined(__AVX512BF16__)

@@ -198,11 +198,11 @@ int mean_rms_norm_bf16(const uint16_t *x, int64_t tokens, int64_t streams, const
  * `x_bf16`, else fp32), quantized as `ScaledRows.store` quantizes them. Returns 0, -1 for a
  * row outside the table, -2 for rows wider than SCALED_CHUNK (nothing written). */
 int scaled_rows_store(const void *x, int x_bf16, int64_t n, int64_t dim, const int64_t *rows, int64_t table_rows,
-                      void *values, float *scales, int kind) {
+                      void *values, float *scales, int kind, int threads) {
     for (int64_t i = 0; i < n; i++)
         if (rows[i] < 0 || rows[i] >= table_rows) return -1;
     if (dim > SCALED_CHUNK) return -2;
-#pragma omp parallel for schedule(static) if (n > 64) /* a prompt chunk's rows: distinct rows, split */
+#pragma omp parallel for num_threads(threads) schedule(static) if (n > 64) /* a prompt chunk's rows: distinct, split */
     for (int64_t i = 0; i < n; i++) {
         float row[SCALED_CHUNK];
         widen_row(x, i * dim, dim, x_bf16, row);

@@ -25,11 +25,9 @@ __attribute__((constructor)) static void fp8_values(void) {
     }
 }
 
-/* Element i of a scaled table (`kind` INT8 or FP8; `lut`: FP8_VALUES) whose row has scale
- * `scale`, as read in the model dtype (bf16 when `bf16`), in fp32. */
-static inline float scaled_value(const void *values, int64_t i, float scale, int kind, const float *lut, int bf16) {
-    const float x = (kind == INT8 ? (float)((const int8_t *)values)[i] : lut[((const uint8_t *)values)[i]]) * scale;
-    return bf16 ? round_bf16(x) : x;
+/* Element i of a scaled table (`kind` INT8 or FP8) whose row has scale `scale`, in fp32. */
+static inline float scaled_value(const void *values, int64_t i, float scale, int kind) {
+    return (kind == INT8 ? (float)((const int8_t *)values)[i] : FP8_VALUES[((const uint8_t *)values)[i]]) * scale;
 }
 
 #ifdef __AVX512F__
@@ -50,8 +48,8 @@ static inline __m512 fp8_floats16(__m512i u) {
 /* dst[dst_at ..) = `count` values of a scaled row from element `at` on, read in the model dtype
  * (bf16 bits when `bf16`, else fp32): scaled_value of each, 16 at a time in AVX-512 registers,
  * the same products and roundings. */
-static inline void scaled_row(const void *values, int64_t at, int64_t count, float scale, int kind, const float *lut,
-                              int bf16, void *dst, int64_t dst_at) {
+static inline void scaled_row(const void *values, int64_t at, int64_t count, float scale, int kind, int bf16, void *dst,
+                              int64_t dst_at) {
     int64_t c = 0;
 #ifdef __AVX512F__
     const __m512 s = _mm512_set1_ps(scale);
@@ -64,7 +62,7 @@ static inline void scaled_row(const void *values, int64_t at, int64_t count, flo
     }
 #endif
     for (; c < count; c++) {
-        const float x = scaled_value(values, at + c, scale, kind, lut, 0);
+        const float x = scaled_value(values, at + c, scale, kind);
         if (bf16) ((uint16_t *)dst)[dst_at + c] = f32_to_bf16(x);
         else ((float *)dst)[dst_at + c] = x;
     }
